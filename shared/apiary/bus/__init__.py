@@ -1,0 +1,33 @@
+"""The bus port: topic publish/subscribe with durable queues, acks, dead letters and delays."""
+
+from apiary.bus.base import (
+    Bus,
+    Delivery,
+    Handler,
+    Outcome,
+    Poison,
+    Retryable,
+    Subscription,
+    Unroutable,
+    decide,
+    topic_matches,
+)
+from apiary.bus.factory import make_bus
+from apiary.bus.typed import EventHandler, publish_event, subscribe
+
+__all__ = [
+    "Bus",
+    "Delivery",
+    "EventHandler",
+    "Handler",
+    "Outcome",
+    "Poison",
+    "Retryable",
+    "Subscription",
+    "Unroutable",
+    "decide",
+    "make_bus",
+    "publish_event",
+    "subscribe",
+    "topic_matches",
+]

@@ -1,0 +1,144 @@
+"""What every bus adapter provides, and the one place that decides ack, requeue or dead-letter."""
+
+from __future__ import annotations
+
+import enum
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from apiary.contracts import MSGPACK, DecodeError
+
+log = logging.getLogger("apiary.bus")
+
+DEAD_LETTER_QUEUE = "dead"
+REASON_HEADER = "x-apiary-reason"
+ORIGINAL_KEY_HEADER = "x-apiary-routing-key"
+
+
+class Retryable(Exception):
+    """The handler could not finish now (a dependency is down); deliver the message again later."""
+
+
+class Poison(Exception):
+    """The message can never be handled; dead-letter it with this reason."""
+
+
+class Unroutable(Exception):
+    """A publish matched no queue: it would have been lost."""
+
+
+class Outcome(enum.Enum):
+    """What happens to a delivery after its handler ran."""
+
+    ACK = "ack"
+    REQUEUE = "requeue"
+    DEAD = "dead"
+
+
+def decide(error: BaseException | None, redelivered: bool) -> tuple[Outcome, str | None]:
+    """Ack, requeue or dead-letter, by exception type: the only place this is decided."""
+    if error is None:
+        return Outcome.ACK, None
+    if isinstance(error, DecodeError | Poison):
+        return Outcome.DEAD, str(error)
+    if isinstance(error, Retryable):
+        return Outcome.REQUEUE, str(error)
+    if redelivered:
+        return Outcome.DEAD, f"handler failed twice: {type(error).__name__}: {error}"
+    return Outcome.REQUEUE, f"{type(error).__name__}: {error}"
+
+
+@dataclass
+class Delivery:
+    """One message as a consumer receives it."""
+
+    routing_key: str
+    body: bytes
+    headers: dict[str, Any] = field(default_factory=dict)
+    content_type: str | None = MSGPACK
+    message_id: str | None = None
+    redelivered: bool = False
+
+
+Handler = Callable[[Delivery], Awaitable[None]]
+
+
+class Subscription(ABC):
+    """A running consumer; cancel it to stop taking messages."""
+
+    @abstractmethod
+    async def cancel(self) -> None:
+        """Stop consuming; messages not yet acked go back to the queue."""
+
+
+class Bus(ABC):
+    """A topic exchange with durable queues, manual acks, dead letters and delayed publish.
+
+    Queue names are logical (`scheduler`, `assign.pool`, `dead`): an adapter may namespace them
+    (RabbitMQ prefixes them with the exchange name so several deployments can share a broker).
+    """
+
+    @abstractmethod
+    async def connect(self) -> None:
+        """Open the connection and declare the exchange and dead-letter queue."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Stop every consumer and close the connection."""
+
+    @abstractmethod
+    async def declare_queue(self, name: str, bindings: Sequence[str]) -> None:
+        """Declare a durable queue bound to the exchange with these topic patterns."""
+
+    @abstractmethod
+    async def publish(
+        self,
+        routing_key: str,
+        body: bytes,
+        *,
+        headers: dict[str, Any] | None = None,
+        content_type: str = MSGPACK,
+        message_id: str | None = None,
+        delay: float | None = None,
+    ) -> None:
+        """Publish persistently and wait for the broker's confirm; raise Unroutable if no queue matches.
+
+        With `delay` (seconds) the message is routed only after that long, even across restarts.
+        """
+
+    @abstractmethod
+    async def consume(self, queue: str, handler: Handler, *, prefetch: int = 16) -> Subscription:
+        """Deliver the queue's messages to `handler`, at most `prefetch` at a time."""
+
+    @abstractmethod
+    async def purge(self, queue: str) -> int:
+        """Drop every ready message of a queue; return how many."""
+
+    @abstractmethod
+    async def queue_size(self, queue: str) -> int:
+        """How many messages are ready in a queue."""
+
+
+@lru_cache(maxsize=4096)
+def _compile(pattern: str) -> tuple[str, ...]:
+    return tuple(pattern.split("."))
+
+
+def topic_matches(pattern: str, routing_key: str) -> bool:
+    """AMQP topic matching: `*` is exactly one word, `#` is zero or more words."""
+    return _match(_compile(pattern), tuple(routing_key.split(".")))
+
+
+def _match(pat: tuple[str, ...], words: tuple[str, ...]) -> bool:
+    if not pat:
+        return not words
+    head, rest = pat[0], pat[1:]
+    if head == "#":
+        return any(_match(rest, words[i:]) for i in range(len(words) + 1))
+    if not words:
+        return False
+    return (head == "*" or head == words[0]) and _match(rest, words[1:])

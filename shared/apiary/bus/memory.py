@@ -1,0 +1,210 @@
+"""The in-process bus: the same topic, ack and dead-letter behaviour as RabbitMQ, in memory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from apiary.bus.base import (
+    DEAD_LETTER_QUEUE,
+    ORIGINAL_KEY_HEADER,
+    REASON_HEADER,
+    Bus,
+    Delivery,
+    Handler,
+    Outcome,
+    Subscription,
+    Unroutable,
+    decide,
+    topic_matches,
+)
+from apiary.contracts import MSGPACK
+
+log = logging.getLogger("apiary.bus.memory")
+
+
+@dataclass
+class _Queue:
+    name: str
+    bindings: list[str]
+    ready: deque[Delivery] = field(default_factory=deque)
+    unacked: int = 0
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+
+class _MemorySubscription(Subscription):
+    def __init__(self, bus: MemoryBus, queue: _Queue, handler: Handler, prefetch: int) -> None:
+        self._bus, self._queue, self._handler, self._prefetch = bus, queue, handler, prefetch
+        self._inflight: dict[asyncio.Task[None], Delivery] = {}
+        self._slots = asyncio.Semaphore(prefetch)
+        self._loop_task = asyncio.create_task(self._run(), name=f"consume:{queue.name}")
+
+    async def _run(self) -> None:
+        queue = self._queue
+        while True:
+            await self._slots.acquire()
+            async with queue.changed:
+                await queue.changed.wait_for(lambda: bool(queue.ready))
+                delivery = queue.ready.popleft()
+                queue.unacked += 1
+            task = asyncio.create_task(self._handle(delivery))
+            self._inflight[task] = delivery
+
+    async def _handle(self, delivery: Delivery) -> None:
+        error: BaseException | None = None
+        try:
+            await self._handler(delivery)
+        except asyncio.CancelledError:
+            # The consumer went away before acking: the message goes back, as on a dropped channel.
+            await self._bus._settle(self._queue, delivery, Outcome.REQUEUE, None)
+            raise
+        except Exception as e:
+            error = e
+        outcome, reason = decide(error, delivery.redelivered)
+        if outcome is Outcome.REQUEUE:
+            log.warning("requeue %s on %s: %s", delivery.routing_key, self._queue.name, reason)
+        elif outcome is Outcome.DEAD:
+            log.error("dead-letter %s from %s: %s", delivery.routing_key, self._queue.name, reason)
+        await self._bus._settle(self._queue, delivery, outcome, reason)
+        self._inflight.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+        self._slots.release()
+
+    async def cancel(self) -> None:
+        self._loop_task.cancel()
+        tasks = list(self._inflight)
+        for task in tasks:
+            task.cancel()
+        for task in [self._loop_task, *tasks]:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._inflight.clear()
+        self._bus._subscriptions.discard(self)
+
+
+class MemoryBus(Bus):
+    """An in-memory topic exchange for running every service in one process."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, _Queue] = {}
+        self._subscriptions: set[_MemorySubscription] = set()
+        self._timers: set[asyncio.TimerHandle] = set()
+        self._ids = itertools.count(1)
+        self._settled = asyncio.Event()
+
+    async def connect(self) -> None:
+        await self.declare_queue(DEAD_LETTER_QUEUE, [])
+
+    async def close(self) -> None:
+        for sub in list(self._subscriptions):
+            await sub.cancel()
+        for timer in self._timers:
+            timer.cancel()
+        self._timers.clear()
+
+    async def declare_queue(self, name: str, bindings: Sequence[str]) -> None:
+        queue = self._queues.get(name)
+        if queue is None:
+            self._queues[name] = _Queue(name, list(bindings))
+        else:
+            queue.bindings.extend(b for b in bindings if b not in queue.bindings)
+
+    async def publish(
+        self,
+        routing_key: str,
+        body: bytes,
+        *,
+        headers: dict[str, Any] | None = None,
+        content_type: str = MSGPACK,
+        message_id: str | None = None,
+        delay: float | None = None,
+    ) -> None:
+        delivery = Delivery(
+            routing_key=routing_key,
+            body=bytes(body),
+            headers=dict(headers or {}),
+            content_type=content_type,
+            message_id=message_id or f"m{next(self._ids)}",
+        )
+        if delay and delay > 0:
+            loop = asyncio.get_running_loop()
+            timer: asyncio.TimerHandle
+
+            def fire() -> None:
+                self._timers.discard(timer)
+                if not self._route(delivery):
+                    log.error("delayed %s matched no queue and was dropped", routing_key)
+
+            timer = loop.call_later(delay, fire)
+            self._timers.add(timer)
+            return
+        if not self._route(delivery):
+            raise Unroutable(f"no queue is bound for routing key {routing_key!r}")
+
+    def _route(self, delivery: Delivery) -> bool:
+        targets = [
+            q for q in self._queues.values()
+            if any(topic_matches(b, delivery.routing_key) for b in q.bindings)
+        ]
+        for queue in targets:
+            self._push(queue, replace(delivery, headers=dict(delivery.headers)), front=False)
+        return bool(targets)
+
+    def _push(self, queue: _Queue, delivery: Delivery, *, front: bool) -> None:
+        if front:
+            queue.ready.appendleft(delivery)
+        else:
+            queue.ready.append(delivery)
+        asyncio.get_running_loop().create_task(self._notify(queue))
+
+    async def _notify(self, queue: _Queue) -> None:
+        async with queue.changed:
+            queue.changed.notify_all()
+
+    async def _settle(self, queue: _Queue, delivery: Delivery, outcome: Outcome, reason: str | None) -> None:
+        queue.unacked -= 1
+        if outcome is Outcome.REQUEUE:
+            self._push(queue, replace(delivery, redelivered=True), front=True)
+        elif outcome is Outcome.DEAD:
+            headers = {**delivery.headers, REASON_HEADER: reason or "", ORIGINAL_KEY_HEADER: delivery.routing_key}
+            dead = replace(delivery, headers=headers, redelivered=False)
+            self._push(self._queues[DEAD_LETTER_QUEUE], dead, front=False)
+
+    async def consume(self, queue: str, handler: Handler, *, prefetch: int = 16) -> Subscription:
+        if queue not in self._queues:
+            raise ValueError(f"queue {queue!r} is not declared")
+        sub = _MemorySubscription(self, self._queues[queue], handler, prefetch)
+        self._subscriptions.add(sub)
+        return sub
+
+    async def purge(self, queue: str) -> int:
+        q = self._queues[queue]
+        count = len(q.ready)
+        q.ready.clear()
+        return count
+
+    async def queue_size(self, queue: str) -> int:
+        q = self._queues.get(queue)
+        return len(q.ready) if q else 0
+
+    def dead_letters(self) -> list[Delivery]:
+        """The messages in the dead-letter queue, oldest first (for tests and the CLI)."""
+        return list(self._queues[DEAD_LETTER_QUEUE].ready)
+
+    async def wait_idle(self, timeout: float = 10.0) -> None:
+        """Wait until no queue with a consumer has ready or unacked messages (for tests)."""
+        consumed = {sub._queue.name for sub in self._subscriptions}
+
+        def idle() -> bool:
+            return all(
+                not q.ready and q.unacked == 0 for q in self._queues.values() if q.name in consumed
+            )
+
+        async with asyncio.timeout(timeout):
+            while not idle():
+                await asyncio.sleep(0.005)

@@ -1,0 +1,47 @@
+"""Events on top of raw deliveries: encode on publish, decode and dispatch on consume."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from pydantic import BaseModel
+
+from apiary.bus.base import Bus, Delivery, Poison, Subscription, topic_matches
+from apiary.contracts import decode, encode
+
+EventHandler = Callable[[Any, Delivery], Awaitable[None]]
+
+
+async def publish_event(
+    bus: Bus,
+    event: BaseModel,
+    *,
+    routing_key: str | None = None,
+    delay: float | None = None,
+    headers: dict[str, Any] | None = None,
+) -> None:
+    """Publish an event under its own routing key (or the one given, for assignments)."""
+    key = routing_key or getattr(event, "routing_key", "")
+    await bus.publish(key, encode(event), headers=headers, delay=delay)
+
+
+async def subscribe(
+    bus: Bus,
+    queue: str,
+    handlers: Mapping[str, EventHandler],
+    *,
+    prefetch: int = 16,
+) -> Subscription:
+    """Declare `queue` bound to the handlers' patterns and dispatch each decoded event."""
+    await bus.declare_queue(queue, list(handlers))
+
+    async def dispatch(delivery: Delivery) -> None:
+        for pattern, handler in handlers.items():
+            if topic_matches(pattern, delivery.routing_key):
+                event = decode(delivery.routing_key, delivery.body, delivery.content_type)
+                await handler(event, delivery)
+                return
+        raise Poison(f"queue {queue} has no handler for {delivery.routing_key!r}")
+
+    return await bus.consume(queue, dispatch, prefetch=prefetch)

@@ -1,0 +1,279 @@
+"""Bus messages: one pydantic model per routing key, msgpack on the wire, with a schema version."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from apiary.jobspec import FieldError, JobSpec
+
+SCHEMA_VERSION = 1
+MSGPACK = "application/msgpack"
+JSON = "application/json"
+
+
+class DecodeError(ValueError):
+    """A message body that is not a valid event for its routing key."""
+
+
+class Event(BaseModel):
+    """Base of every bus message: names its job (and round, where it has one) at the top level."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    routing_key: ClassVar[str] = ""
+
+    v: int = SCHEMA_VERSION
+    job_id: str
+    ts: float = Field(default_factory=time.time)
+
+
+class RoundEvent(Event):
+    """An event about one attempt of one round."""
+
+    round: int
+    attempt: int = 1
+
+
+class ObjectRef(BaseModel):
+    """A claim check: where bytes live in storage, how big they are and their sha256."""
+
+    model_config = ConfigDict(frozen=True)
+
+    key: str
+    size: int
+    sha256: str
+
+
+class JobRequested(JobSpec):
+    """`job.requested`: the public job request, optionally with a client-chosen job id."""
+
+    routing_key: ClassVar[str] = "job.requested"
+
+    v: int = SCHEMA_VERSION
+    job_id: str | None = Field(default=None, min_length=1, max_length=100, pattern=r"^[\w.\-]+$")
+
+
+class JobAccepted(Event):
+    routing_key: ClassVar[str] = "job.accepted"
+    name: str
+    num_rounds: int
+    num_shards: int
+
+
+class JobRejected(Event):
+    routing_key: ClassVar[str] = "job.rejected"
+    reason: str
+    errors: list[FieldError] = Field(default_factory=list)
+
+
+class ShardRequested(Event):
+    routing_key: ClassVar[str] = "shard.requested"
+    dataset: str | None = None
+    dataset_id: str | None = None
+    num_shards: int
+    strategy: str = "random"
+    seed: int = 0
+    alpha: float = 0.5
+    group_key: str = "group"
+
+
+class ShardInfo(ObjectRef):
+    """One stored shard of a job's dataset."""
+
+    index: int
+    num_samples: int
+
+
+class JobSharded(Event):
+    routing_key: ClassVar[str] = "job.sharded"
+    dataset_id: str | None = None
+    shards: list[ShardInfo] = Field(default_factory=list)
+    error: str | None = None
+
+
+class RoundStart(RoundEvent):
+    routing_key: ClassVar[str] = "round.start"
+    num_rounds: int
+    shards: list[int]
+    min_workers: int
+    weights: ObjectRef
+    deadline: float
+    use_peft: bool = False
+
+
+class Assignment(RoundEvent):
+    """`assign.pool` or `assign.worker.<id>`: train one shard for one round."""
+
+    routing_key: ClassVar[str] = "assign.pool"
+    job_name: str
+    num_rounds: int
+    shard: int
+    num_shards: int
+    shard_num_samples: int
+    shard_url: str
+    shard_sha256: str
+    weights_url: str
+    weights_sha256: str
+    upload_url: str
+    result_key: str
+    files_url_prefix: str | None = None
+    entrypoint: str
+    env: dict[str, Any]
+    deadline: float
+    pinned_worker: str | None = None
+
+
+class WorkerProgress(RoundEvent):
+    routing_key: ClassVar[str] = "worker.progress"
+    worker_id: str
+    shard: int
+    metrics: dict[str, float] = Field(default_factory=dict)
+    step: int | None = None
+    samples_per_s: float | None = None
+
+
+class WorkerDone(RoundEvent):
+    routing_key: ClassVar[str] = "worker.done"
+    worker_id: str
+    shard: int
+    result: ObjectRef
+    samples: int
+    metrics: dict[str, float] = Field(default_factory=dict)
+    duration_s: float = 0.0
+
+
+class WorkerFailed(RoundEvent):
+    routing_key: ClassVar[str] = "worker.failed"
+    worker_id: str
+    shard: int
+    error: str
+
+
+class RoundTimeout(RoundEvent):
+    routing_key: ClassVar[str] = "round.timeout"
+
+
+class RoundAggregated(RoundEvent):
+    routing_key: ClassVar[str] = "round.aggregated"
+    weights: ObjectRef
+    contributors: list[int]
+    total_samples: int
+    metrics: dict[str, float] = Field(default_factory=dict)
+    rejected: dict[str, str] = Field(default_factory=dict)
+
+
+class RoundFailed(RoundEvent):
+    routing_key: ClassVar[str] = "round.failed"
+    reason: str
+    reported: int = 0
+    required: int = 0
+
+
+class JobCompleted(Event):
+    routing_key: ClassVar[str] = "job.completed"
+    rounds_completed: int
+    final_model: str
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class JobFailed(Event):
+    routing_key: ClassVar[str] = "job.failed"
+    reason: str
+    round: int | None = None
+
+
+class JobCancelRequested(Event):
+    routing_key: ClassVar[str] = "job.cancel"
+    reason: str = "cancelled by user"
+
+
+class WorkerPresence(BaseModel):
+    """Base of a worker's presence events; they name no job."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    routing_key: ClassVar[str] = ""
+
+    v: int = SCHEMA_VERSION
+    worker_id: str
+    ts: float = Field(default_factory=time.time)
+
+
+class WorkerOnline(WorkerPresence):
+    routing_key: ClassVar[str] = "worker.online"
+    hostname: str = ""
+    gpu: dict[str, Any] | None = None
+
+
+class WorkerHeartbeat(WorkerPresence):
+    routing_key: ClassVar[str] = "worker.heartbeat"
+    state: str = "idle"
+    job_id: str | None = None
+    round: int | None = None
+    shard: int | None = None
+    gpu: dict[str, Any] | None = None
+    samples_per_s: float | None = None
+
+
+class WorkerOffline(WorkerPresence):
+    routing_key: ClassVar[str] = "worker.offline"
+    reason: str = "stopped"
+
+
+AnyEvent = Event | WorkerPresence | JobRequested
+E = TypeVar("E", bound=BaseModel)
+
+EVENT_TYPES: dict[str, type[BaseModel]] = {
+    cls.routing_key: cls
+    for cls in (
+        JobRequested, JobAccepted, JobRejected, ShardRequested, JobSharded, RoundStart,
+        WorkerProgress, WorkerDone, WorkerFailed, RoundTimeout, RoundAggregated, RoundFailed,
+        JobCompleted, JobFailed, JobCancelRequested, WorkerOnline, WorkerHeartbeat, WorkerOffline,
+    )
+}
+
+
+def model_for(routing_key: str) -> type[BaseModel]:
+    """The model for a routing key (`assign.*` keys all carry an Assignment)."""
+    if routing_key.startswith("assign."):
+        return Assignment
+    try:
+        return EVENT_TYPES[routing_key]
+    except KeyError:
+        raise DecodeError(f"no message type for routing key {routing_key!r}") from None
+
+
+def encode(event: BaseModel) -> bytes:
+    """Serialise an event to msgpack."""
+    return msgpack.packb(event.model_dump(mode="json"), use_bin_type=True)
+
+
+def decode_body(body: bytes, content_type: str | None = MSGPACK) -> dict[str, Any]:
+    """Decode a msgpack or JSON body into a dict, or raise DecodeError."""
+    try:
+        if content_type and "json" in content_type:
+            data = json.loads(body)
+        else:
+            data = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as e:
+        raise DecodeError(f"body is not valid {content_type or MSGPACK}: {e}") from e
+    if not isinstance(data, dict):
+        raise DecodeError(f"body must be a map, got {type(data).__name__}")
+    version = data.get("v", SCHEMA_VERSION)
+    if version != SCHEMA_VERSION:
+        raise DecodeError(f"schema version {version!r} is not supported (expected {SCHEMA_VERSION})")
+    return data
+
+
+def decode(routing_key: str, body: bytes, content_type: str | None = MSGPACK) -> BaseModel:
+    """Decode a message into the model its routing key names, or raise DecodeError."""
+    cls = model_for(routing_key)
+    data = decode_body(body, content_type)
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise DecodeError(f"{routing_key} message is malformed: {e.errors()[0]['msg']} "
+                          f"at {'.'.join(map(str, e.errors()[0]['loc']))}") from e

@@ -1,0 +1,160 @@
+"""The job request: what a user or another system asks Apiary to train."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ENTRYPOINT_RE = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
+DEFAULT_FUNCTION = "fl_train_model"
+
+
+class DistributedConfig(BaseModel):
+    """How rounds run: how many, on how many workers, and how failures are tolerated."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_rounds: int = Field(default=1, ge=1, le=100_000)
+    steps_per_round: int | None = Field(default=None, ge=1)
+    min_workers: int = Field(default=1, ge=1)
+    max_workers: int = Field(default=1, ge=1, le=10_000)
+    aggregation_timeout: float = Field(default=600.0, gt=0, le=7 * 24 * 3600)
+    fault_tolerance: int = Field(default=1, ge=0)
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> DistributedConfig:
+        if self.min_workers > self.max_workers:
+            raise ValueError(
+                f"min_workers ({self.min_workers}) must not exceed max_workers ({self.max_workers})"
+            )
+        return self
+
+
+class SplitConfig(BaseModel):
+    """How the sharder splits the dataset: random (default), label skew or by group."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    strategy: Literal["random", "label_skew", "group"] = "random"
+    seed: int = 0
+    alpha: float = Field(default=0.5, gt=0, description="Dirichlet concentration for label_skew")
+    key: str = Field(default="group", description="sample field that names the group, for group")
+
+
+class WorkerSelection(BaseModel):
+    """Where shards train: any worker from the pool, or each shard on one named worker."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["pool", "pinned"] = "pool"
+    workers: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _pinned_needs_workers(self) -> WorkerSelection:
+        if self.mode == "pinned" and not self.workers:
+            raise ValueError("mode 'pinned' needs 'workers': the worker id for each shard")
+        if len(set(self.workers)) != len(self.workers):
+            raise ValueError("'workers' names a worker twice")
+        return self
+
+
+class JobSpec(BaseModel):
+    """A validated job request."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200)
+    entrypoint: str
+    dataset: str | None = None
+    dataset_id: str | None = None
+    model: str | None = None
+    model_id: str | None = None
+    config: dict[str, Any] = Field(default_factory=dict)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    worker_selection: WorkerSelection = Field(default_factory=WorkerSelection)
+    split: SplitConfig = Field(default_factory=SplitConfig)
+    use_peft: bool = False
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_shape(cls, value: str) -> str:
+        if not ENTRYPOINT_RE.match(value):
+            raise ValueError("expected 'package.module:function' (function defaults to fl_train_model)")
+        return value
+
+    @field_validator("config")
+    @classmethod
+    def _config_scalars(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key, item in value.items():
+            if not re.match(r"^[A-Za-z_]\w*$", key):
+                raise ValueError(f"config key {key!r} must be an identifier (it becomes env[{key.upper()!r}])")
+            if item is not None and not isinstance(item, str | int | float | bool | list | dict):
+                raise ValueError(f"config value for {key!r} must be JSON-like")
+        return value
+
+    @model_validator(mode="after")
+    def _dataset_given(self) -> JobSpec:
+        if not self.dataset and not self.dataset_id:
+            raise ValueError("give 'dataset' (a path or URI) or 'dataset_id'")
+        if self.dataset and self.dataset_id:
+            raise ValueError("give either 'dataset' or 'dataset_id', not both")
+        if self.model and self.model_id:
+            raise ValueError("give either 'model' or 'model_id', not both")
+        pinned = self.worker_selection.workers if self.worker_selection.mode == "pinned" else []
+        if pinned and len(pinned) < self.distributed.min_workers:
+            raise ValueError(
+                f"{len(pinned)} pinned workers cannot satisfy min_workers={self.distributed.min_workers}"
+            )
+        return self
+
+    @property
+    def module(self) -> str:
+        """The entrypoint's module path."""
+        return self.entrypoint.split(":", 1)[0]
+
+    @property
+    def function(self) -> str:
+        """The entrypoint's function name."""
+        parts = self.entrypoint.split(":", 1)
+        return parts[1] if len(parts) == 2 else DEFAULT_FUNCTION
+
+    @property
+    def num_shards(self) -> int:
+        """How many shards the dataset is split into: one per pinned worker, else max_workers."""
+        if self.worker_selection.mode == "pinned":
+            return len(self.worker_selection.workers)
+        return self.distributed.max_workers
+
+    def env(self, round_index: int) -> dict[str, Any]:
+        """The env dict the user's function sees: config keys upper-cased plus round facts."""
+        env = {key.upper(): value for key, value in self.config.items()}
+        env["STEPS_PER_ROUND"] = self.distributed.steps_per_round
+        env["ROUND"] = round_index
+        env["NUM_ROUNDS"] = self.distributed.num_rounds
+        return env
+
+
+class FieldError(BaseModel):
+    """One bad field of a rejected request."""
+
+    field: str
+    message: str
+
+
+def field_errors(error: ValidationError) -> list[FieldError]:
+    """Turn a pydantic error into one line per bad field, in the request's own terms."""
+    out = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "(request)"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown field"
+        out.append(FieldError(field=field, message=message))
+    return out
+
+
+def describe_errors(errors: list[FieldError]) -> str:
+    """One line naming each bad field."""
+    return "; ".join(f"{e.field}: {e.message}" for e in errors)

@@ -1,0 +1,42 @@
+"""Process settings, read from `APIARY_*` environment variables."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Where the bus, database and storage are, and how a process behaves."""
+
+    model_config = SettingsConfigDict(env_prefix="APIARY_", extra="ignore")
+
+    home: Path = Path(".apiary")
+    bus_url: str = "memory://"
+    database_url: str = ""
+    storage_url: str = ""
+    s3_endpoint_url: str | None = None
+    s3_region: str = "us-east-1"
+    exchange: str = "apiary"
+    prefetch: int = Field(default=16, ge=1)
+    worker_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-worker")
+    worker_prefetch: int = Field(default=1, ge=1)
+    gpu: int | None = None
+    heartbeat_interval: float = Field(default=5.0, gt=0)
+    progress_interval: float = Field(default=1.0, ge=0)
+    worker_offline_after: float = Field(default=20.0, gt=0)
+    code_path: list[str] = Field(default_factory=list)
+    http_host: str = "127.0.0.1"
+    http_port: int = 8080
+    presign_ttl: int = Field(default=24 * 3600, ge=60)
+
+    def resolved_database_url(self) -> str:
+        """The database URL, defaulting to a SQLite file under `home`."""
+        return self.database_url or f"sqlite:///{(self.home / 'apiary.db').resolve()}"
+
+    def resolved_storage_url(self) -> str:
+        """The storage URL, defaulting to a folder under `home`."""
+        return self.storage_url or f"file://{(self.home / 'storage').resolve()}"

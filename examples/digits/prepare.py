@@ -27,7 +27,7 @@ def write_dataset(root: Path, name: str, images: np.ndarray, labels: np.ndarray)
     """Write images and labels as an Apiary dataset folder, replacing any previous one."""
     root.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and swap it in, so a crash never leaves a half-written dataset.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
     try:
         (tmp / "samples").mkdir()
         samples = []
@@ -43,9 +43,12 @@ def write_dataset(root: Path, name: str, images: np.ndarray, labels: np.ndarray)
             "samples": samples,
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest) + "\n")
+        # A folder can't be renamed over a non-empty one: move the old one aside first.
+        old = tmp.with_name(tmp.name + "-old")
         if root.exists():
-            shutil.rmtree(root)
+            os.replace(root, old)
         os.replace(tmp, root)
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -120,7 +120,7 @@ class Assignment(RoundEvent):
     weights_sha256: str
     upload_url: str
     result_key: str
-    files_url_prefix: str | None = None
+    files_upload_url: str | None = None
     entrypoint: str
     env: dict[str, Any]
     deadline: float

@@ -13,7 +13,7 @@ from apiary.bus.base import (
     topic_matches,
 )
 from apiary.bus.factory import make_bus
-from apiary.bus.typed import EventHandler, publish_event, subscribe
+from apiary.bus.typed import EventHandler, Raw, publish_event, subscribe
 
 __all__ = [
     "Bus",
@@ -22,6 +22,7 @@ __all__ = [
     "Handler",
     "Outcome",
     "Poison",
+    "Raw",
     "Retryable",
     "Subscription",
     "Unroutable",

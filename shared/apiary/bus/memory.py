@@ -65,6 +65,11 @@ class _MemorySubscription(Subscription):
             await self._bus._settle(self._queue, delivery, Outcome.REQUEUE, None)
             raise
         except Exception as e:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # Failing while being cancelled is still being cancelled: the message goes back.
+                await self._bus._settle(self._queue, delivery, Outcome.REQUEUE, None)
+                return
             error = e
         outcome, reason = decide(error, delivery.redelivered)
         if outcome is Outcome.REQUEUE:

@@ -13,6 +13,13 @@ from apiary.contracts import decode, encode
 EventHandler = Callable[[Any, Delivery], Awaitable[None]]
 
 
+class Raw:
+    """Marks a handler that takes the undecoded delivery (for messages it must judge itself)."""
+
+    def __init__(self, handler: Callable[[Delivery], Awaitable[None]]) -> None:
+        self.handler = handler
+
+
 async def publish_event(
     bus: Bus,
     event: BaseModel,
@@ -29,7 +36,7 @@ async def publish_event(
 async def subscribe(
     bus: Bus,
     queue: str,
-    handlers: Mapping[str, EventHandler],
+    handlers: Mapping[str, EventHandler | Raw],
     *,
     prefetch: int = 16,
 ) -> Subscription:
@@ -39,6 +46,9 @@ async def subscribe(
     async def dispatch(delivery: Delivery) -> None:
         for pattern, handler in handlers.items():
             if topic_matches(pattern, delivery.routing_key):
+                if isinstance(handler, Raw):
+                    await handler.handler(delivery)
+                    return
                 event = decode(delivery.routing_key, delivery.body, delivery.content_type)
                 await handler(event, delivery)
                 return

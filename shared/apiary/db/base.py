@@ -12,6 +12,14 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 
+# `{autoid}` in a migration becomes an auto-incrementing primary key in each dialect.
+AUTOID = {
+    "sqlite": "INTEGER PRIMARY KEY AUTOINCREMENT",
+    "postgresql": "BIGSERIAL PRIMARY KEY",
+    "postgres": "BIGSERIAL PRIMARY KEY",
+}
+
+
 class DatabaseUnavailable(Exception):
     """The database cannot be reached now; the caller may retry later."""
 
@@ -72,6 +80,7 @@ class Database(Executor):
                 )
                 if done is not None:
                     continue
+                script = script.replace("{autoid}", AUTOID.get(self.dialect, AUTOID["postgresql"]))
                 for statement in _statements(script):
                     await tx.execute(statement)
                 await tx.execute(

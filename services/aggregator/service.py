@@ -1,0 +1,269 @@
+"""Aggregator handlers: round.start, worker.done, round.timeout -> round.aggregated / round.failed."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from apiary import keys
+from apiary.bus import Delivery, subscribe
+from apiary.component import Component, dumps, loads
+from apiary.contracts import (
+    ObjectRef,
+    RoundAggregated,
+    RoundFailed,
+    RoundStart,
+    RoundTimeout,
+    WorkerDone,
+    WorkerFailed,
+)
+from apiary.fedavg import FedAvg, InvalidContribution, merge_partial, validate, weighted_metrics
+from apiary.outbox import KeyedLocks, Outbox, outbox_migration
+from apiary.storage import ObjectNotFound
+from apiary.weights import WeightsError, WeightSpec, dumps as dump_weights, loads as load_weights, spec_of
+
+log = logging.getLogger("apiary.aggregator")
+
+MIGRATIONS = [
+    """
+    CREATE TABLE IF NOT EXISTS aggregations (
+      job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL, shards TEXT NOT NULL,
+      min_workers BIGINT NOT NULL, weights_key TEXT NOT NULL, weights_size BIGINT NOT NULL,
+      weights_sha256 TEXT NOT NULL, use_peft BIGINT NOT NULL, status TEXT NOT NULL,
+      result_key TEXT, reason TEXT, opened_at DOUBLE PRECISION NOT NULL, closed_at DOUBLE PRECISION,
+      PRIMARY KEY (job_id, round, attempt));
+    CREATE TABLE IF NOT EXISTS contributions (
+      seq {autoid}, job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL,
+      shard BIGINT NOT NULL, worker_id TEXT NOT NULL, status TEXT NOT NULL, reason TEXT,
+      samples BIGINT NOT NULL, result_key TEXT NOT NULL, size BIGINT NOT NULL, sha256 TEXT NOT NULL,
+      metrics TEXT NOT NULL, received_at DOUBLE PRECISION NOT NULL);
+    CREATE UNIQUE INDEX IF NOT EXISTS contributions_once
+      ON contributions (job_id, round, attempt, shard) WHERE status IN ('accepted', 'rejected', 'failed');
+    CREATE INDEX IF NOT EXISTS contributions_round ON contributions (job_id, round, attempt)
+    """,
+    outbox_migration("aggregator_outbox"),
+]
+
+# What a stored contribution can be: counted in the average, refused, the user's code failed, or not
+# for this round. The first three settle a shard; the others are recorded and ignored.
+ACCEPTED, REJECTED, FAILED = "accepted", "rejected", "failed"
+DUPLICATE, LATE, ORPHAN = "duplicate", "late", "orphan"
+SETTLED = "('accepted', 'rejected', 'failed')"
+
+
+@dataclass
+class RoundState:
+    """The in-memory accumulator of one open round; rebuilt from storage after a restart."""
+
+    spec: WeightSpec
+    fedavg: FedAvg = field(default_factory=FedAvg)
+    keys: frozenset[str] | None = None
+
+
+class Aggregator(Component):
+    """Folds each round's contributions into a streaming FedAvg and closes the round once."""
+
+    name = "aggregator"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.outbox = Outbox(self.db, self.bus, "aggregator_outbox")
+        self._locks = KeyedLocks()
+        self._rounds: dict[tuple[str, int, int], RoundState] = {}
+
+    async def start(self) -> None:
+        await self.db.migrate(self.name, MIGRATIONS)
+        await self.outbox.flush()
+        handlers = {
+            "round.start": self.on_round_start,
+            "worker.done": self.on_worker_done,
+            "worker.failed": self.on_worker_failed,
+            "round.timeout": self.on_round_timeout,
+        }
+        self._subscriptions.append(
+            await subscribe(self.bus, "aggregator", handlers, prefetch=self.settings.prefetch)
+        )
+
+    async def on_round_start(self, event: RoundStart, delivery: Delivery) -> None:
+        """Remember which shards a round waits for and the weights it started from."""
+        async with self._locks(event.job_id):
+            await self.db.execute(
+                "INSERT INTO aggregations (job_id, round, attempt, shards, min_workers, weights_key,"
+                " weights_size, weights_sha256, use_peft, status, opened_at)"
+                " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'open', $10) ON CONFLICT DO NOTHING",
+                event.job_id, event.round, event.attempt, dumps(event.shards), event.min_workers,
+                event.weights.key, event.weights.size, event.weights.sha256, int(event.use_peft), time.time(),
+            )
+
+    async def _admit(self, event: WorkerDone | WorkerFailed) -> dict[str, Any] | None:
+        """The open round this report settles a shard of; None (recorded why) if it settles nothing."""
+        agg = await self._aggregation(event.job_id, event.round, event.attempt)
+        if agg is None:
+            await self._record(event, ORPHAN, "no such round")
+            return None
+        if agg["status"] != "open":
+            log.info("job %s: late report for round %d/%d shard %d from %s ignored", event.job_id,
+                     event.round, event.attempt, event.shard, event.worker_id)
+            await self._record(event, LATE, f"round already {agg['status']}")
+            return None
+        if event.shard not in loads(agg["shards"]):
+            await self._record(event, DUPLICATE, f"shard {event.shard} is not assigned in this round")
+            return None
+        reported = await self.db.fetchval(
+            "SELECT status FROM contributions WHERE job_id = $1 AND round = $2 AND attempt = $3"
+            f" AND shard = $4 AND status IN {SETTLED}",
+            event.job_id, event.round, event.attempt, event.shard,
+        )
+        if reported is not None:
+            await self._record(event, DUPLICATE, f"shard {event.shard} already reported ({reported})")
+            return None
+        return agg
+
+    async def on_worker_failed(self, event: WorkerFailed, delivery: Delivery) -> None:
+        """The user's code failed on a shard: that shard settles without weights."""
+        async with self._locks(event.job_id):
+            agg = await self._admit(event)
+            if agg is None:
+                return
+            await self._record(event, FAILED, event.error)
+            await self._maybe_close(agg)
+
+    async def on_worker_done(self, event: WorkerDone, delivery: Delivery) -> None:
+        """Validate a contribution and fold it in, once; close the round when every shard reported."""
+        async with self._locks(event.job_id):
+            agg = await self._admit(event)
+            if agg is None:
+                return
+            key = (event.job_id, event.round, event.attempt)
+            state = await self._state(agg)
+            try:
+                data = await self.storage.verified_bytes(event.result)
+                weights = load_weights(data, copy=False)
+                validate(state.spec, weights, event.samples, partial=bool(agg["use_peft"]),
+                         expected_keys=state.keys)
+            except (ObjectNotFound, InvalidContribution, WeightsError, ValueError) as e:
+                reason = f"object {event.result.key} is missing" if isinstance(e, ObjectNotFound) else str(e)
+                log.warning("job %s: round %d shard %d from %s rejected: %s", event.job_id, event.round,
+                            event.shard, event.worker_id, reason)
+                await self._record(event, REJECTED, reason)
+            else:
+                try:
+                    state.fedavg.fold(weights, event.samples)
+                    state.keys = frozenset(weights)
+                    await self._record(event, ACCEPTED, None)
+                except BaseException:
+                    # The sum may now hold a contribution the database does not: rebuild it next time.
+                    self._rounds.pop(key, None)
+                    raise
+            await self._maybe_close(agg)
+
+    async def on_round_timeout(self, event: RoundTimeout, delivery: Delivery) -> None:
+        """The round's time is up: aggregate what arrived if enough did, else fail the round."""
+        async with self._locks(event.job_id):
+            agg = await self._aggregation(event.job_id, event.round, event.attempt)
+            if agg is None or agg["status"] != "open":
+                return
+            await self._close(agg, timed_out=True)
+
+    async def _maybe_close(self, agg: dict[str, Any]) -> None:
+        count = await self.db.fetchval(
+            "SELECT COUNT(*) AS n FROM contributions WHERE job_id = $1 AND round = $2 AND attempt = $3"
+            f" AND status IN {SETTLED}",
+            agg["job_id"], agg["round"], agg["attempt"],
+        )
+        if int(count) >= len(loads(agg["shards"])):
+            await self._close(agg, timed_out=False)
+
+    async def _close(self, agg: dict[str, Any], *, timed_out: bool) -> None:
+        job_id, round_index, attempt = agg["job_id"], agg["round"], agg["attempt"]
+        rows = await self._contributions(job_id, round_index, attempt)
+        accepted = [r for r in rows if r["status"] == ACCEPTED]
+        rejected = {str(r["shard"]): r["reason"] or "" for r in rows if r["status"] in (REJECTED, FAILED)}
+        expected = len(loads(agg["shards"]))
+        if len(accepted) < agg["min_workers"]:
+            why = "timeout" if timed_out else "too few valid contributions"
+            reason = (f"{why}: {len(accepted)} of {expected} shards contributed valid weights, "
+                      f"min_workers is {agg['min_workers']}")
+            if rejected:
+                reason += "; " + "; ".join(f"shard {s}: {r}" for s, r in sorted(rejected.items()))
+            failed = RoundFailed(job_id=job_id, round=round_index, attempt=attempt, reason=reason,
+                                 reported=len(accepted), required=agg["min_workers"])
+            async with self.db.transaction() as tx:
+                await tx.execute(
+                    "UPDATE aggregations SET status = 'failed', reason = $4, closed_at = $5"
+                    " WHERE job_id = $1 AND round = $2 AND attempt = $3",
+                    job_id, round_index, attempt, reason, time.time(),
+                )
+                await self.outbox.add(tx, failed)
+            self._rounds.pop((job_id, round_index, attempt), None)
+            await self.outbox.flush()
+            return
+        state = await self._state(agg)
+        average = state.fedavg.result()
+        if agg["use_peft"]:
+            base = load_weights(await self.storage.get_bytes(agg["weights_key"]))
+            average = merge_partial(base, average)
+        ref = await self.storage.put_bytes(keys.global_weights(job_id, round_index), dump_weights(average))
+        metrics = weighted_metrics([(r["samples"], loads(r["metrics"], {})) for r in accepted])
+        done = RoundAggregated(
+            job_id=job_id, round=round_index, attempt=attempt, weights=ref,
+            contributors=sorted(r["shard"] for r in accepted), total_samples=state.fedavg.total_samples,
+            metrics=metrics, rejected=rejected,
+        )
+        async with self.db.transaction() as tx:
+            await tx.execute(
+                "UPDATE aggregations SET status = 'aggregated', result_key = $4, closed_at = $5"
+                " WHERE job_id = $1 AND round = $2 AND attempt = $3",
+                job_id, round_index, attempt, ref.key, time.time(),
+            )
+            await self.outbox.add(tx, done)
+        self._rounds.pop((job_id, round_index, attempt), None)
+        log.info("job %s: round %d aggregated from %d shards (%d samples)%s", job_id, round_index,
+                 len(accepted), done.total_samples, " at timeout" if timed_out else "")
+        await self.outbox.flush()
+
+    async def _state(self, agg: dict[str, Any]) -> RoundState:
+        """The round's accumulator; after a restart, re-folded from the stored accepted contributions."""
+        key = (agg["job_id"], agg["round"], agg["attempt"])
+        state = self._rounds.get(key)
+        if state is not None:
+            return state
+        base = ObjectRef(key=agg["weights_key"], size=agg["weights_size"], sha256=agg["weights_sha256"])
+        header = await self.storage.get_bytes(base.key)
+        state = RoundState(spec=spec_of(header))
+        for row in await self._contributions(*key):
+            if row["status"] != ACCEPTED:
+                continue
+            ref = ObjectRef(key=row["result_key"], size=row["size"], sha256=row["sha256"])
+            weights = load_weights(await self.storage.verified_bytes(ref), copy=False)
+            state.fedavg.fold(weights, row["samples"])
+            state.keys = frozenset(weights)
+        self._rounds[key] = state
+        return state
+
+    async def _aggregation(self, job_id: str, round_index: int, attempt: int) -> dict[str, Any] | None:
+        return await self.db.fetchrow(
+            "SELECT * FROM aggregations WHERE job_id = $1 AND round = $2 AND attempt = $3",
+            job_id, round_index, attempt,
+        )
+
+    async def _contributions(self, job_id: str, round_index: int, attempt: int) -> list[dict[str, Any]]:
+        return await self.db.fetch(
+            "SELECT * FROM contributions WHERE job_id = $1 AND round = $2 AND attempt = $3 ORDER BY seq",
+            job_id, round_index, attempt,
+        )
+
+    async def _record(self, event: WorkerDone | WorkerFailed, status: str, reason: str | None) -> None:
+        if isinstance(event, WorkerFailed):
+            samples, result, metrics = 0, ObjectRef(key="", size=0, sha256=""), {}
+        else:
+            samples, result, metrics = event.samples, event.result, event.metrics
+        await self.db.execute(
+            "INSERT INTO contributions (job_id, round, attempt, shard, worker_id, status, reason, samples,"
+            " result_key, size, sha256, metrics, received_at)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+            event.job_id, event.round, event.attempt, event.shard, event.worker_id, status, reason,
+            samples, result.key, result.size, result.sha256, dumps(metrics), time.time(),
+        )

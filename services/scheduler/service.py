@@ -1,0 +1,391 @@
+"""Scheduler handlers: job.requested, job.sharded, round.aggregated, round.failed, job.cancel."""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from pydantic import ValidationError
+
+from apiary import keys
+from apiary.bus import Delivery, Raw, subscribe
+from apiary.component import Component, dumps, loads
+from apiary.contracts import (
+    Assignment,
+    DecodeError,
+    JobAccepted,
+    JobCancelRequested,
+    JobCompleted,
+    JobFailed,
+    JobRejected,
+    JobRequested,
+    JobSharded,
+    ObjectRef,
+    RoundAggregated,
+    RoundFailed,
+    RoundStart,
+    RoundTimeout,
+    ShardInfo,
+    ShardRequested,
+    decode_body,
+)
+from apiary.db import Executor
+from apiary.jobspec import JobSpec, describe_errors, field_errors
+from apiary.outbox import KeyedLocks, Outbox, outbox_migration
+from apiary.storage import ObjectNotFound
+from apiary.usercode import UserCodeError, UserCodeRunner
+from apiary.weights import WeightsError, read_header
+from services.scheduler.state import JobStatus, Next, after_aggregated, after_failed, is_current
+
+log = logging.getLogger("apiary.scheduler")
+
+MIGRATIONS = [
+    """
+    CREATE TABLE IF NOT EXISTS jobs (
+      job_id TEXT PRIMARY KEY, name TEXT NOT NULL, spec TEXT NOT NULL, status TEXT NOT NULL,
+      round BIGINT NOT NULL DEFAULT 0, attempt BIGINT NOT NULL DEFAULT 0,
+      failures BIGINT NOT NULL DEFAULT 0, shards TEXT, dataset_id TEXT,
+      weights_key TEXT, weights_size BIGINT, weights_sha256 TEXT,
+      reason TEXT, final_model TEXT, metrics TEXT,
+      created_at DOUBLE PRECISION NOT NULL, updated_at DOUBLE PRECISION NOT NULL);
+    CREATE TABLE IF NOT EXISTS rounds (
+      job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL, status TEXT NOT NULL,
+      shards TEXT NOT NULL, started_at DOUBLE PRECISION NOT NULL, deadline DOUBLE PRECISION NOT NULL,
+      ended_at DOUBLE PRECISION, reason TEXT, weights_key TEXT, metrics TEXT,
+      PRIMARY KEY (job_id, round, attempt));
+    """,
+    outbox_migration("scheduler_outbox"),
+]
+
+INIT_TIMEOUT = 600.0
+
+
+class Scheduler(Component):
+    """Runs each job's state machine; every transition is stored with the events it causes."""
+
+    name = "scheduler"
+
+    def __init__(self, *args: Any, runner: UserCodeRunner | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.outbox = Outbox(self.db, self.bus, "scheduler_outbox")
+        self.runner = runner or UserCodeRunner(self.settings.code_path, name="apiary-scheduler-user-code")
+        self._locks = KeyedLocks()
+
+    async def start(self) -> None:
+        await self.db.migrate(self.name, MIGRATIONS)
+        await self.outbox.flush()
+        handlers = {
+            "job.requested": Raw(self.on_job_requested),
+            "job.sharded": self.on_job_sharded,
+            "round.aggregated": self.on_round_aggregated,
+            "round.failed": self.on_round_failed,
+            "job.cancel": self.on_job_cancel,
+        }
+        self._subscriptions.append(
+            await subscribe(self.bus, "scheduler", handlers, prefetch=self.settings.prefetch)
+        )
+
+    async def stop(self) -> None:
+        await super().stop()
+        await self.runner.stop()
+
+    # ------------------------------------------------------------ job.requested
+
+    async def on_job_requested(self, delivery: Delivery) -> None:
+        """Validate a job request; accept it and ask for shards, or reject it naming each bad field."""
+        data = decode_body(delivery.body, delivery.content_type)
+        raw_id = data.get("job_id")
+        job_id = raw_id if isinstance(raw_id, str) and raw_id else uuid.uuid4().hex[:12]
+        try:
+            request = JobRequested.model_validate(data)
+        except ValidationError as e:
+            errors = field_errors(e)
+            reason = f"job request rejected: {describe_errors(errors)}"
+            log.warning("job %s: %s", job_id, reason)
+            async with self.db.transaction() as tx:
+                await self.outbox.add(tx, JobRejected(job_id=job_id, reason=reason, errors=errors))
+            await self.outbox.flush()
+            return
+        spec = JobSpec.model_validate(request.model_dump(exclude={"job_id", "v"}))
+        async with self._locks(job_id):
+            if await self.db.fetchval("SELECT job_id FROM jobs WHERE job_id = $1", job_id):
+                log.info("job %s: duplicate request ignored", job_id)
+                return
+            now = time.time()
+            async with self.db.transaction() as tx:
+                await tx.execute(
+                    "INSERT INTO jobs (job_id, name, spec, status, created_at, updated_at)"
+                    " VALUES ($1, $2, $3, $4, $5, $5)",
+                    job_id, spec.name, spec.model_dump_json(), JobStatus.SHARDING, now,
+                )
+                await self.outbox.add(tx, JobAccepted(job_id=job_id, name=spec.name,
+                                                      num_rounds=spec.distributed.num_rounds,
+                                                      num_shards=spec.num_shards))
+                await self.outbox.add(tx, ShardRequested(
+                    job_id=job_id, dataset=spec.dataset, dataset_id=spec.dataset_id,
+                    num_shards=spec.num_shards, strategy=spec.split.strategy, seed=spec.split.seed,
+                    alpha=spec.split.alpha, group_key=spec.split.key,
+                ))
+        log.info("job %s (%s) accepted", job_id, spec.name)
+        await self.outbox.flush()
+
+    # ------------------------------------------------------------ job.sharded
+
+    async def on_job_sharded(self, event: JobSharded, delivery: Delivery) -> None:
+        """Shards are ready: make the initial weights and start round 1."""
+        async with self._locks(event.job_id):
+            job = await self._job(event.job_id)
+            if job is None or job["status"] != JobStatus.SHARDING:
+                return
+            spec = JobSpec.model_validate_json(job["spec"])
+            if event.error:
+                await self._fail(event.job_id, f"dataset: {event.error}")
+                return
+            try:
+                weights = await self._initial_weights(event.job_id, spec)
+            except (UserCodeError, WeightsError, ObjectNotFound, OSError, ValueError) as e:
+                await self._fail(event.job_id, f"initial weights: {e}")
+                return
+            async with self.db.transaction() as tx:
+                await tx.execute(
+                    "UPDATE jobs SET status = $2, shards = $3, dataset_id = $4, weights_key = $5,"
+                    " weights_size = $6, weights_sha256 = $7, updated_at = $8 WHERE job_id = $1",
+                    event.job_id, JobStatus.RUNNING, dumps([s.model_dump() for s in event.shards]),
+                    event.dataset_id, weights.key, weights.size, weights.sha256, time.time(),
+                )
+                await self._start_round(tx, event.job_id, spec, event.shards, weights, 1, 1)
+        await self.outbox.flush()
+
+    async def _initial_weights(self, job_id: str, spec: JobSpec) -> ObjectRef:
+        """Round 0's weights: the job's checkpoint, or the entrypoint module's fl_init_weights(env)."""
+        target = keys.global_weights(job_id, 0)
+        source = spec.model or spec.model_id
+        if source:
+            data = await self._read_model(source)
+            read_header(data)
+            return await self.storage.put_bytes(target, data)
+        with tempfile.TemporaryDirectory(prefix="apiary-init-") as tmp:
+            path = Path(tmp) / "init.safetensors"
+            found = await self.runner.init_weights(spec.module, spec.env(0), path, timeout=INIT_TIMEOUT)
+            if not found:
+                raise ValueError(
+                    f"no initial weights: give the job a 'model' checkpoint or define "
+                    f"fl_init_weights(env) in {spec.module}"
+                )
+            read_header(path.read_bytes())
+            return await self.storage.put_file(target, path)
+
+    async def _read_model(self, source: str) -> bytes:
+        if source.startswith("file:"):
+            return Path(unquote(urlparse(source).path)).read_bytes()
+        own = self.storage.uri("x").removesuffix("x")
+        if source.startswith(own):
+            return await self.storage.get_bytes(source.removeprefix(own))
+        if "://" in source:
+            raise ValueError(f"model {source} is outside this deployment's storage ({own})")
+        if Path(source).is_file():
+            return Path(source).read_bytes()
+        return await self.storage.get_bytes(source)
+
+    # ------------------------------------------------------------ rounds
+
+    async def _start_round(
+        self,
+        tx: Executor,
+        job_id: str,
+        spec: JobSpec,
+        shards: list[ShardInfo],
+        weights: ObjectRef,
+        round_index: int,
+        attempt: int,
+    ) -> None:
+        """Store the round and queue round.start, one assignment per shard and the delayed timeout."""
+        now = time.time()
+        timeout = spec.distributed.aggregation_timeout
+        deadline = now + timeout
+        chosen = [s for s in shards][: spec.distributed.max_workers]
+        await tx.execute(
+            "INSERT INTO rounds (job_id, round, attempt, status, shards, started_at, deadline)"
+            " VALUES ($1, $2, $3, 'running', $4, $5, $6) ON CONFLICT DO NOTHING",
+            job_id, round_index, attempt, dumps([s.index for s in chosen]), now, deadline,
+        )
+        await tx.execute(
+            "UPDATE jobs SET round = $2, attempt = $3, updated_at = $4 WHERE job_id = $1",
+            job_id, round_index, attempt, now,
+        )
+        await self.outbox.add(tx, RoundStart(
+            job_id=job_id, round=round_index, attempt=attempt, num_rounds=spec.distributed.num_rounds,
+            shards=[s.index for s in chosen], min_workers=spec.distributed.min_workers, weights=weights,
+            deadline=deadline, use_peft=spec.use_peft,
+        ))
+        ttl = int(timeout + self.settings.presign_ttl)
+        pinned = spec.worker_selection.workers if spec.worker_selection.mode == "pinned" else []
+        for shard in chosen:
+            result_key = keys.contribution(job_id, round_index, attempt, shard.index)
+            files_key = keys.run_files(job_id, round_index, attempt, shard.index)
+            worker = pinned[shard.index] if pinned else None
+            assignment = Assignment(
+                job_id=job_id, round=round_index, attempt=attempt, job_name=spec.name,
+                num_rounds=spec.distributed.num_rounds, shard=shard.index, num_shards=len(shards),
+                shard_num_samples=shard.num_samples, shard_url=self.storage.presign_get(shard.key, ttl),
+                shard_sha256=shard.sha256, weights_url=self.storage.presign_get(weights.key, ttl),
+                weights_sha256=weights.sha256, upload_url=self.storage.presign_put(result_key, ttl),
+                result_key=result_key, files_upload_url=self.storage.presign_put(files_key, ttl),
+                entrypoint=spec.entrypoint, env=spec.env(round_index), deadline=deadline,
+                pinned_worker=worker,
+            )
+            routing_key = f"assign.worker.{worker}" if worker else "assign.pool"
+            if worker:
+                await self.bus.declare_queue(routing_key, [routing_key])
+            await self.outbox.add(tx, assignment, routing_key=routing_key)
+        await self.outbox.add(tx, RoundTimeout(job_id=job_id, round=round_index, attempt=attempt), delay=timeout)
+        log.info("job %s: round %d/%d (attempt %d) started on %d shards", job_id, round_index,
+                 spec.distributed.num_rounds, attempt, len(chosen))
+
+    async def on_round_aggregated(self, event: RoundAggregated, delivery: Delivery) -> None:
+        """A round's average is stored: start the next round, or finish the job."""
+        async with self._locks(event.job_id):
+            job = await self._job(event.job_id)
+            if job is None or job["status"] != JobStatus.RUNNING:
+                return
+            if not is_current(job["round"], job["attempt"], event.round, event.attempt):
+                log.info("job %s: late round.aggregated for %d/%d ignored", event.job_id, event.round, event.attempt)
+                return
+            spec = JobSpec.model_validate_json(job["spec"])
+            decision = after_aggregated(event.round, spec.distributed.num_rounds)
+            if decision.next is Next.FINISH:
+                await self._finish(job, spec, event)
+                return
+            shards = [ShardInfo.model_validate(s) for s in loads(job["shards"], [])]
+            async with self.db.transaction() as tx:
+                await self._close_round(tx, event.job_id, event.round, event.attempt, "aggregated",
+                                        weights_key=event.weights.key, metrics=event.metrics)
+                await tx.execute(
+                    "UPDATE jobs SET weights_key = $2, weights_size = $3, weights_sha256 = $4, failures = 0,"
+                    " metrics = $5 WHERE job_id = $1",
+                    event.job_id, event.weights.key, event.weights.size, event.weights.sha256,
+                    dumps(event.metrics),
+                )
+                await self._start_round(tx, event.job_id, spec, shards, event.weights, decision.round,
+                                        decision.attempt)
+        await self.outbox.flush()
+
+    async def on_round_failed(self, event: RoundFailed, delivery: Delivery) -> None:
+        """A round failed: retry it from the last global weights, or fail the job."""
+        async with self._locks(event.job_id):
+            job = await self._job(event.job_id)
+            if job is None or job["status"] != JobStatus.RUNNING:
+                return
+            if not is_current(job["round"], job["attempt"], event.round, event.attempt):
+                return
+            spec = JobSpec.model_validate_json(job["spec"])
+            decision = after_failed(event.round, event.attempt, job["failures"], spec.distributed.fault_tolerance)
+            log.warning("job %s: round %d attempt %d failed: %s", event.job_id, event.round, event.attempt,
+                        event.reason)
+            if decision.next is Next.FAIL:
+                reason = (f"round {event.round} failed {decision.failures} time(s) in a row "
+                          f"(fault_tolerance={spec.distributed.fault_tolerance}); last: {event.reason}")
+                async with self.db.transaction() as tx:
+                    await self._close_round(tx, event.job_id, event.round, event.attempt, "failed",
+                                            reason=event.reason)
+                    await self._fail_tx(tx, event.job_id, reason, event.round)
+                await self.outbox.flush()
+                return
+            shards = [ShardInfo.model_validate(s) for s in loads(job["shards"], [])]
+            weights = ObjectRef(key=job["weights_key"], size=job["weights_size"], sha256=job["weights_sha256"])
+            async with self.db.transaction() as tx:
+                await self._close_round(tx, event.job_id, event.round, event.attempt, "failed", reason=event.reason)
+                await tx.execute("UPDATE jobs SET failures = $2 WHERE job_id = $1", event.job_id, decision.failures)
+                await self._start_round(tx, event.job_id, spec, shards, weights, decision.round, decision.attempt)
+        await self.outbox.flush()
+
+    async def on_job_cancel(self, event: JobCancelRequested, delivery: Delivery) -> None:
+        """Stop a job: no further round starts; results still in flight are ignored."""
+        async with self._locks(event.job_id):
+            job = await self._job(event.job_id)
+            if job is None or JobStatus(job["status"]).terminal:
+                return
+            async with self.db.transaction() as tx:
+                await tx.execute(
+                    "UPDATE jobs SET status = $2, reason = $3, updated_at = $4 WHERE job_id = $1",
+                    event.job_id, JobStatus.CANCELLED, event.reason, time.time(),
+                )
+                await self.outbox.add(tx, JobFailed(job_id=event.job_id, reason=event.reason, round=job["round"]))
+        await self.outbox.flush()
+
+    async def _finish(self, job: dict[str, Any], spec: JobSpec, event: RoundAggregated) -> None:
+        job_id = job["job_id"]
+        final_key = keys.final_model(job_id)
+        data = await self.storage.get_bytes(event.weights.key)
+        await self.storage.put_bytes(final_key, data)
+        metrics = dict(event.metrics)
+        evaluation_error = None
+        with tempfile.TemporaryDirectory(prefix="apiary-eval-") as tmp:
+            path = Path(tmp) / "final.safetensors"
+            path.write_bytes(data)
+            try:
+                evaluated = await self.runner.evaluate(spec.module, spec.env(event.round), path,
+                                                       timeout=INIT_TIMEOUT)
+                metrics.update(evaluated or {})
+            except UserCodeError as e:
+                evaluation_error = str(e)
+                log.warning("job %s: evaluation failed: %s", job_id, e)
+        rounds = await self.db.fetch(
+            "SELECT round, attempt, status, reason, metrics FROM rounds WHERE job_id = $1 ORDER BY round, attempt",
+            job_id,
+        )
+        history = [{**r, "metrics": loads(r["metrics"], {})} for r in rounds]
+        history.append({"round": event.round, "attempt": event.attempt, "status": "aggregated",
+                        "metrics": event.metrics})
+        report = {"job_id": job_id, "name": spec.name, "final": metrics, "rounds": history,
+                  "evaluation_error": evaluation_error}
+        await self.storage.put_bytes(keys.final_metrics(job_id), json.dumps(report, indent=1).encode())
+        final_uri = self.storage.uri(final_key)
+        async with self.db.transaction() as tx:
+            await self._close_round(tx, job_id, event.round, event.attempt, "aggregated",
+                                    weights_key=event.weights.key, metrics=event.metrics)
+            await tx.execute(
+                "UPDATE jobs SET status = $2, final_model = $3, metrics = $4, weights_key = $5,"
+                " weights_size = $6, weights_sha256 = $7, reason = $8, updated_at = $9 WHERE job_id = $1",
+                job_id, JobStatus.COMPLETED, final_uri, dumps(metrics), event.weights.key,
+                event.weights.size, event.weights.sha256, evaluation_error, time.time(),
+            )
+            await self.outbox.add(tx, JobCompleted(job_id=job_id, rounds_completed=event.round,
+                                                   final_model=final_uri, metrics=metrics))
+        log.info("job %s completed after %d rounds: %s", job_id, event.round, metrics)
+        await self.outbox.flush()
+
+    async def _close_round(self, tx: Executor, job_id: str, round_index: int, attempt: int, status: str,
+                           *, reason: str | None = None, weights_key: str | None = None,
+                           metrics: dict[str, float] | None = None) -> None:
+        await tx.execute(
+            "UPDATE rounds SET status = $4, ended_at = $5, reason = $6, weights_key = $7, metrics = $8"
+            " WHERE job_id = $1 AND round = $2 AND attempt = $3",
+            job_id, round_index, attempt, status, time.time(), reason, weights_key,
+            dumps(metrics) if metrics is not None else None,
+        )
+
+    async def _fail(self, job_id: str, reason: str, round_index: int | None = None) -> None:
+        async with self.db.transaction() as tx:
+            await self._fail_tx(tx, job_id, reason, round_index)
+        await self.outbox.flush()
+
+    async def _fail_tx(self, tx: Executor, job_id: str, reason: str, round_index: int | None) -> None:
+        log.error("job %s failed: %s", job_id, reason)
+        await tx.execute(
+            "UPDATE jobs SET status = $2, reason = $3, updated_at = $4 WHERE job_id = $1",
+            job_id, JobStatus.FAILED, reason, time.time(),
+        )
+        await self.outbox.add(tx, JobFailed(job_id=job_id, reason=reason, round=round_index))
+
+    async def _job(self, job_id: str) -> dict[str, Any] | None:
+        return await self.db.fetchrow("SELECT * FROM jobs WHERE job_id = $1", job_id)
+
+
+__all__ = ["DecodeError", "Scheduler"]

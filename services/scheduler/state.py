@@ -1,0 +1,60 @@
+"""The job state machine as pure functions: what happens after each round outcome."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class JobStatus(enum.StrEnum):
+    """Where a job is in its life."""
+
+    SHARDING = "sharding"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        """No further event changes a job in this state."""
+        return self in (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+class Next(enum.Enum):
+    """The scheduler's move after a round ends."""
+
+    NEXT_ROUND = "next_round"
+    FINISH = "finish"
+    RETRY = "retry"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A move, with the round and attempt it starts (if any) and the failure count after it."""
+
+    next: Next
+    round: int
+    attempt: int
+    failures: int
+
+
+def after_aggregated(round_index: int, num_rounds: int) -> Decision:
+    """A round succeeded: start the next one or finish the job."""
+    if round_index >= num_rounds:
+        return Decision(Next.FINISH, round_index, 0, 0)
+    return Decision(Next.NEXT_ROUND, round_index + 1, 1, 0)
+
+
+def after_failed(round_index: int, attempt: int, failures: int, fault_tolerance: int) -> Decision:
+    """A round failed: retry it from the last global weights, or fail the job after too many in a row."""
+    failures += 1
+    if failures > fault_tolerance:
+        return Decision(Next.FAIL, round_index, attempt, failures)
+    return Decision(Next.RETRY, round_index, attempt + 1, failures)
+
+
+def is_current(job_round: int, job_attempt: int, round_index: int, attempt: int) -> bool:
+    """Whether an outcome is for the attempt the job is running now (else it is late or a duplicate)."""
+    return (job_round, job_attempt) == (round_index, attempt)

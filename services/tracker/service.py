@@ -1,0 +1,325 @@
+"""Tracker handlers: every event (`#`) -> event log, job views, worker table, metric series."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from apiary.bus import Delivery, Poison, Raw, subscribe
+from apiary.component import Component, dumps, loads
+from apiary.contracts import DecodeError, decode_body
+
+log = logging.getLogger("apiary.tracker")
+
+MIGRATIONS = [
+    """
+    CREATE TABLE IF NOT EXISTS events (
+      seq {autoid}, ts DOUBLE PRECISION NOT NULL, routing_key TEXT NOT NULL, job_id TEXT,
+      round BIGINT, body TEXT NOT NULL);
+    CREATE INDEX IF NOT EXISTS events_job ON events (job_id, seq);
+    CREATE TABLE IF NOT EXISTS job_views (
+      job_id TEXT PRIMARY KEY, name TEXT, status TEXT NOT NULL, round BIGINT NOT NULL DEFAULT 0,
+      attempt BIGINT NOT NULL DEFAULT 0, num_rounds BIGINT, num_shards BIGINT, reason TEXT,
+      errors TEXT, final_model TEXT, metrics TEXT, created_at DOUBLE PRECISION NOT NULL,
+      updated_at DOUBLE PRECISION NOT NULL);
+    CREATE TABLE IF NOT EXISTS round_views (
+      job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL, status TEXT NOT NULL,
+      metrics TEXT, reason TEXT, started_at DOUBLE PRECISION, ended_at DOUBLE PRECISION,
+      PRIMARY KEY (job_id, round, attempt));
+    CREATE TABLE IF NOT EXISTS shard_views (
+      job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL, shard BIGINT NOT NULL,
+      worker_id TEXT, state TEXT NOT NULL, metrics TEXT, error TEXT, updated_at DOUBLE PRECISION NOT NULL,
+      PRIMARY KEY (job_id, round, attempt, shard));
+    CREATE TABLE IF NOT EXISTS workers (
+      worker_id TEXT PRIMARY KEY, hostname TEXT, status TEXT NOT NULL, state TEXT,
+      job_id TEXT, round BIGINT, shard BIGINT, gpu TEXT, samples_per_s DOUBLE PRECISION,
+      first_seen DOUBLE PRECISION NOT NULL, last_seen DOUBLE PRECISION NOT NULL);
+    CREATE TABLE IF NOT EXISTS metrics (
+      seq {autoid}, job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL,
+      worker_id TEXT NOT NULL, shard BIGINT NOT NULL, step BIGINT, name TEXT NOT NULL,
+      value DOUBLE PRECISION NOT NULL, ts DOUBLE PRECISION NOT NULL);
+    CREATE INDEX IF NOT EXISTS metrics_job ON metrics (job_id, seq)
+    """,
+]
+
+TERMINAL = ("completed", "failed", "cancelled", "rejected")
+
+
+class Tracker(Component):
+    """Keeps what a person watching a job wants to see, from the events alone."""
+
+    name = "tracker"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sweeper: asyncio.Task[None] | None = None
+        self.changed = asyncio.Condition()
+
+    async def start(self) -> None:
+        await self.db.migrate(self.name, MIGRATIONS)
+        self._subscriptions.append(
+            await subscribe(self.bus, "tracker", {"#": Raw(self.on_event)}, prefetch=self.settings.prefetch)
+        )
+        self._sweeper = asyncio.create_task(self._sweep_offline(), name="tracker:offline-sweep")
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+
+    async def on_event(self, delivery: Delivery) -> None:
+        """Record one event and update the views it touches."""
+        try:
+            body = decode_body(delivery.body, delivery.content_type)
+        except DecodeError as e:
+            raise Poison(str(e)) from e
+        key = delivery.routing_key
+        job_id = body.get("job_id") if isinstance(body.get("job_id"), str) else None
+        round_index = body.get("round") if isinstance(body.get("round"), int) else None
+        ts = time.time()
+        async with self.db.transaction() as tx:
+            if key != "worker.heartbeat":
+                await tx.execute(
+                    "INSERT INTO events (ts, routing_key, job_id, round, body) VALUES ($1, $2, $3, $4, $5)",
+                    ts, key, job_id, round_index, dumps(_summary(key, body)),
+                )
+            handler = _VIEWS.get(key) or (_assignment if key.startswith("assign.") else None)
+            if handler is not None:
+                try:
+                    await handler(tx, body, ts)
+                except (KeyError, TypeError, ValueError) as e:
+                    raise Poison(f"{key} message lacks what the tracker needs: {e}") from e
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def _sweep_offline(self) -> None:
+        """Mark workers offline when their heartbeats stop."""
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval)
+            cutoff = time.time() - self.settings.worker_offline_after
+            with contextlib.suppress(Exception):
+                changed = await self.db.execute(
+                    "UPDATE workers SET status = 'offline' WHERE status = 'online' AND last_seen < $1", cutoff
+                )
+                if changed:
+                    async with self.changed:
+                        self.changed.notify_all()
+
+
+def _summary(key: str, body: dict[str, Any]) -> dict[str, Any]:
+    # Assignments carry presigned URLs: credentials do not belong in an event log.
+    if key.startswith("assign."):
+        return {k: v for k, v in body.items() if not k.endswith("_url")}
+    return body
+
+
+async def _job_requested(tx: Any, b: dict[str, Any], ts: float) -> None:
+    if not isinstance(b.get("job_id"), str):
+        return
+    await tx.execute(
+        "INSERT INTO job_views (job_id, name, status, num_rounds, created_at, updated_at)"
+        " VALUES ($1, $2, 'requested', $3, $4, $4) ON CONFLICT DO NOTHING",
+        b["job_id"], str(b.get("name", "")), (b.get("distributed") or {}).get("num_rounds"), ts,
+    )
+
+
+async def _job_accepted(tx: Any, b: dict[str, Any], ts: float) -> None:
+    await _ensure_job(tx, b["job_id"], ts)
+    await tx.execute(
+        "UPDATE job_views SET name = $2, status = 'sharding', num_rounds = $3, num_shards = $4, updated_at = $5"
+        " WHERE job_id = $1",
+        b["job_id"], b["name"], b["num_rounds"], b["num_shards"], ts,
+    )
+
+
+async def _job_rejected(tx: Any, b: dict[str, Any], ts: float) -> None:
+    await _ensure_job(tx, b["job_id"], ts)
+    await tx.execute(
+        "UPDATE job_views SET status = 'rejected', reason = $2, errors = $3, updated_at = $4 WHERE job_id = $1",
+        b["job_id"], b["reason"], dumps(b.get("errors", [])), ts,
+    )
+
+
+async def _round_start(tx: Any, b: dict[str, Any], ts: float) -> None:
+    await _ensure_job(tx, b["job_id"], ts)
+    await tx.execute(
+        "UPDATE job_views SET status = 'running', round = $2, attempt = $3, num_rounds = $4, updated_at = $5"
+        " WHERE job_id = $1 AND status NOT IN ('completed', 'failed', 'cancelled')",
+        b["job_id"], b["round"], b["attempt"], b["num_rounds"], ts,
+    )
+    await tx.execute(
+        "INSERT INTO round_views (job_id, round, attempt, status, started_at) VALUES ($1, $2, $3, 'running', $4)"
+        " ON CONFLICT DO NOTHING",
+        b["job_id"], b["round"], b["attempt"], ts,
+    )
+    for shard in b["shards"]:
+        await tx.execute(
+            "INSERT INTO shard_views (job_id, round, attempt, shard, state, updated_at)"
+            " VALUES ($1, $2, $3, $4, 'assigned', $5) ON CONFLICT DO NOTHING",
+            b["job_id"], b["round"], b["attempt"], shard, ts,
+        )
+
+
+async def _assignment(tx: Any, b: dict[str, Any], ts: float) -> None:
+    return None
+
+
+async def _shard_state(tx: Any, b: dict[str, Any], ts: float, state: str, error: str | None = None) -> None:
+    await tx.execute(
+        "UPDATE shard_views SET worker_id = $5, state = $6, metrics = COALESCE($7, metrics),"
+        " error = $8, updated_at = $9"
+        " WHERE job_id = $1 AND round = $2 AND attempt = $3 AND shard = $4",
+        b["job_id"], b["round"], b.get("attempt", 1), b["shard"], b["worker_id"], state,
+        dumps(b["metrics"]) if b.get("metrics") else None, error, ts,
+    )
+
+
+async def _worker_progress(tx: Any, b: dict[str, Any], ts: float) -> None:
+    await _shard_state(tx, b, ts, "training")
+    for name, value in (b.get("metrics") or {}).items():
+        await tx.execute(
+            "INSERT INTO metrics (job_id, round, attempt, worker_id, shard, step, name, value, ts)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            b["job_id"], b["round"], b.get("attempt", 1), b["worker_id"], b["shard"], b.get("step"), name,
+            float(value), b.get("ts", ts),
+        )
+    await _touch_worker(tx, b["worker_id"], ts, state="training", job_id=b["job_id"], round_index=b["round"],
+                        shard=b["shard"], samples_per_s=b.get("samples_per_s"))
+
+
+async def _worker_done(tx: Any, b: dict[str, Any], ts: float) -> None:
+    await _shard_state(tx, b, ts, "reported")
+    await _touch_worker(tx, b["worker_id"], ts, state="idle")
+
+
+async def _worker_failed(tx: Any, b: dict[str, Any], ts: float) -> None:
+    await _shard_state(tx, b, ts, "failed", error=b.get("error"))
+    await _touch_worker(tx, b["worker_id"], ts, state="idle")
+
+
+async def _round_aggregated(tx: Any, b: dict[str, Any], ts: float) -> None:
+    await tx.execute(
+        "UPDATE round_views SET status = 'aggregated', metrics = $4, ended_at = $5"
+        " WHERE job_id = $1 AND round = $2 AND attempt = $3",
+        b["job_id"], b["round"], b["attempt"], dumps(b.get("metrics", {})), ts,
+    )
+    for shard, reason in (b.get("rejected") or {}).items():
+        await tx.execute(
+            "UPDATE shard_views SET state = 'rejected', error = $5 WHERE job_id = $1 AND round = $2"
+            " AND attempt = $3 AND shard = $4",
+            b["job_id"], b["round"], b["attempt"], int(shard), reason,
+        )
+
+
+async def _round_failed(tx: Any, b: dict[str, Any], ts: float) -> None:
+    await tx.execute(
+        "UPDATE round_views SET status = 'failed', reason = $4, ended_at = $5"
+        " WHERE job_id = $1 AND round = $2 AND attempt = $3",
+        b["job_id"], b["round"], b["attempt"], b["reason"], ts,
+    )
+
+
+async def _job_completed(tx: Any, b: dict[str, Any], ts: float) -> None:
+    await _ensure_job(tx, b["job_id"], ts)
+    await tx.execute(
+        "UPDATE job_views SET status = 'completed', round = $2, final_model = $3, metrics = $4, updated_at = $5"
+        " WHERE job_id = $1",
+        b["job_id"], b["rounds_completed"], b["final_model"], dumps(b.get("metrics", {})), ts,
+    )
+
+
+async def _job_failed(tx: Any, b: dict[str, Any], ts: float) -> None:
+    await _ensure_job(tx, b["job_id"], ts)
+    status = "cancelled" if "cancel" in str(b.get("reason", "")) else "failed"
+    await tx.execute(
+        "UPDATE job_views SET status = $2, reason = $3, updated_at = $4 WHERE job_id = $1",
+        b["job_id"], status, b["reason"], ts,
+    )
+
+
+async def _worker_online(tx: Any, b: dict[str, Any], ts: float) -> None:
+    await _touch_worker(tx, b["worker_id"], ts, state="idle", hostname=b.get("hostname"), gpu=b.get("gpu"))
+
+
+async def _worker_heartbeat(tx: Any, b: dict[str, Any], ts: float) -> None:
+    await _touch_worker(tx, b["worker_id"], ts, state=b.get("state"), job_id=b.get("job_id"),
+                        round_index=b.get("round"), shard=b.get("shard"), gpu=b.get("gpu"),
+                        samples_per_s=b.get("samples_per_s"))
+
+
+async def _worker_offline(tx: Any, b: dict[str, Any], ts: float) -> None:
+    await _touch_worker(tx, b["worker_id"], ts, state="stopped")
+    await tx.execute("UPDATE workers SET status = 'offline' WHERE worker_id = $1", b["worker_id"])
+
+
+async def _touch_worker(tx: Any, worker_id: str, ts: float, *, state: str | None = None,
+                        hostname: str | None = None, job_id: str | None = None, round_index: int | None = None,
+                        shard: int | None = None, gpu: dict[str, Any] | None = None,
+                        samples_per_s: float | None = None) -> None:
+    await tx.execute(
+        "INSERT INTO workers (worker_id, hostname, status, state, first_seen, last_seen)"
+        " VALUES ($1, $2, 'online', $3, $4, $4) ON CONFLICT DO NOTHING",
+        worker_id, hostname, state, ts,
+    )
+    await tx.execute(
+        "UPDATE workers SET status = 'online', state = COALESCE($2, state), hostname = COALESCE($3, hostname),"
+        " job_id = $4, round = $5, shard = $6, gpu = COALESCE($7, gpu),"
+        " samples_per_s = COALESCE($8, samples_per_s), last_seen = $9 WHERE worker_id = $1",
+        worker_id, state, hostname, job_id, round_index, shard, dumps(gpu) if gpu else None,
+        float(samples_per_s) if samples_per_s is not None else None, ts,
+    )
+
+
+async def _ensure_job(tx: Any, job_id: str, ts: float) -> None:
+    await tx.execute(
+        "INSERT INTO job_views (job_id, status, created_at, updated_at) VALUES ($1, 'requested', $2, $2)"
+        " ON CONFLICT DO NOTHING",
+        job_id, ts,
+    )
+
+
+_VIEWS = {
+    "job.requested": _job_requested,
+    "job.accepted": _job_accepted,
+    "job.rejected": _job_rejected,
+    "round.start": _round_start,
+    "worker.progress": _worker_progress,
+    "worker.done": _worker_done,
+    "worker.failed": _worker_failed,
+    "round.aggregated": _round_aggregated,
+    "round.failed": _round_failed,
+    "job.completed": _job_completed,
+    "job.failed": _job_failed,
+    "worker.online": _worker_online,
+    "worker.heartbeat": _worker_heartbeat,
+    "worker.offline": _worker_offline,
+}
+
+
+async def job_view(db: Any, job_id: str) -> dict[str, Any] | None:
+    """Everything known about one job: status, rounds, shards in the current round."""
+    job = await db.fetchrow("SELECT * FROM job_views WHERE job_id = $1", job_id)
+    if job is None:
+        return None
+    job["metrics"] = loads(job["metrics"], {})
+    job["errors"] = loads(job["errors"], [])
+    rounds = await db.fetch(
+        "SELECT round, attempt, status, metrics, reason, started_at, ended_at FROM round_views"
+        " WHERE job_id = $1 ORDER BY round, attempt", job_id,
+    )
+    job["rounds"] = [{**r, "metrics": loads(r["metrics"], {})} for r in rounds]
+    shards = await db.fetch(
+        "SELECT shard, worker_id, state, metrics, error, updated_at FROM shard_views"
+        " WHERE job_id = $1 AND round = $2 AND attempt = $3 ORDER BY shard",
+        job_id, job["round"], job["attempt"],
+    )
+    job["shards"] = [{**s, "metrics": loads(s["metrics"], {})} for s in shards]
+    return job
+
+
+__all__ = ["TERMINAL", "Tracker", "job_view"]

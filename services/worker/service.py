@@ -1,0 +1,233 @@
+"""Worker: consumes assignments, trains in a child process, uploads weights, reports."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import socket
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from apiary import transfer
+from apiary.bus import Bus, Delivery, Subscription, publish_event, subscribe
+from apiary.contracts import (
+    Assignment,
+    ObjectRef,
+    WorkerDone,
+    WorkerFailed,
+    WorkerHeartbeat,
+    WorkerOffline,
+    WorkerOnline,
+    WorkerProgress,
+)
+from apiary.dataset import extract_shard
+from apiary.settings import Settings
+from apiary.storage import sha256_file
+from apiary.usercode import TrainCall, UserCodeError, UserCodeRunner
+from services.worker.gpu import gpu_stats
+
+log = logging.getLogger("apiary.worker")
+
+
+class Worker:
+    """One training slot: takes pool assignments and those pinned to its id, one at a time."""
+
+    def __init__(self, bus: Bus, settings: Settings | None = None, *, worker_id: str | None = None,
+                 cache_dir: Path | None = None, runner: UserCodeRunner | None = None) -> None:
+        self.bus = bus
+        self.settings = settings or Settings()
+        self.worker_id = worker_id or self.settings.worker_id
+        self.cache = Path(cache_dir or self.settings.home / "workers" / self.worker_id).resolve()
+        self.runner = runner or UserCodeRunner(self.settings.code_path, name=f"apiary-{self.worker_id}")
+        self._subscriptions: list[Subscription] = []
+        self._busy = asyncio.Lock()
+        self._heartbeat: asyncio.Task[None] | None = None
+        self.state = "idle"
+        self.current: Assignment | None = None
+        self.samples_per_s: float | None = None
+        self.completed = 0
+
+    @property
+    def own_queue(self) -> str:
+        """The queue for shards pinned to this worker."""
+        return f"assign.worker.{self.worker_id}"
+
+    async def start(self) -> None:
+        """Announce the worker and start taking assignments."""
+        self.cache.mkdir(parents=True, exist_ok=True)
+        await self.runner.start()
+        await publish_event(self.bus, WorkerOnline(worker_id=self.worker_id, hostname=socket.gethostname(),
+                                                   gpu=gpu_stats(self.settings.gpu)))
+        prefetch = self.settings.worker_prefetch
+        self._subscriptions.append(
+            await subscribe(self.bus, self.own_queue, {self.own_queue: self.on_assignment}, prefetch=prefetch)
+        )
+        self._subscriptions.append(
+            await subscribe(self.bus, "assign.pool", {"assign.pool": self.on_assignment}, prefetch=prefetch)
+        )
+        self._heartbeat = asyncio.create_task(self._beat(), name=f"heartbeat:{self.worker_id}")
+        log.info("worker %s online", self.worker_id)
+
+    async def stop(self, reason: str = "stopped") -> None:
+        """Stop taking work; an assignment in progress goes back to its queue."""
+        for sub in self._subscriptions:
+            await sub.cancel()
+        self._subscriptions.clear()
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+        with contextlib.suppress(Exception):
+            await publish_event(self.bus, WorkerOffline(worker_id=self.worker_id, reason=reason))
+        await self.runner.stop()
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval)
+            with contextlib.suppress(Exception):
+                await publish_event(self.bus, self._heartbeat_event())
+
+    def _heartbeat_event(self) -> WorkerHeartbeat:
+        a = self.current
+        return WorkerHeartbeat(
+            worker_id=self.worker_id, state=self.state, job_id=a.job_id if a else None,
+            round=a.round if a else None, shard=a.shard if a else None,
+            gpu=gpu_stats(self.settings.gpu), samples_per_s=self.samples_per_s,
+        )
+
+    async def on_assignment(self, assignment: Assignment, delivery: Delivery) -> None:
+        """Train one shard for one round and report the outcome; user errors never crash the worker."""
+        async with self._busy:
+            if assignment.deadline < time.time():
+                log.info("worker %s: skipping stale assignment %s round %d shard %d", self.worker_id,
+                         assignment.job_id, assignment.round, assignment.shard)
+                return
+            self.current, self.state = assignment, "training"
+            try:
+                await self._train(assignment)
+            finally:
+                self.current, self.state = None, "idle"
+
+    async def _train(self, a: Assignment) -> None:
+        started = time.monotonic()
+        job_dir = self.cache / "jobs" / a.job_id
+        work = job_dir / f"round-{a.round:04d}-{a.attempt}-shard-{a.shard:04d}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        try:
+            data_root = await self._shard(a, job_dir)
+            weights = work / "global.safetensors"
+            await transfer.download(a.weights_url, weights, a.weights_sha256)
+        except (transfer.TransferError, zipfile.BadZipFile, OSError, ValueError) as e:
+            await self._failed(a, f"inputs could not be fetched: {e}")
+            return
+        progress = _ProgressStream(self, a)
+        call = TrainCall(
+            module=a.entrypoint.split(":", 1)[0],
+            function=a.entrypoint.split(":", 1)[1] if ":" in a.entrypoint else "fl_train_model",
+            weights_path=str(weights), result_path=str(work / "result.safetensors"),
+            out_dir=str(work / "out"), env=a.env,
+            dataset={"data_root": str(data_root), "shard_index": a.shard, "num_samples": a.shard_num_samples,
+                     "num_shards": a.num_shards},
+            round={"index": a.round, "total": a.num_rounds, "attempt": a.attempt},
+            job={"id": a.job_id, "name": a.job_name},
+        )
+        try:
+            result = await self.runner.train(call, timeout=max(1.0, a.deadline - time.time()),
+                                             on_metrics=progress.add)
+        except UserCodeError as e:
+            await progress.close()
+            await self._failed(a, str(e))
+            return
+        await progress.close()
+        if isinstance(result.samples, bool) or not isinstance(result.samples, int) or result.samples <= 0:
+            await self._failed(a, f"fl_train_model returned samples={result.samples!r}: expected a positive int")
+            return
+        result_path = Path(call.result_path)
+        try:
+            await transfer.upload(a.upload_url, result_path)
+            await self._upload_files(a, Path(call.out_dir), work)
+        except (transfer.TransferError, OSError) as e:
+            await self._failed(a, f"result upload failed: {e}")
+            return
+        duration = time.monotonic() - started
+        self.samples_per_s = result.samples * max(1, int(a.env.get("EPOCHS") or 1)) / max(duration, 1e-6)
+        ref = ObjectRef(key=a.result_key, size=result_path.stat().st_size, sha256=sha256_file(result_path))
+        await publish_event(self.bus, WorkerDone(
+            job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=self.worker_id, shard=a.shard,
+            result=ref, samples=result.samples, metrics=result.metrics, duration_s=duration,
+        ))
+        self.completed += 1
+        shutil.rmtree(work, ignore_errors=True)
+        log.info("worker %s: job %s round %d shard %d done in %.2fs (%d samples)", self.worker_id,
+                 a.job_id, a.round, a.shard, duration, result.samples)
+
+    async def _shard(self, a: Assignment, job_dir: Path) -> Path:
+        """The shard's folder, downloaded and unpacked once per job."""
+        root = job_dir / f"shard-{a.shard:04d}-{a.shard_sha256[:16]}"
+        if (root / "manifest.json").is_file():
+            return root
+        archive = job_dir / f"shard-{a.shard:04d}.zip"
+        await transfer.download(a.shard_url, archive, a.shard_sha256)
+        await asyncio.to_thread(extract_shard, archive, root)
+        archive.unlink(missing_ok=True)
+        return root
+
+    async def _upload_files(self, a: Assignment, out_dir: Path, work: Path) -> None:
+        if a.files_upload_url is None or not out_dir.is_dir() or not any(out_dir.iterdir()):
+            return
+        archive = work / "files.zip"
+
+        def pack() -> None:
+            with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+                for path in sorted(out_dir.rglob("*")):
+                    if path.is_file():
+                        zf.write(path, path.relative_to(out_dir).as_posix())
+
+        await asyncio.to_thread(pack)
+        await transfer.upload(a.files_upload_url, archive)
+
+    async def _failed(self, a: Assignment, error: str) -> None:
+        log.warning("worker %s: job %s round %d shard %d failed: %s", self.worker_id, a.job_id, a.round,
+                    a.shard, error)
+        await publish_event(self.bus, WorkerFailed(job_id=a.job_id, round=a.round, attempt=a.attempt,
+                                                   worker_id=self.worker_id, shard=a.shard, error=error))
+
+
+class _ProgressStream:
+    """Turns the user's `logger.log_metrics` calls into throttled worker.progress events."""
+
+    def __init__(self, worker: Worker, assignment: Assignment) -> None:
+        self._worker, self._a = worker, assignment
+        self._latest: dict[str, Any] | None = None
+        self._last_sent = 0.0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def add(self, record: dict[str, Any]) -> None:
+        self._latest = record
+        now = time.monotonic()
+        if now - self._last_sent >= self._worker.settings.progress_interval:
+            self._send()
+
+    def _send(self) -> None:
+        if self._latest is None:
+            return
+        record, self._latest = self._latest, None
+        self._last_sent = time.monotonic()
+        a = self._a
+        event = WorkerProgress(job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=self._worker.worker_id,
+                               shard=a.shard, metrics=record["metrics"], step=record["step"],
+                               samples_per_s=self._worker.samples_per_s)
+        task = asyncio.get_running_loop().create_task(publish_event(self._worker.bus, event))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """Send the last unsent record and wait for every publish."""
+        self._send()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,203 @@
+"""Datasets: a folder or zip of samples listed by a manifest, split seeded into one zip per shard."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import zipfile
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+MANIFEST = "manifest.json"
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be sharded; the message says what is wrong and where."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A dataset's manifest: its samples (each a dict with at least `path`) and shared files."""
+
+    name: str
+    samples: list[dict[str, Any]]
+    files: list[str]
+    extra: dict[str, Any]
+
+    @classmethod
+    def parse(cls, raw: bytes, where: str) -> Manifest:
+        """Parse and check manifest bytes; `where` names the dataset in errors."""
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DatasetError(f"{where}: {MANIFEST} is not valid JSON ({e})") from e
+        if not isinstance(data, dict) or not isinstance(data.get("samples"), list):
+            raise DatasetError(f"{where}: {MANIFEST} must be an object with a 'samples' list")
+        samples = data["samples"]
+        if not samples:
+            raise DatasetError(f"{where}: {MANIFEST} lists no samples")
+        for i, sample in enumerate(samples):
+            if not isinstance(sample, dict) or not isinstance(sample.get("path"), str):
+                raise DatasetError(f"{where}: sample #{i} in {MANIFEST} has no 'path'")
+            _safe_member(sample["path"], where)
+        files = data.get("files", [])
+        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            raise DatasetError(f"{where}: 'files' in {MANIFEST} must be a list of paths")
+        for f in files:
+            _safe_member(f, where)
+        extra = {k: v for k, v in data.items() if k not in ("samples", "files", "name", "num_samples")}
+        return cls(str(data.get("name", "")), samples, files, extra)
+
+    def to_json(self, samples: list[dict[str, Any]], shard: dict[str, Any]) -> bytes:
+        """A shard's manifest: the same fields, its own samples."""
+        body = {**self.extra, "name": self.name, "num_samples": len(samples), "samples": samples,
+                "files": self.files, "shard": shard}
+        return json.dumps(body, indent=1).encode()
+
+
+def _safe_member(path: str, where: str) -> str:
+    posix = PurePosixPath(path)
+    if posix.is_absolute() or ".." in posix.parts or not path:
+        raise DatasetError(f"{where}: path {path!r} must be relative and stay inside the dataset")
+    return path
+
+
+class DatasetSource:
+    """Read access to a dataset folder or zip file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._zip: zipfile.ZipFile | None = None
+        self._prefix = ""
+        if self.path.is_dir():
+            return
+        if not self.path.exists():
+            raise DatasetError(f"dataset {self.path} does not exist")
+        if not zipfile.is_zipfile(self.path):
+            raise DatasetError(f"dataset {self.path} is neither a folder nor a zip file")
+        self._zip = zipfile.ZipFile(self.path)
+        names = self._zip.namelist()
+        if MANIFEST not in names:
+            # A zip of a folder: accept one top-level directory holding the manifest.
+            tops = [n for n in names if n.count("/") == 1 and n.endswith("/" + MANIFEST)]
+            if len(tops) == 1:
+                self._prefix = tops[0].removesuffix(MANIFEST)
+
+    def close(self) -> None:
+        """Release the zip file, if any."""
+        if self._zip is not None:
+            self._zip.close()
+
+    def read(self, member: str) -> bytes:
+        """The bytes of one file of the dataset."""
+        try:
+            if self._zip is not None:
+                return self._zip.read(self._prefix + member)
+            return (self.path / member).read_bytes()
+        except (KeyError, FileNotFoundError, IsADirectoryError):
+            raise DatasetError(f"dataset {self.path}: file {member!r} listed in the manifest is missing") from None
+
+    def manifest(self) -> Manifest:
+        """The dataset's manifest, checked."""
+        try:
+            raw = self.read(MANIFEST)
+        except DatasetError:
+            raise DatasetError(
+                f"dataset {self.path} has no {MANIFEST}: list its samples there "
+                '({"samples": [{"path": "...", "label": ...}, ...]})'
+            ) from None
+        return Manifest.parse(raw, str(self.path))
+
+
+def split(
+    samples: Sequence[dict[str, Any]],
+    num_shards: int,
+    *,
+    strategy: str = "random",
+    seed: int = 0,
+    alpha: float = 0.5,
+    group_key: str = "group",
+) -> list[list[int]]:
+    """Split sample indices into `num_shards` non-empty shards, deterministically for a seed."""
+    n = len(samples)
+    if num_shards < 1:
+        raise DatasetError("number of shards must be at least 1")
+    if n < num_shards:
+        raise DatasetError(f"dataset has {n} samples, fewer than the {num_shards} shards asked for")
+    rng = random.Random(seed)
+    if strategy == "random":
+        order = list(range(n))
+        rng.shuffle(order)
+        return [sorted(order[i::num_shards]) for i in range(num_shards)]
+    if strategy == "group":
+        groups: dict[str, list[int]] = defaultdict(list)
+        for i, sample in enumerate(samples):
+            if group_key not in sample:
+                raise DatasetError(f"group split: sample #{i} has no {group_key!r} field")
+            groups[str(sample[group_key])].append(i)
+        if len(groups) < num_shards:
+            raise DatasetError(f"group split: {len(groups)} groups cannot fill {num_shards} shards")
+        names = sorted(groups)
+        rng.shuffle(names)
+        shards: list[list[int]] = [[] for _ in range(num_shards)]
+        # Largest groups first onto the lightest shard keeps shards roughly equal.
+        for name in sorted(names, key=lambda g: -len(groups[g])):
+            min(shards, key=len).extend(groups[name])
+        return [sorted(s) for s in shards]
+    if strategy == "label_skew":
+        by_label: dict[str, list[int]] = defaultdict(list)
+        for i, sample in enumerate(samples):
+            if "label" not in sample:
+                raise DatasetError(f"label_skew split: sample #{i} has no 'label' field")
+            by_label[str(sample["label"])].append(i)
+        shards = [[] for _ in range(num_shards)]
+        for label in sorted(by_label):
+            items = by_label[label]
+            rng.shuffle(items)
+            props = [rng.gammavariate(alpha, 1.0) for _ in range(num_shards)]
+            total = sum(props) or 1.0
+            cuts, acc = [], 0.0
+            for p in props[:-1]:
+                acc += p / total
+                cuts.append(round(acc * len(items)))
+            bounds = [0, *cuts, len(items)]
+            for s in range(num_shards):
+                shards[s].extend(items[bounds[s] : bounds[s + 1]])
+        # Every shard must train on something: move one sample from the largest to each empty one.
+        for s in range(num_shards):
+            if not shards[s]:
+                donor = max(shards, key=len)
+                shards[s].append(donor.pop())
+        return [sorted(s) for s in shards]
+    raise DatasetError(f"unknown split strategy {strategy!r}: use random, label_skew or group")
+
+
+def write_shard(source: DatasetSource, manifest: Manifest, indices: Sequence[int], shard: dict[str, Any],
+                target: Path) -> int:
+    """Write one shard zip (its manifest, its samples, the shared files); return its sample count."""
+    samples = [manifest.samples[i] for i in indices]
+    members = list(dict.fromkeys([*manifest.files, *(s["path"] for s in samples)]))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.part")
+    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as zf:
+        zf.writestr(MANIFEST, manifest.to_json(samples, shard))
+        for member in members:
+            zf.writestr(member, source.read(member))
+    tmp.replace(target)
+    return len(samples)
+
+
+def extract_shard(zip_path: Path, target: Path) -> None:
+    """Unpack a shard zip into a folder, refusing members that would escape it."""
+    tmp = target.with_name(f".{target.name}.part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with zipfile.ZipFile(zip_path) as zf:
+        for name in zf.namelist():
+            _safe_member(name.rstrip("/"), str(zip_path))
+        zf.extractall(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.replace(target)

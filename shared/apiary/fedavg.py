@@ -1,0 +1,140 @@
+"""Federated averaging as pure maths: validate a contribution, fold it into a streaming sum.
+
+Memory is one accumulator plus the contribution being folded, whatever the number of workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from apiary.weights import TensorSpec, WeightSpec, spec_of_tensors
+
+
+class InvalidContribution(ValueError):
+    """A contribution that must not enter the average; the message says why."""
+
+
+def validate(
+    reference: WeightSpec,
+    weights: Mapping[str, torch.Tensor],
+    samples: int,
+    *,
+    partial: bool = False,
+    expected_keys: frozenset[str] | None = None,
+) -> None:
+    """Check keys, shapes, dtypes, finiteness and sample count against the global model's spec.
+
+    With `partial` (PEFT adapters) the keys may be a subset of the model's, but every contribution
+    of a round must carry the same set (`expected_keys`, fixed by the first one accepted).
+    """
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples <= 0:
+        raise InvalidContribution(f"sample count must be a positive integer, got {samples!r}")
+    names = frozenset(weights)
+    if not names:
+        raise InvalidContribution("contribution has no tensors")
+    if partial:
+        extra = names - reference.keys()
+        if extra:
+            raise InvalidContribution(f"unknown tensors {_few(extra)}")
+        if expected_keys is not None and names != expected_keys:
+            raise InvalidContribution(
+                f"adapter tensors differ from the round's: missing {_few(expected_keys - names)}, "
+                f"extra {_few(names - expected_keys)}"
+            )
+    else:
+        missing, extra = reference.keys() - names, names - reference.keys()
+        if missing or extra:
+            raise InvalidContribution(f"tensor names differ: missing {_few(missing)}, extra {_few(extra)}")
+    for name in sorted(names):
+        tensor, want = weights[name], reference[name]
+        got = TensorSpec(tensor.dtype, tuple(tensor.shape))
+        if got != want:
+            raise InvalidContribution(f"tensor {name!r} is {got.describe()}, expected {want.describe()}")
+        if tensor.is_floating_point() and tensor.numel():
+            # A float64 sum is finite exactly when every element is (no overflow from float32 inputs).
+            if not torch.isfinite(tensor.sum(dtype=torch.float64)):
+                raise InvalidContribution(f"tensor {name!r} has NaN or infinite values")
+
+
+def _few(names: frozenset[str] | set[str]) -> str:
+    items = sorted(names)
+    shown = ", ".join(repr(n) for n in items[:3])
+    return f"[{shown}{', …' if len(items) > 3 else ''}]" if items else "[]"
+
+
+class FedAvg:
+    """A streaming weighted sum: fold contributions as they arrive, read the average at the end."""
+
+    def __init__(self) -> None:
+        self._sum: dict[str, torch.Tensor] = {}
+        self._dtypes: dict[str, torch.dtype] = {}
+        self.total_samples = 0
+        self.count = 0
+
+    def fold(self, weights: Mapping[str, torch.Tensor], samples: int) -> None:
+        """Add `samples * weights` to the running sum (the contribution must be validated first)."""
+        if samples <= 0:
+            raise InvalidContribution(f"sample count must be positive, got {samples}")
+        if self._sum and weights.keys() != self._sum.keys():
+            raise InvalidContribution("contribution's tensor names differ from the accumulated ones")
+        for name, tensor in weights.items():
+            acc = self._sum.get(name)
+            if acc is None:
+                self._dtypes[name] = tensor.dtype
+                # Floats accumulate in their own precision (memory: one model); integers in float64.
+                acc_dtype = tensor.dtype if tensor.is_floating_point() else torch.float64
+                if tensor.dtype in (torch.float16, torch.bfloat16):
+                    acc_dtype = torch.float32
+                acc = torch.zeros(tensor.shape, dtype=acc_dtype)
+                self._sum[name] = acc
+            if tensor.dtype == acc.dtype:
+                acc.add_(tensor, alpha=samples)
+            else:
+                acc.add_(tensor.to(acc.dtype), alpha=samples)
+        self.total_samples += samples
+        self.count += 1
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """The weighted average, in each tensor's original dtype."""
+        if not self.count:
+            raise ValueError("no contribution was folded: nothing to average")
+        out = {}
+        for name, acc in self._sum.items():
+            dtype = self._dtypes[name]
+            mean = acc / self.total_samples
+            if dtype.is_floating_point:
+                out[name] = mean.to(dtype)
+            elif dtype == torch.bool:
+                out[name] = mean >= 0.5
+            else:
+                out[name] = torch.round(mean).to(dtype)
+        return out
+
+
+def weighted_metrics(items: list[tuple[int, Mapping[str, float]]]) -> dict[str, float]:
+    """Average each numeric metric over contributions, weighted by their sample counts."""
+    sums: dict[str, float] = {}
+    weights: dict[str, int] = {}
+    for samples, metrics in items:
+        for key, value in metrics.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                sums[key] = sums.get(key, 0.0) + samples * float(value)
+                weights[key] = weights.get(key, 0) + samples
+    return {key: sums[key] / weights[key] for key in sums if weights[key]}
+
+
+def merge_partial(base: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The global model with the averaged adapter tensors put in place (PEFT)."""
+    return {**base, **update}
+
+
+__all__ = [
+    "FedAvg",
+    "InvalidContribution",
+    "merge_partial",
+    "spec_of_tensors",
+    "validate",
+    "weighted_metrics",
+]

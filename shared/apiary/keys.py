@@ -1,0 +1,43 @@
+"""Where a job's objects live in storage: everything under `jobs/<job_id>/`."""
+
+from __future__ import annotations
+
+
+def job_prefix(job_id: str) -> str:
+    """Every object of a job starts with this."""
+    return f"jobs/{job_id}/"
+
+
+def shard(job_id: str, index: int) -> str:
+    """One shard zip."""
+    return f"jobs/{job_id}/shards/shard-{index:04d}.zip"
+
+
+def global_weights(job_id: str, round_index: int) -> str:
+    """The global weights after `round_index` (0: the initial weights)."""
+    return f"jobs/{job_id}/rounds/{round_index:04d}/global.safetensors"
+
+
+def contribution(job_id: str, round_index: int, attempt: int, shard_index: int) -> str:
+    """One worker's returned weights for one shard."""
+    return f"jobs/{job_id}/rounds/{round_index:04d}/attempt-{attempt}/shard-{shard_index:04d}.safetensors"
+
+
+def run_files(job_id: str, round_index: int, attempt: int, shard_index: int) -> str:
+    """The files a training function wrote to its out_dir, zipped."""
+    return f"jobs/{job_id}/rounds/{round_index:04d}/attempt-{attempt}/files-shard-{shard_index:04d}.zip"
+
+
+def final_model(job_id: str) -> str:
+    """The job's final model."""
+    return f"jobs/{job_id}/final/model.safetensors"
+
+
+def final_metrics(job_id: str) -> str:
+    """The job's metrics, per round and final."""
+    return f"jobs/{job_id}/final/metrics.json"
+
+
+def dataset(dataset_id: str, name: str) -> str:
+    """An uploaded dataset."""
+    return f"datasets/{dataset_id}/{name}"

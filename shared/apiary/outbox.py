@@ -1,0 +1,92 @@
+"""The transactional outbox: events are stored with the state change that causes them, in one
+transaction, then published; a service that dies in between publishes them when it restarts.
+Consumers are idempotent, so a message published twice does no harm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from typing import Any
+
+from pydantic import BaseModel
+
+from apiary.bus import Bus
+from apiary.contracts import encode
+from apiary.db import Database, Executor
+
+log = logging.getLogger("apiary.outbox")
+
+
+def outbox_migration(table: str) -> str:
+    """The DDL for a service's outbox table."""
+    return (
+        f"CREATE TABLE IF NOT EXISTS {table} ("
+        " id {autoid}, routing_key TEXT NOT NULL, body TEXT NOT NULL, headers TEXT NOT NULL,"
+        " deliver_at DOUBLE PRECISION, created_at DOUBLE PRECISION NOT NULL)"
+    )
+
+
+class Outbox:
+    """A service's pending events, published in the order they were added."""
+
+    def __init__(self, db: Database, bus: Bus, table: str) -> None:
+        self._db, self._bus, self._table = db, bus, table
+        self._lock = asyncio.Lock()
+
+    async def add(
+        self,
+        tx: Executor,
+        event: BaseModel,
+        *,
+        routing_key: str | None = None,
+        delay: float | None = None,
+        headers: dict[str, Any] | None = None,
+    ) -> None:
+        """Queue an event inside the caller's transaction."""
+        now = time.time()
+        await tx.execute(
+            f"INSERT INTO {self._table} (routing_key, body, headers, deliver_at, created_at)"
+            " VALUES ($1, $2, $3, $4, $5)",
+            routing_key or getattr(event, "routing_key", ""),
+            base64.b64encode(encode(event)).decode(),
+            json.dumps(headers or {}),
+            now + delay if delay else None,
+            now,
+        )
+
+    async def flush(self) -> int:
+        """Publish every pending event, oldest first; return how many were published."""
+        async with self._lock:
+            rows = await self._db.fetch(
+                f"SELECT id, routing_key, body, headers, deliver_at FROM {self._table} ORDER BY id"
+            )
+            for row in rows:
+                delay = None
+                if row["deliver_at"] is not None:
+                    # Restarted publishers keep the original deadline, not a fresh full delay.
+                    delay = max(0.001, float(row["deliver_at"]) - time.time())
+                await self._bus.publish(
+                    row["routing_key"],
+                    base64.b64decode(row["body"]),
+                    headers=json.loads(row["headers"]),
+                    delay=delay,
+                )
+                await self._db.execute(f"DELETE FROM {self._table} WHERE id = $1", row["id"])
+            return len(rows)
+
+
+class KeyedLocks:
+    """One asyncio lock per key (a job), so a job's events are handled one at a time."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def __call__(self, key: str) -> asyncio.Lock:
+        lock = self._locks.get(key)
+        if lock is None:
+            lock = self._locks[key] = asyncio.Lock()
+        return lock

@@ -1,0 +1,127 @@
+"""Starting services on their ports: all of them in one process (`apiary run`), or one at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+from apiary.bus import Bus, make_bus, publish_event
+from apiary.bus.base import Unroutable
+from apiary.contracts import JSON
+from apiary.db import Database, make_database
+from apiary.jobspec import ENTRYPOINT_RE
+from apiary.settings import Settings
+from apiary.storage import Storage, make_storage
+
+TERMINAL = ("completed", "failed", "cancelled", "rejected")
+
+
+class Ports:
+    """The bus, database and storage a process uses, chosen by its settings."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.bus: Bus = make_bus(settings.bus_url, exchange=settings.exchange)
+        self.db: Database = make_database(settings.resolved_database_url())
+        self.storage: Storage = make_storage(settings.resolved_storage_url(), endpoint_url=settings.s3_endpoint_url,
+                                             region=settings.s3_region)
+
+    async def open(self) -> None:
+        """Connect to the bus and the database."""
+        await self.bus.connect()
+        await self.db.connect()
+
+    async def close(self) -> None:
+        """Disconnect."""
+        await self.bus.close()
+        await self.db.close()
+
+
+class Embedded:
+    """Every service and N workers in one process, on the settings' ports (in-memory bus by default)."""
+
+    def __init__(self, settings: Settings, workers: int = 3, code_paths: list[str] | None = None) -> None:
+        from services.aggregator import Aggregator
+        from services.scheduler import Scheduler
+        from services.sharder import Sharder
+        from services.tracker import Tracker
+        from services.worker import Worker
+
+        self.settings = settings.model_copy(update={"code_path": [*settings.code_path, *(code_paths or [])]})
+        self.ports = Ports(self.settings)
+        args = (self.ports.bus, self.ports.db, self.ports.storage, self.settings)
+        self.tracker = Tracker(*args)
+        self.services = [self.tracker, Sharder(*args), Aggregator(*args), Scheduler(*args)]
+        self.workers = [
+            Worker(self.ports.bus, self.settings, worker_id=f"worker-{i + 1}") for i in range(workers)
+        ]
+
+    async def __aenter__(self) -> Embedded:
+        await self.ports.open()
+        for service in self.services:
+            await service.start()
+        await asyncio.gather(*(w.start() for w in self.workers))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for worker in self.workers:
+            with contextlib.suppress(Exception):
+                await worker.stop()
+        for service in reversed(self.services):
+            with contextlib.suppress(Exception):
+                await service.stop()
+        await self.ports.close()
+
+    async def submit(self, request: dict[str, Any]) -> str:
+        """Publish a job request as another system would; return its job id."""
+        return await submit(self.ports.bus, request)
+
+    async def wait(self, job_id: str, *, timeout: float | None = None,
+                   on_change: Any = None) -> dict[str, Any]:
+        """Wait until the job ends; call `on_change(view)` whenever the tracker's view of it changes."""
+        from services.tracker.service import job_view
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            view = await job_view(self.ports.db, job_id)
+            if view is not None and on_change is not None:
+                on_change(view)
+            if view is not None and view["status"] in TERMINAL:
+                return view
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} did not finish within {timeout}s")
+            async with self.tracker.changed:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.tracker.changed.wait(), 1.0)
+
+
+async def submit(bus: Bus, request: dict[str, Any]) -> str:
+    """Publish a job request (JSON, as any AMQP client can); return the job id it will carry."""
+    import json
+    import uuid
+
+    body = dict(request)
+    body.setdefault("job_id", uuid.uuid4().hex[:12])
+    try:
+        await bus.publish("job.requested", json.dumps(body).encode(), content_type=JSON)
+    except Unroutable:
+        raise RuntimeError("no scheduler queue is bound to job.requested: is the scheduler running?") from None
+    return str(body["job_id"])
+
+
+def code_root_for(entrypoint: str, start: Path) -> Path | None:
+    """The folder from which the entrypoint's module imports, searching upwards from `start`."""
+    if not ENTRYPOINT_RE.match(entrypoint):
+        return None
+    parts = entrypoint.split(":", 1)[0].split(".")
+    for folder in [start, *start.parents]:
+        base = folder.joinpath(*parts)
+        if base.with_suffix(".py").is_file() or (base / "__init__.py").is_file():
+            return folder
+    return None
+
+
+__all__ = ["Embedded", "Ports", "code_root_for", "publish_event", "submit"]

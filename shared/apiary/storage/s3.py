@@ -1,0 +1,274 @@
+"""The deployed storage: an S3 bucket (AWS, MinIO or any S3-compatible endpoint) through boto3.
+
+Every call runs in a worker thread. Objects carry their sha256 as user metadata
+(`x-amz-meta-sha256`), set on put and checked on get when present: objects uploaded through a
+presigned PUT have none, and their readers check the claim's sha256 instead (`verified_bytes`).
+Files go through boto3's managed transfer, which switches to multipart above `MULTIPART_THRESHOLD`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import boto3
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import ClientError, NoCredentialsError, ReadTimeoutError
+from botocore.exceptions import ConnectionError as BotoConnectionError
+
+from apiary.contracts import ObjectRef
+from apiary.storage.base import ObjectNotFound, Storage, StorageUnavailable, check_key, sha256_file
+
+T = TypeVar("T")
+
+MULTIPART_THRESHOLD = 8 * 1024 * 1024
+SHA256_METADATA = "sha256"
+_NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
+_NO_BUCKET = {"NoSuchBucket"}
+
+
+def _code(e: ClientError) -> str:
+    return str(e.response.get("Error", {}).get("Code", ""))
+
+
+def _status(e: ClientError) -> int:
+    return int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+
+
+class S3Storage(Storage):
+    """Objects under `s3://bucket/prefix/`."""
+
+    def __init__(self, url: str, *, endpoint_url: str | None = None, region: str = "us-east-1") -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "s3" or not parts.netloc:
+            raise ValueError(f"storage URL {url!r} is invalid: expected s3://bucket/prefix")
+        self.bucket = parts.netloc
+        self.prefix = parts.path.strip("/")
+        self.endpoint_url = endpoint_url
+        self.region = region
+        config = Config(
+            signature_version="s3v4",
+            region_name=region,
+            connect_timeout=5,
+            read_timeout=60,
+            retries={"max_attempts": 3, "mode": "standard"},
+            # S3-compatible servers (MinIO, moto) are addressed by path, AWS by virtual host.
+            s3={"addressing_style": "path" if endpoint_url else "auto"},
+        )
+        self._client: Any = boto3.session.Session().client(
+            "s3", endpoint_url=endpoint_url, region_name=region, config=config
+        )
+        self.transfer = TransferConfig(
+            multipart_threshold=MULTIPART_THRESHOLD,
+            multipart_chunksize=MULTIPART_THRESHOLD,
+            max_concurrency=4,
+        )
+        self._bucket_ready = False
+        self._bucket_lock = asyncio.Lock()
+
+    def _key(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _where(self) -> str:
+        return self.endpoint_url or f"S3 ({self.region})"
+
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a blocking boto3 call in a thread; connection failures become StorageUnavailable."""
+        try:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        except (BotoConnectionError, ReadTimeoutError, NoCredentialsError) as e:
+            raise StorageUnavailable(
+                f"cannot reach bucket {self.bucket!r} at {self._where()}: {e};"
+                " check APIARY_STORAGE_URL, APIARY_S3_ENDPOINT_URL and the credentials"
+            ) from e
+        except ClientError as e:
+            if _status(e) >= 500:
+                raise StorageUnavailable(f"{self._where()} failed for bucket {self.bucket!r}: {e}") from e
+            raise
+
+    async def ensure_bucket(self) -> None:
+        """Create the bucket if it does not exist yet."""
+        if self._bucket_ready:
+            return
+        async with self._bucket_lock:
+            if self._bucket_ready:
+                return
+            try:
+                await self._call(self._client.head_bucket, Bucket=self.bucket)
+            except ClientError as e:
+                if _code(e) not in _NOT_FOUND | _NO_BUCKET:
+                    raise
+                kwargs: dict[str, Any] = {"Bucket": self.bucket}
+                if self.region != "us-east-1":
+                    kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self.region}
+                try:
+                    await self._call(self._client.create_bucket, **kwargs)
+                except ClientError as e2:
+                    if _code(e2) not in {"BucketAlreadyOwnedByYou", "BucketAlreadyExists"}:
+                        raise
+            self._bucket_ready = True
+
+    async def put_bytes(self, key: str, data: bytes) -> ObjectRef:
+        full = self._key(key)
+        await self.ensure_bucket()
+        digest = hashlib.sha256(data).hexdigest()
+        await self._call(
+            self._client.put_object,
+            Bucket=self.bucket,
+            Key=full,
+            Body=data,
+            Metadata={SHA256_METADATA: digest},
+        )
+        return ObjectRef(key=key, size=len(data), sha256=digest)
+
+    async def put_file(self, key: str, path: Path) -> ObjectRef:
+        full = self._key(key)
+        await self.ensure_bucket()
+        source = Path(path)
+        size, digest = await asyncio.to_thread(lambda: (source.stat().st_size, sha256_file(source)))
+        await self._call(
+            self._client.upload_file,
+            str(source),
+            self.bucket,
+            full,
+            ExtraArgs={"Metadata": {SHA256_METADATA: digest}},
+            Config=self.transfer,
+        )
+        return ObjectRef(key=key, size=size, sha256=digest)
+
+    @staticmethod
+    def _missing(e: ClientError) -> bool:
+        return _code(e) in _NOT_FOUND | _NO_BUCKET or _status(e) == 404
+
+    async def get_bytes(self, key: str) -> bytes:
+        full = self._key(key)
+
+        def read() -> tuple[bytes, str | None]:
+            response = self._client.get_object(Bucket=self.bucket, Key=full)
+            with response["Body"] as body:
+                data = body.read()
+            return data, response.get("Metadata", {}).get(SHA256_METADATA)
+
+        try:
+            data, expected = await self._call(read)
+        except ClientError as e:
+            if self._missing(e):
+                raise ObjectNotFound(key) from None
+            raise
+        if expected is not None:
+            actual = hashlib.sha256(data).hexdigest()
+            if actual != expected:
+                raise self._mismatch(key, expected, actual)
+        return data
+
+    def _mismatch(self, key: str, expected: str, actual: str) -> ValueError:
+        return ValueError(f"{self.uri(key)}: sha256 mismatch (stored {expected[:12]}…, got {actual[:12]}…)")
+
+    async def get_file(self, key: str, path: Path) -> None:
+        full = self._key(key)
+        target = Path(path)
+        try:
+            head = await self._call(self._client.head_object, Bucket=self.bucket, Key=full)
+        except ClientError as e:
+            if self._missing(e):
+                raise ObjectNotFound(key) from None
+            raise
+        expected = head.get("Metadata", {}).get(SHA256_METADATA)
+
+        def download() -> str | None:
+            """Download beside the target and rename, so a reader never sees half a file."""
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+            os.close(fd)
+            tmp = Path(name)
+            try:
+                self._client.download_file(self.bucket, full, str(tmp), Config=self.transfer)
+                actual = sha256_file(tmp) if expected is not None else None
+                if actual == expected:
+                    tmp.replace(target)
+                return actual
+            finally:
+                tmp.unlink(missing_ok=True)
+
+        try:
+            actual = await self._call(download)
+        except ClientError as e:
+            if self._missing(e):
+                raise ObjectNotFound(key) from None
+            raise
+        if expected is not None and actual != expected:
+            raise self._mismatch(key, expected, actual or "")
+
+    async def exists(self, key: str) -> bool:
+        full = self._key(key)
+        try:
+            await self._call(self._client.head_object, Bucket=self.bucket, Key=full)
+        except ClientError as e:
+            if self._missing(e):
+                return False
+            raise
+        return True
+
+    async def list(self, prefix: str) -> list[str]:
+        base = f"{self.prefix}/" if self.prefix else ""
+
+        def walk() -> list[str]:
+            keys: list[str] = []
+            paginator = self._client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=base + prefix):
+                keys.extend(item["Key"][len(base):] for item in page.get("Contents", []))
+            return sorted(keys)
+
+        try:
+            return await self._call(walk)
+        except ClientError as e:
+            if _code(e) in _NO_BUCKET:
+                return []
+            raise
+
+    async def delete(self, key: str) -> None:
+        full = self._key(key)
+        try:
+            await self._call(self._client.delete_object, Bucket=self.bucket, Key=full)
+        except ClientError as e:
+            if not self._missing(e):
+                raise
+
+    def presign_get(self, key: str, expires: int) -> str:
+        params = {"Bucket": self.bucket, "Key": self._key(key)}
+        url: str = self._client.generate_presigned_url("get_object", Params=params, ExpiresIn=expires)
+        return url
+
+    def presign_put(self, key: str, expires: int) -> str:
+        params = {"Bucket": self.bucket, "Key": self._key(key)}
+        url: str = self._client.generate_presigned_url("put_object", Params=params, ExpiresIn=expires)
+        return url
+
+    def uri(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self._key(key)}"
+
+    async def delete_bucket(self) -> None:
+        """Delete every object under the bucket and the bucket itself (for tests)."""
+
+        def wipe() -> None:
+            paginator = self._client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket):
+                objects = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+                if objects:
+                    self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects})
+            self._client.delete_bucket(Bucket=self.bucket)
+
+        try:
+            await self._call(wipe)
+        except ClientError as e:
+            if _code(e) not in _NO_BUCKET:
+                raise
+        self._bucket_ready = False

@@ -1,0 +1,333 @@
+"""Running the user's functions in a child process, so user code that raises, exits or hangs
+cannot take the calling service down.
+
+One child is kept warm between calls (imports of torch and the user's module are paid once);
+if it dies or must be killed, the next call starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import multiprocessing
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("apiary.usercode")
+
+INIT_FUNCTION = "fl_init_weights"
+EVALUATE_FUNCTION = "fl_evaluate_model"
+
+
+class UserCodeError(Exception):
+    """The user's function failed; the message is one line saying how and where."""
+
+
+@dataclass
+class TrainCall:
+    """One call of the user's training function, with files for its inputs and outputs."""
+
+    module: str
+    function: str
+    weights_path: str
+    result_path: str
+    out_dir: str
+    env: dict[str, Any]
+    dataset: dict[str, Any]
+    round: dict[str, Any]
+    job: dict[str, Any]
+
+
+@dataclass
+class TrainResult:
+    """What the training function returned, its weights already written to `result_path`."""
+
+    samples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- child side
+
+
+class _ChildLogger:
+    """The `logger` the user's function receives: metrics stream to the parent."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._step = 0
+
+    def log_metrics(self, step: int | None = None, **metrics: Any) -> None:
+        """Record numeric metrics (e.g. `loss=0.3`); they appear live as this worker's curves."""
+        self._step = self._step + 1 if step is None else int(step)
+        clean = {k: float(v) for k, v in metrics.items() if _is_number(v)}
+        self._conn.send(("metrics", {"step": self._step, "metrics": clean}))
+
+    def info(self, message: str, *args: Any) -> None:
+        """A line for the worker's log."""
+        self._conn.send(("log", message % args if args else message))
+
+    warning = info
+    error = info
+    debug = info
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        return not isinstance(value, bool) and value == value and float(value) is not None
+    except (TypeError, ValueError):
+        return False
+
+
+_LIBRARY_MARKS = ("site-packages", "/lib/python", "apiary/usercode.py", "apiary/weights.py")
+
+
+def _describe(error: BaseException) -> str:
+    """`ValueError: bad shape (train.py:42 in fl_train_model)`: the error and where in user code."""
+    frames = traceback.extract_tb(error.__traceback__)
+    user = [f for f in frames if not any(mark in f.filename for mark in _LIBRARY_MARKS)]
+    where = f" ({Path(user[-1].filename).name}:{user[-1].lineno} in {user[-1].name})" if user else ""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {text}{where}"
+
+
+def _resolve(module: str, function: str, *, optional: bool = False) -> Callable[..., Any] | None:
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:
+        raise UserCodeError(f"entrypoint module {module!r} cannot be imported: {_describe(e)}") from e
+    fn = getattr(mod, function, None)
+    if fn is None:
+        if optional:
+            return None
+        raise UserCodeError(f"entrypoint module {module!r} has no function {function!r}")
+    if not callable(fn):
+        raise UserCodeError(f"{module}.{function} is not callable")
+    return fn
+
+
+def _run_train(call: TrainCall, conn: Connection) -> dict[str, Any]:
+    from apiary import weights as w
+
+    fn = _resolve(call.module, call.function)
+    assert fn is not None
+    initial = w.loads(Path(call.weights_path).read_bytes())
+    payload = {
+        "env": dict(call.env),
+        "initial_weights": initial,
+        "dataset": dict(call.dataset),
+        "round": dict(call.round),
+        "job": dict(call.job),
+    }
+    Path(call.out_dir).mkdir(parents=True, exist_ok=True)
+    result = fn(payload, call.out_dir, _ChildLogger(conn))
+    if not isinstance(result, dict) or "weights" not in result or "samples" not in result:
+        raise UserCodeError(f"{call.function} must return a dict with 'weights' and 'samples'")
+    weights = result["weights"]
+    if not hasattr(weights, "items"):
+        raise UserCodeError(f"{call.function} returned 'weights' that is not a name -> tensor mapping")
+    try:
+        data = w.dumps(weights)
+    except Exception as e:
+        raise UserCodeError(f"{call.function} returned weights that cannot be saved: {_describe(e)}") from e
+    tmp = Path(call.result_path + ".part")
+    tmp.write_bytes(data)
+    tmp.replace(call.result_path)
+    samples = result["samples"]
+    if isinstance(samples, bool) or not isinstance(samples, int):
+        with contextlib.suppress(Exception):
+            samples = int(samples) if float(samples) == int(samples) else samples
+    metrics = {k: float(v) for k, v in (result.get("metrics") or {}).items() if _is_number(v)}
+    return {"samples": samples, "metrics": metrics}
+
+
+def _run_init(module: str, env: dict[str, Any], target: str) -> dict[str, Any]:
+    from apiary import weights as w
+
+    fn = _resolve(module, INIT_FUNCTION, optional=True)
+    if fn is None:
+        return {"found": False}
+    weights = fn(env)
+    if not hasattr(weights, "items"):
+        raise UserCodeError(f"{INIT_FUNCTION} must return a name -> tensor mapping")
+    Path(target).write_bytes(w.dumps(weights))
+    return {"found": True}
+
+
+def _run_evaluate(module: str, env: dict[str, Any], weights_path: str) -> dict[str, Any]:
+    from apiary import weights as w
+
+    fn = _resolve(module, EVALUATE_FUNCTION, optional=True)
+    if fn is None:
+        return {"found": False, "metrics": {}}
+    metrics = fn(w.loads(Path(weights_path).read_bytes()), env) or {}
+    return {"found": True, "metrics": {k: float(v) for k, v in dict(metrics).items() if _is_number(v)}}
+
+
+def _child_main(conn: Connection, code_paths: list[str]) -> None:
+    for path in reversed(code_paths):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    while True:
+        try:
+            kind, args = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return
+        try:
+            if kind == "train":
+                out = _run_train(args, conn)
+            elif kind == "init":
+                out = _run_init(*args)
+            elif kind == "evaluate":
+                out = _run_evaluate(*args)
+            else:
+                raise UserCodeError(f"unknown call {kind!r}")
+            conn.send(("result", out))
+        except UserCodeError as e:
+            conn.send(("error", str(e)))
+        except BaseException as e:
+            conn.send(("error", _describe(e)))
+            if isinstance(e, KeyboardInterrupt):
+                return
+
+
+# ---------------------------------------------------------------- parent side
+
+
+class UserCodeRunner:
+    """A warm child process that runs one user call at a time."""
+
+    def __init__(self, code_paths: list[str] | None = None, name: str = "apiary-user-code") -> None:
+        self._code_paths = [os.getcwd(), *(code_paths or [])]
+        self._name = name
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._conn: Connection | None = None
+        self._lock = asyncio.Lock()
+
+    def _ensure(self) -> Connection:
+        if self._proc is not None and self._proc.is_alive() and self._conn is not None:
+            return self._conn
+        self._kill()
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=True)
+        proc = ctx.Process(target=_child_main, args=(child, self._code_paths), name=self._name, daemon=True)
+        proc.start()
+        child.close()
+        self._proc, self._conn = proc, parent
+        return parent
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            if self._proc.is_alive():
+                self._proc.kill()
+            self._proc.join(timeout=5)
+        if self._conn is not None:
+            self._conn.close()
+        self._proc, self._conn = None, None
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id, while one runs."""
+        return self._proc.pid if self._proc is not None and self._proc.is_alive() else None
+
+    async def start(self) -> None:
+        """Start the child now rather than on the first call."""
+        await asyncio.to_thread(self._ensure)
+
+    async def stop(self) -> None:
+        """Stop the child."""
+        await asyncio.to_thread(self._kill)
+
+    async def _call(
+        self,
+        kind: str,
+        args: Any,
+        timeout: float | None,
+        on_metrics: Callable[[dict[str, Any]], None] | None = None,
+    ) -> Any:
+        async with self._lock:
+            conn = await asyncio.to_thread(self._ensure)
+            loop = asyncio.get_running_loop()
+            replies: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+            stop = threading.Event()
+
+            def pump() -> None:
+                # Reads the pipe off the event loop; EOF means the child died.
+                while not stop.is_set():
+                    try:
+                        if not conn.poll(0.2):
+                            continue
+                        message = conn.recv()
+                    except (EOFError, OSError):
+                        loop.call_soon_threadsafe(replies.put_nowait, ("died", None))
+                        return
+                    loop.call_soon_threadsafe(replies.put_nowait, message)
+                    if message[0] in ("result", "error"):
+                        return
+
+            conn.send((kind, args))
+            reader = loop.run_in_executor(None, pump)
+            deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+            try:
+                while True:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError
+                    try:
+                        tag, value = await asyncio.wait_for(replies.get(), remaining)
+                    except TimeoutError:
+                        raise
+                    if tag == "metrics" and on_metrics is not None:
+                        on_metrics(value)
+                    elif tag == "log":
+                        log.info("user code: %s", value)
+                    elif tag == "result":
+                        return value
+                    elif tag == "error":
+                        raise UserCodeError(value)
+                    elif tag == "died":
+                        code = self._proc.exitcode if self._proc is not None else None
+                        await asyncio.to_thread(self._kill)
+                        raise UserCodeError(f"user code exited the process (exit code {code})")
+            except TimeoutError:
+                await asyncio.to_thread(self._kill)
+                raise UserCodeError(f"user code did not finish within {timeout:.0f}s and was stopped") from None
+            except asyncio.CancelledError:
+                await asyncio.to_thread(self._kill)
+                raise
+            finally:
+                stop.set()
+                with contextlib.suppress(Exception):
+                    await reader
+
+    async def train(
+        self,
+        call: TrainCall,
+        *,
+        timeout: float | None = None,
+        on_metrics: Callable[[dict[str, Any]], None] | None = None,
+    ) -> TrainResult:
+        """Run the user's training function; raise UserCodeError with one clear line if it fails."""
+        out = await self._call("train", call, timeout, on_metrics)
+        return TrainResult(samples=out["samples"], metrics=out["metrics"])
+
+    async def init_weights(self, module: str, env: dict[str, Any], target: Path, *, timeout: float) -> bool:
+        """Write the module's `fl_init_weights(env)` to `target`; False if the module has none."""
+        out = await self._call("init", (module, env, str(target)), timeout)
+        return bool(out["found"])
+
+    async def evaluate(
+        self, module: str, env: dict[str, Any], weights_path: Path, *, timeout: float
+    ) -> dict[str, float] | None:
+        """The module's `fl_evaluate_model(weights, env)` metrics; None if it has none."""
+        out = await self._call("evaluate", (module, env, str(weights_path)), timeout)
+        return out["metrics"] if out["found"] else None

@@ -145,7 +145,7 @@ class Scheduler(Component):
                 return
             spec = JobSpec.model_validate_json(job["spec"])
             if event.error:
-                await self._fail(event.job_id, f"dataset: {event.error}")
+                await self._fail(event.job_id, event.error)
                 return
             try:
                 weights = await self._initial_weights(event.job_id, spec)
@@ -340,7 +340,8 @@ class Scheduler(Component):
             "SELECT round, attempt, status, reason, metrics FROM rounds WHERE job_id = $1 ORDER BY round, attempt",
             job_id,
         )
-        history = [{**r, "metrics": loads(r["metrics"], {})} for r in rounds]
+        history = [{**r, "metrics": loads(r["metrics"], {})} for r in rounds
+                   if (r["round"], r["attempt"]) != (event.round, event.attempt)]
         history.append({"round": event.round, "attempt": event.attempt, "status": "aggregated",
                         "metrics": event.metrics})
         report = {"job_id": job_id, "name": spec.name, "final": metrics, "rounds": history,

@@ -1,0 +1,135 @@
+"""Whole jobs on the embedded adapters: the result is exactly FedAvg, bad input fails fast and clearly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from apiary import keys
+from apiary.weights import loads
+from tests.e2e.conftest import REPO, StackFactory, toy_request
+
+
+async def test_final_weights_are_the_fedavg_of_what_the_workers_returned(embedded: StackFactory,
+                                                                          toy_dataset: Path) -> None:
+    async with embedded(workers=3) as stack:
+        job_id = await stack.submit(toy_request(toy_dataset, num_rounds=3))
+        view = await stack.wait(job_id, timeout=120)
+        rows = await stack.ports.db.fetch(
+            "SELECT shard, samples, result_key FROM contributions WHERE job_id = $1 AND round = 3"
+            " AND status = 'accepted' ORDER BY shard", job_id,
+        )
+        returned = [(r["samples"], loads(await stack.ports.storage.get_bytes(r["result_key"]))) for r in rows]
+        final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
+        previous = loads(await stack.ports.storage.get_bytes(keys.global_weights(job_id, 2)))
+
+    assert view["status"] == "completed", view.get("reason")
+    assert [s for s, _ in returned] == [5, 4, 4]
+    total = sum(s for s, _ in returned)
+    for name in ("layer.weight", "layer.bias"):
+        expected = sum(s * w[name].double() for s, w in returned) / total
+        torch.testing.assert_close(final[name].double(), expected, rtol=0, atol=1e-6)
+        # Each shard added (shard + 1) to the round's starting weights: a known closed form.
+        torch.testing.assert_close(final[name], previous[name] + (5 * 1 + 4 * 2 + 4 * 3) / 13)
+    assert int(final["steps"]) == 3
+    assert view["metrics"]["weight_sum"] == float(final["layer.weight"].sum())
+    assert view["final_model"].endswith(f"jobs/{job_id}/final/model.safetensors")
+
+
+async def test_run_files_and_metrics_land_under_the_job_prefix(embedded: StackFactory, toy_dataset: Path) -> None:
+    async with embedded(workers=2) as stack:
+        job_id = await stack.submit(toy_request(toy_dataset, num_rounds=1, max_workers=2))
+        await stack.wait(job_id, timeout=120)
+        stored = await stack.ports.storage.list(keys.job_prefix(job_id))
+        report = json.loads(await stack.ports.storage.get_bytes(keys.final_metrics(job_id)))
+
+    assert keys.final_model(job_id) in stored
+    assert any(k.endswith("files-shard-0000.zip") for k in stored)
+    assert [r["status"] for r in report["rounds"]] == ["aggregated"]
+
+
+async def test_missing_entrypoint_is_rejected_naming_the_field(embedded: StackFactory, toy_dataset: Path) -> None:
+    request = toy_request(toy_dataset)
+    del request["entrypoint"]
+
+    async with embedded(workers=1) as stack:
+        view = await stack.wait(await stack.submit(request), timeout=30)
+
+    assert view["status"] == "rejected"
+    assert view["errors"] == [{"field": "entrypoint", "message": "Field required"}]
+
+
+async def test_min_workers_above_max_workers_is_rejected(embedded: StackFactory, toy_dataset: Path) -> None:
+    async with embedded(workers=1) as stack:
+        job_id = await stack.submit(toy_request(toy_dataset, min_workers=4, max_workers=2))
+        view = await stack.wait(job_id, timeout=30)
+
+    assert view["status"] == "rejected"
+    assert "min_workers (4) must not exceed max_workers (2)" in view["reason"]
+
+
+async def test_unknown_dataset_path_fails_the_job(embedded: StackFactory, tmp_path: Path) -> None:
+    async with embedded(workers=1) as stack:
+        view = await stack.wait(await stack.submit(toy_request(tmp_path / "nope")), timeout=30)
+
+    assert view["status"] == "failed"
+    assert view["reason"].startswith(f"dataset {tmp_path / 'nope'} does not exist")
+
+
+async def test_dataset_without_manifest_fails_the_job(embedded: StackFactory, tmp_path: Path) -> None:
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "x.txt").write_text("x")
+
+    async with embedded(workers=1) as stack:
+        view = await stack.wait(await stack.submit(toy_request(tmp_path / "bare")), timeout=30)
+
+    assert view["status"] == "failed"
+    assert "has no manifest.json" in view["reason"]
+
+
+async def test_entrypoint_that_cannot_be_imported_fails_the_job(embedded: StackFactory, toy_dataset: Path) -> None:
+    request = {**toy_request(toy_dataset), "entrypoint": "no_such_pkg.train:fl_train_model"}
+
+    async with embedded(workers=1) as stack:
+        view = await stack.wait(await stack.submit(request), timeout=60)
+
+    assert view["status"] == "failed"
+    assert "entrypoint module 'no_such_pkg.train' cannot be imported: ModuleNotFoundError" in view["reason"]
+
+
+async def test_entrypoint_that_raises_fails_the_job_without_waiting_for_the_timeout(
+    embedded: StackFactory, toy_dataset: Path
+) -> None:
+    request = toy_request(toy_dataset, aggregation_timeout=600, fault_tolerance=1)
+    request["config"] = {"mode": "raise"}
+
+    async with embedded(workers=2) as stack:
+        view = await stack.wait(await stack.submit(request), timeout=90)
+        workers_alive = all(w.runner.pid is None or w.runner.pid > 0 for w in stack.workers)
+
+    assert view["status"] == "failed"
+    assert "failed 2 time(s) in a row" in view["reason"]
+    assert "RuntimeError: toy failure on shard" in view["reason"]
+    assert "toy.py:" in view["reason"]
+    assert workers_alive
+
+
+def test_apiary_run_trains_digits_to_90_percent(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "examples/digits/prepare.py"], cwd=REPO, check=True, capture_output=True)
+    env = {"APIARY_HOME": str(tmp_path / ".apiary"), "PATH": str(Path(sys.executable).parent)}
+
+    done = subprocess.run(
+        [sys.executable, "-m", "apiary.cli", "run", "examples/digits/job.yaml", "--workers", "3", "--json"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout)
+    assert summary["status"] == "completed"
+    assert summary["rounds_completed"] == 5
+    assert summary["metrics"]["accuracy"] >= 0.90
+    assert Path(summary["final_model"].removeprefix("file://")).is_file()

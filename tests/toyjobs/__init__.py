@@ -1,0 +1,1 @@
+"""Deterministic toy entrypoints for tests: exact arithmetic, tiny tensors, chosen failures."""

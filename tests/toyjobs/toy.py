@@ -1,0 +1,81 @@
+"""A toy `fl_train_model` whose result is known exactly: shard s adds (s + 1) to every weight.
+
+env MODE picks a behaviour: ok (default), raise, exit, hang, nan, badshape, zero_samples, slow.
+env FAIL_SHARDS (a list) limits a failure mode to those shards; the others behave normally.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def make_dataset(root: Path, num_samples: int = 12, *, groups: int = 0) -> Path:
+    """Write a toy dataset folder: one small text file per sample, and a manifest."""
+    samples = []
+    (root / "samples").mkdir(parents=True, exist_ok=True)
+    for i in range(num_samples):
+        path = f"samples/{i:04d}.txt"
+        (root / path).write_text(f"sample {i}\n")
+        sample: dict[str, Any] = {"path": path, "label": i % 3}
+        if groups:
+            sample["group"] = f"g{i % groups}"
+        samples.append(sample)
+    (root / "manifest.json").write_text(json.dumps({"name": "toy", "samples": samples}))
+    return root
+
+
+def fl_init_weights(env: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Small integer-valued weights, so averages are exact in float32."""
+    return {"layer.weight": torch.zeros(2, 3), "layer.bias": torch.arange(2, dtype=torch.float32),
+            "steps": torch.tensor(0, dtype=torch.int64)}
+
+
+def _count_samples(data_root: str) -> int:
+    manifest = json.loads((Path(data_root) / "manifest.json").read_text())
+    return len(manifest["samples"])
+
+
+def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) -> dict[str, Any]:
+    """Add (shard + 1) to every float weight; fail as env MODE asks."""
+    env = payload["env"]
+    shard = int(payload["dataset"]["shard_index"])
+    fail_shards = env.get("FAIL_SHARDS")
+    mode = env.get("MODE", "ok") if fail_shards is None or shard in fail_shards else "ok"
+    if mode == "raise":
+        raise RuntimeError(f"toy failure on shard {shard}")
+    if mode == "exit":
+        os._exit(3)
+    if mode == "hang":
+        time.sleep(3600)
+    if mode == "slow":
+        time.sleep(float(env.get("SLOW_SECONDS", 2.0)))
+    weights = {k: v.clone() for k, v in payload["initial_weights"].items()}
+    for name, tensor in weights.items():
+        if tensor.is_floating_point():
+            tensor.add_(shard + 1)
+        else:
+            tensor.add_(1)
+    if mode == "nan":
+        weights["layer.weight"][0, 0] = float("nan")
+    if mode == "badshape":
+        weights["layer.weight"] = torch.zeros(3, 3)
+    samples = _count_samples(payload["dataset"]["data_root"])
+    if mode == "zero_samples":
+        samples = 0
+    loss = 1.0 / (payload["round"]["index"] + shard)
+    if logger is not None:
+        for step in range(3):
+            logger.log_metrics(loss=loss + 0.1 * (2 - step), step=step)
+    Path(out_dir, f"shard-{shard}.txt").write_text(f"round {payload['round']['index']}\n")
+    return {"weights": weights, "samples": samples, "metrics": {"loss": loss}}
+
+
+def fl_evaluate_model(weights: dict[str, torch.Tensor], env: dict[str, Any]) -> dict[str, float]:
+    """A metric computed from the final weights, so the test can check evaluation ran on them."""
+    return {"weight_sum": float(weights["layer.weight"].sum())}

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from apiary import keys
-from apiary.bus import Delivery, subscribe
+from apiary.bus import Delivery, EventHandler, subscribe
 from apiary.component import Component, dumps, loads
 from apiary.contracts import (
     ObjectRef,
@@ -22,7 +22,9 @@ from apiary.contracts import (
 from apiary.fedavg import FedAvg, InvalidContribution, merge_partial, validate, weighted_metrics
 from apiary.outbox import KeyedLocks, Outbox, outbox_migration
 from apiary.storage import ObjectNotFound
-from apiary.weights import WeightsError, WeightSpec, dumps as dump_weights, loads as load_weights, spec_of
+from apiary.weights import WeightsError, WeightSpec, spec_of
+from apiary.weights import dumps as dump_weights
+from apiary.weights import loads as load_weights
 
 log = logging.getLogger("apiary.aggregator")
 
@@ -76,7 +78,7 @@ class Aggregator(Component):
     async def start(self) -> None:
         await self.db.migrate(self.name, MIGRATIONS)
         await self.outbox.flush()
-        handlers = {
+        handlers: dict[str, EventHandler] = {
             "round.start": self.on_round_start,
             "worker.done": self.on_worker_done,
             "worker.failed": self.on_worker_failed,

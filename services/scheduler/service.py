@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import tempfile
@@ -14,7 +15,7 @@ from urllib.parse import unquote, urlparse
 from pydantic import ValidationError
 
 from apiary import keys
-from apiary.bus import Delivery, Raw, subscribe
+from apiary.bus import Delivery, EventHandler, Raw, subscribe
 from apiary.component import Component, dumps, loads
 from apiary.contracts import (
     Assignment,
@@ -80,7 +81,7 @@ class Scheduler(Component):
     async def start(self) -> None:
         await self.db.migrate(self.name, MIGRATIONS)
         await self.outbox.flush()
-        handlers = {
+        handlers: dict[str, EventHandler | Raw] = {
             "job.requested": Raw(self.on_job_requested),
             "job.sharded": self.on_job_sharded,
             "round.aggregated": self.on_round_aggregated,
@@ -178,19 +179,19 @@ class Scheduler(Component):
                     f"no initial weights: give the job a 'model' checkpoint or define "
                     f"fl_init_weights(env) in {spec.module}"
                 )
-            read_header(path.read_bytes())
+            read_header(await asyncio.to_thread(path.read_bytes))
             return await self.storage.put_file(target, path)
 
     async def _read_model(self, source: str) -> bytes:
         if source.startswith("file:"):
-            return Path(unquote(urlparse(source).path)).read_bytes()
+            return await asyncio.to_thread(Path(unquote(urlparse(source).path)).read_bytes)
         own = self.storage.uri("x").removesuffix("x")
         if source.startswith(own):
             return await self.storage.get_bytes(source.removeprefix(own))
         if "://" in source:
             raise ValueError(f"model {source} is outside this deployment's storage ({own})")
         if Path(source).is_file():
-            return Path(source).read_bytes()
+            return await asyncio.to_thread(Path(source).read_bytes)
         return await self.storage.get_bytes(source)
 
     # ------------------------------------------------------------ rounds

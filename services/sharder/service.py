@@ -7,6 +7,7 @@ import logging
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlparse
 
 from apiary import keys
@@ -39,7 +40,7 @@ class Sharder(Component):
 
     name = "sharder"
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.outbox = Outbox(self.db, self.bus, "sharder_outbox")
         self._locks = KeyedLocks()
@@ -105,7 +106,9 @@ class Sharder(Component):
                 "SELECT storage_key, uri FROM datasets WHERE dataset_id = $1", event.dataset_id
             )
             if row is None:
-                raise DatasetError(f"dataset_id {event.dataset_id!r} is unknown: upload it with `apiary dataset upload`")
+                raise DatasetError(
+                    f"dataset_id {event.dataset_id!r} is unknown: upload it with `apiary dataset upload`"
+                )
             return await self._fetch(row["storage_key"], tmp), event.dataset_id
         ref = event.dataset or ""
         if ref.startswith("file:"):

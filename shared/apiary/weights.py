@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 import warnings
@@ -81,7 +82,7 @@ def read_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, dict], 
             raise WeightsError(f"tensor {name!r}: data_offsets {offsets} do not fit its shape or the file")
         spans.append((start, end, name))
     spans.sort()
-    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:], strict=False):
+    for (_, end_a, a), (start_b, _, b) in itertools.pairwise(spans):
         if start_b < end_a:
             raise WeightsError(f"tensors {a!r} and {b!r} overlap")
     return header, base

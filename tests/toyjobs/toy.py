@@ -56,7 +56,7 @@ def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) ->
     if mode == "slow":
         time.sleep(float(env.get("SLOW_SECONDS", 2.0)))
     weights = {k: v.clone() for k, v in payload["initial_weights"].items()}
-    for name, tensor in weights.items():
+    for tensor in weights.values():
         if tensor.is_floating_point():
             tensor.add_(shard + 1)
         else:

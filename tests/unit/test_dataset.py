@@ -70,7 +70,7 @@ def test_bad_manifests_are_refused_with_the_reason(manifest: bytes, message: str
 
 
 def test_folder_without_manifest_says_what_is_missing(tmp_path: Path) -> None:
-    with pytest.raises(DatasetError, match="has no manifest.json"):
+    with pytest.raises(DatasetError, match=r"has no manifest\.json"):
         DatasetSource(tmp_path).manifest()
 
 
@@ -79,7 +79,7 @@ def test_missing_sample_file_is_named(tmp_path: Path) -> None:
     (root / "samples" / "0002.txt").unlink()
     source = DatasetSource(root)
 
-    with pytest.raises(DatasetError, match="0002.txt"):
+    with pytest.raises(DatasetError, match=r"0002\.txt"):
         write_shard(source, source.manifest(), [0, 1, 2, 3], {"index": 0}, tmp_path / "s.zip")
 
 

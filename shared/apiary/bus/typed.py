@@ -29,7 +29,7 @@ async def publish_event(
     headers: dict[str, Any] | None = None,
 ) -> None:
     """Publish an event under its own routing key (or the one given, for assignments)."""
-    key = routing_key or getattr(event, "routing_key", "")
+    key = routing_key or str(getattr(event, "routing_key", ""))
     await bus.publish(key, encode(event), headers=headers, delay=delay)
 
 

@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-
 # `{autoid}` in a migration becomes an auto-incrementing primary key in each dialect.
 AUTOID = {
     "sqlite": "INTEGER PRIMARY KEY AUTOINCREMENT",

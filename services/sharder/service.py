@@ -15,6 +15,7 @@ from apiary.bus import Delivery, subscribe
 from apiary.component import Component
 from apiary.contracts import JobSharded, ShardInfo, ShardRequested
 from apiary.dataset import DatasetError, DatasetSource, split, write_shard
+from apiary.datasets import dataset_info
 from apiary.outbox import KeyedLocks, Outbox, outbox_migration
 from apiary.storage import ObjectNotFound
 
@@ -22,10 +23,6 @@ log = logging.getLogger("apiary.sharder")
 
 MIGRATIONS = [
     """
-    CREATE TABLE IF NOT EXISTS datasets (
-      dataset_id TEXT PRIMARY KEY, name TEXT NOT NULL, uri TEXT NOT NULL, storage_key TEXT,
-      num_samples BIGINT NOT NULL, size BIGINT NOT NULL, sha256 TEXT NOT NULL,
-      created_at DOUBLE PRECISION NOT NULL);
     CREATE TABLE IF NOT EXISTS shards (
       job_id TEXT NOT NULL, shard BIGINT NOT NULL, storage_key TEXT NOT NULL, size BIGINT NOT NULL,
       sha256 TEXT NOT NULL, num_samples BIGINT NOT NULL, dataset_id TEXT,
@@ -102,14 +99,8 @@ class Sharder(Component):
     async def _locate(self, event: ShardRequested, tmp: Path) -> tuple[Path, str | None]:
         """A local path for the dataset: a path, a file:// URI, a storage URI or key, or a dataset id."""
         if event.dataset_id:
-            row = await self.db.fetchrow(
-                "SELECT storage_key, uri FROM datasets WHERE dataset_id = $1", event.dataset_id
-            )
-            if row is None:
-                raise DatasetError(
-                    f"dataset_id {event.dataset_id!r} is unknown: upload it with `apiary dataset upload`"
-                )
-            return await self._fetch(row["storage_key"], tmp), event.dataset_id
+            info = await dataset_info(self.storage, event.dataset_id)
+            return await self._fetch(info["key"], tmp), event.dataset_id
         ref = event.dataset or ""
         if ref.startswith("file:"):
             return Path(unquote(urlparse(ref).path)), None

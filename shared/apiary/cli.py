@@ -141,6 +141,7 @@ def run(
 
 
 def _print_summary(result: dict[str, Any]) -> None:
+    console.print()
     ok = result["status"] == "completed"
     console.print(f"[bold {'green' if ok else 'red'}]{result['status']}[/] job {result['job_id']} "
                   f"({result['rounds_completed']}/{result['num_rounds'] or '?'} rounds, {result['duration_s']}s)")
@@ -150,6 +151,180 @@ def _print_summary(result: dict[str, Any]) -> None:
         console.print(f"final model: {result['final_model']}")
     if result["reason"]:
         console.print(f"[red]reason:[/red] {result['reason']}")
+
+
+SERVICES = ("scheduler", "sharder", "aggregator", "tracker")
+
+
+@app.command()
+def serve(
+    service: str = typer.Argument(..., help="One of: scheduler, sharder, aggregator, tracker."),
+) -> None:
+    """Run one service in this process, on the ports the APIARY_* settings name, until SIGTERM."""
+    if service not in SERVICES:
+        _fail(f"unknown service {service!r}: choose one of {', '.join(SERVICES)}")
+    settings = Settings()
+    _setup_logging(settings, to_console=True)
+    from apiary.runtime import serve_service
+
+    _run_async(serve_service(service, settings))
+
+
+@app.command()
+def worker(
+    worker_id: str = typer.Option(None, "--id", help="This worker's id (default: APIARY_WORKER_ID or host name)."),
+    gpu: int = typer.Option(None, "--gpu", help="The GPU index this worker trains on."),
+) -> None:
+    """Run one worker: it takes pool assignments and those pinned to its id, until SIGTERM."""
+    overrides: dict[str, Any] = {}
+    if worker_id:
+        overrides["worker_id"] = worker_id
+    if gpu is not None:
+        overrides["gpu"] = gpu
+    settings = Settings(**overrides)
+    _setup_logging(settings, to_console=True)
+    from apiary.runtime import serve_worker
+
+    _run_async(serve_worker(settings))
+
+
+@app.command()
+def submit(
+    job_file: Path = typer.Argument(..., help="The job: a YAML or JSON file."),
+    job_id: str = typer.Option(None, "--job-id", help="Choose the job id (default: a new one)."),
+    wait: bool = typer.Option(False, "--wait", help="Wait for the job to end and print its summary."),
+) -> None:
+    """Publish a job request to a deployed system; print the job id."""
+    from apiary.runtime import Ports
+    from apiary.runtime import submit as publish_request
+
+    settings = Settings()
+    try:
+        request = load_job_file(job_file)
+    except JobFileError as e:
+        _fail(str(e))
+    if job_id:
+        request["job_id"] = job_id
+
+    async def go() -> tuple[str, dict[str, Any] | None]:
+        ports = Ports(settings)
+        await ports.bus.connect()
+        try:
+            jid = await publish_request(ports.bus, request)
+        finally:
+            await ports.bus.close()
+        if not wait:
+            return jid, None
+        return jid, await _watch(settings, jid, live=False)
+
+    jid, view = _guard(lambda: _run_async(go()))
+    print(jid)
+    if view is not None:
+        _print_summary(summary(view, time.time() - view["created_at"]))
+        if view["status"] != "completed":
+            raise typer.Exit(1)
+
+
+@app.command()
+def status(
+    job_id: str = typer.Argument(..., help="The job's id."),
+    watch: bool = typer.Option(False, "--watch", help="Keep the view live until the job ends."),
+    as_json: bool = typer.Option(False, "--json", help="Print the job's view as JSON."),
+) -> None:
+    """Show a job: status, round, each shard's worker and loss, metrics per round, failure reason."""
+    settings = Settings()
+
+    async def go() -> dict[str, Any] | None:
+        if watch and not as_json:
+            return await _watch(settings, job_id, live=True)
+        from services.tracker.service import job_view
+
+        ports = Ports(settings)
+        await ports.db.connect()
+        try:
+            return await job_view(ports.db, job_id)
+        finally:
+            await ports.db.close()
+
+    from apiary.runtime import Ports
+
+    view = _guard(lambda: _run_async(go()))
+    if view is None:
+        _fail(f"no job {job_id!r} is known to the tracker at {settings.resolved_database_url()}")
+        return
+    if as_json:
+        print(json.dumps(view, default=str))
+    elif not watch:
+        console.print(render_job(view))
+    if view.get("reason"):
+        console.print(f"[red]reason:[/red] {view['reason']}")
+
+
+async def _watch(settings: Settings, job_id: str, *, live: bool) -> dict[str, Any]:
+    """Poll the tracker's view of a job until it ends, drawing it live if asked."""
+    from apiary.runtime import TERMINAL, Ports
+    from services.tracker.service import job_view
+
+    ports = Ports(settings)
+    await ports.db.connect()
+    try:
+        with Live(console=console, refresh_per_second=4, transient=False) if live else _nothing() as display:
+            while True:
+                view = await job_view(ports.db, job_id)
+                if view is not None and display is not None:
+                    display.update(render_job(view))
+                if view is not None and view["status"] in TERMINAL:
+                    return view
+                await asyncio.sleep(0.5)
+    finally:
+        await ports.db.close()
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+dataset_app = typer.Typer(help="Datasets kept in storage, for jobs to name by dataset_id.", no_args_is_help=True)
+app.add_typer(dataset_app, name="dataset")
+
+
+@dataset_app.command("upload")
+def dataset_upload(
+    path: Path = typer.Argument(..., help="A dataset folder or zip file with a manifest.json."),
+    name: str = typer.Option(None, "--name", help="A name for people (default: the folder or file name)."),
+) -> None:
+    """Store a dataset; print its dataset_id and URI."""
+    from apiary.datasets import upload_dataset
+    from apiary.runtime import Ports
+
+    settings = Settings()
+
+    async def go() -> dict[str, Any]:
+        ports = Ports(settings)
+        return await upload_dataset(ports.storage, path, name=name)
+
+    info = _guard(lambda: _run_async(go()))
+    print(f"{info['dataset_id']} {info['uri']}")
+    console.print(f"[dim]{info['num_samples']} samples, {info['size']} bytes; use it with "
+                  f"dataset_id: {info['dataset_id']}[/dim]")
+
+
+def _guard(call: Any) -> Any:
+    """Run a command body; turn a user-caused failure into one clear line."""
+    from apiary.dataset import DatasetError
+    from apiary.db import DatabaseUnavailable
+    from apiary.storage import StorageUnavailable
+
+    try:
+        return call()
+    except (DatasetError, DatabaseUnavailable, StorageUnavailable, RuntimeError) as e:
+        _fail(str(e))
+    except OSError as e:
+        _fail(f"cannot reach a service: {e}")
 
 
 def _run_async(coro: Any) -> Any:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from apiary.jobspec import ENTRYPOINT_RE
 from apiary.settings import Settings
 from apiary.storage import Storage, make_storage
 
+log = logging.getLogger("apiary.runtime")
 TERMINAL = ("completed", "failed", "cancelled", "rejected")
 
 
@@ -112,6 +115,55 @@ async def submit(bus: Bus, request: dict[str, Any]) -> str:
     return str(body["job_id"])
 
 
+async def _until_signalled() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def _component(name: str, ports: Ports) -> Any:
+    from services.aggregator import Aggregator
+    from services.scheduler import Scheduler
+    from services.sharder import Sharder
+    from services.tracker import Tracker
+
+    classes = {"scheduler": Scheduler, "sharder": Sharder, "aggregator": Aggregator, "tracker": Tracker}
+    return classes[name](ports.bus, ports.db, ports.storage, ports.settings)
+
+
+async def serve_service(name: str, settings: Settings) -> None:
+    """Run one service until SIGTERM; its in-flight messages finish or go back to their queues."""
+    ports = Ports(settings)
+    await ports.open()
+    service = _component(name, ports)
+    try:
+        await service.start()
+        log.info("%s running (bus %s)", name, settings.bus_url.split("@")[-1])
+        await _until_signalled()
+        log.info("%s stopping", name)
+    finally:
+        await service.stop()
+        await ports.close()
+
+
+async def serve_worker(settings: Settings) -> None:
+    """Run one worker until SIGTERM; an assignment in training goes back to its queue."""
+    from services.worker import Worker
+
+    bus = make_bus(settings.bus_url, exchange=settings.exchange)
+    await bus.connect()
+    worker = Worker(bus, settings)
+    try:
+        await worker.start()
+        await _until_signalled()
+        log.info("worker %s stopping", worker.worker_id)
+    finally:
+        await worker.stop()
+        await bus.close()
+
+
 def code_root_for(entrypoint: str, start: Path) -> Path | None:
     """The folder from which the entrypoint's module imports, searching upwards from `start`."""
     if not ENTRYPOINT_RE.match(entrypoint):
@@ -124,4 +176,4 @@ def code_root_for(entrypoint: str, start: Path) -> Path | None:
     return None
 
 
-__all__ = ["Embedded", "Ports", "code_root_for", "publish_event", "submit"]
+__all__ = ["Embedded", "Ports", "code_root_for", "publish_event", "serve_service", "serve_worker", "submit"]

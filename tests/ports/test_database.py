@@ -6,6 +6,7 @@ import asyncio
 import socket
 
 import pytest
+
 from apiary.db.base import Database, DatabaseUnavailable
 from apiary.db.postgres import PostgresDatabase
 

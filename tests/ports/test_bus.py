@@ -1,0 +1,581 @@
+"""One behaviour suite for the bus port, run against the in-memory bus and RabbitMQ.
+
+The last section holds RabbitMQ-only behaviour: surviving the broker's consumer acknowledgement
+timeout, returning a dead consumer's held message, and recovering from a dropped connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from apiary.bus.base import (
+    ORIGINAL_KEY_HEADER,
+    REASON_HEADER,
+    Bus,
+    Delivery,
+    Poison,
+    Retryable,
+    Unroutable,
+)
+from apiary.bus.rabbitmq import RabbitBus
+from apiary.bus.typed import subscribe
+from tests.fixtures.services import rabbitmqctl
+
+DEADLINE = 15.0
+
+
+async def eventually(
+    check: Callable[[], Awaitable[bool] | bool], what: str, within: float = DEADLINE
+) -> None:
+    """Poll `check` until it holds, failing with `what` after `within` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        result = check()
+        if isinstance(result, Awaitable):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {within} s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def observed(get: Callable[[], Awaitable[object]], expected: object, within: float = 3.0) -> object:
+    """Poll `get` until it returns `expected` or `within` seconds pass; return what it last returned."""
+    deadline = time.monotonic() + within
+    # Broker counters have no event to wait on: poll them.
+    while (value := await get()) != expected and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.02)
+    return value
+
+
+@dataclass
+class Recorder:
+    """A handler that records what it was given, and can be told to fail or block."""
+
+    fail_first: int = 0
+    error: Callable[[], Exception] = lambda: RuntimeError("boom")
+    seen: list[Delivery] = field(default_factory=list)
+    at: list[float] = field(default_factory=list)
+
+    async def __call__(self, delivery: Delivery) -> None:
+        self.seen.append(delivery)
+        self.at.append(time.monotonic())
+        if len(self.seen) <= self.fail_first:
+            raise self.error()
+
+    @property
+    def bodies(self) -> list[bytes]:
+        return [d.body for d in self.seen]
+
+
+async def settled(bus: Bus, queue: str) -> None:
+    """Wait until nothing is ready in the queue (the dead-letter queue included)."""
+    await eventually(lambda: _empty(bus, queue), f"{queue} to drain")
+
+
+async def _empty(bus: Bus, queue: str) -> bool:
+    return await bus.queue_size(queue) == 0
+
+
+@contextlib.asynccontextmanager
+async def consuming(bus: Bus, queue: str, handler: Callable[[Delivery], Awaitable[None]], **kw: int
+                    ) -> AsyncIterator[None]:
+    sub = await bus.consume(queue, handler, **kw)
+    try:
+        yield
+    finally:
+        await sub.cancel()
+
+
+# --- Routing ---------------------------------------------------------------------------------------
+
+
+async def test_topic_patterns_route_each_key_to_every_matching_queue(bus: Bus) -> None:
+    # Prepare
+    queues = {
+        "exact": ["job.requested"],
+        "star": ["job.*"],
+        "hash": ["job.#"],
+        "tail": ["#.failed"],
+        "middle": ["worker.*.done"],
+    }
+    for name, patterns in queues.items():
+        await bus.declare_queue(name, patterns)
+
+    # Execute
+    for key in ["job.requested", "job.round.failed", "worker.7.done", "job", "round.failed"]:
+        await bus.publish(key, key.encode())
+
+    # Assert
+    expected = {"exact": 1, "star": 1, "hash": 3, "tail": 2, "middle": 1}
+
+    async def sizes() -> dict[str, int]:
+        return {name: await bus.queue_size(name) for name in queues}
+
+    assert await observed(sizes, expected) == expected
+
+
+async def test_publish_matching_no_queue_raises_unroutable(bus: Bus) -> None:
+    # Prepare
+    await bus.declare_queue("jobs", ["job.*"])
+
+    # Execute / Assert
+    with pytest.raises(Unroutable):
+        await bus.publish("worker.done", b"lost")
+    assert await bus.queue_size("jobs") == 0
+
+
+async def test_headers_and_properties_round_trip(bus: Bus) -> None:
+    # Prepare
+    await bus.declare_queue("q", ["round.start"])
+    recorder = Recorder()
+    headers = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "attempt": 2,
+               "ratio": 0.5, "flag": True}
+
+    # Execute
+    async with consuming(bus, "q", recorder):
+        await bus.publish("round.start", b'{"a": 1}', headers=headers, content_type="application/json",
+                          message_id="m-1")
+        await eventually(lambda: len(recorder.seen) == 1, "the delivery")
+
+    # Assert
+    (got,) = recorder.seen
+    assert (got.routing_key, got.body, got.content_type, got.message_id, got.redelivered) == (
+        "round.start", b'{"a": 1}', "application/json", "m-1", False)
+    assert got.headers == headers
+
+
+async def test_purge_drops_ready_messages_and_queue_size_counts_them(bus: Bus) -> None:
+    # Prepare
+    await bus.declare_queue("q", ["a.b"])
+    for i in range(3):
+        await bus.publish("a.b", bytes([i]))
+    assert await observed(lambda: bus.queue_size("q"), 3) == 3
+
+    # Execute
+    purged = await bus.purge("q")
+
+    # Assert
+    assert purged == 3
+    assert await bus.queue_size("q") == 0
+
+
+async def test_consuming_an_undeclared_queue_is_refused(bus: Bus) -> None:
+    with pytest.raises(ValueError, match="not declared"):
+        await bus.consume("nowhere", Recorder())
+
+
+# --- Acks, retries and dead letters ----------------------------------------------------------------
+
+
+async def test_a_handler_failing_once_gets_a_redelivery_that_is_acked(bus: Bus) -> None:
+    # Prepare
+    await bus.declare_queue("q", ["worker.done"])
+    recorder = Recorder(fail_first=1)
+
+    # Execute
+    sub = await bus.consume("q", recorder)
+    await bus.publish("worker.done", b"result")
+    await eventually(lambda: len(recorder.seen) == 2, "the redelivery")
+    await sub.cancel()  # anything left unacked would now return to the queue
+
+    # Assert
+    assert recorder.bodies == [b"result", b"result"]
+    assert [d.redelivered for d in recorder.seen] == [False, True]
+    assert await bus.queue_size("q") == 0
+    assert await bus.queue_size("dead") == 0
+
+
+async def test_a_handler_failing_twice_sends_the_message_to_the_dead_letter_queue(bus: Bus) -> None:
+    # Prepare
+    await bus.declare_queue("q", ["worker.done"])
+    failing = Recorder(fail_first=99, error=lambda: ValueError("bad weights"))
+    dead = Recorder()
+
+    # Execute
+    async with consuming(bus, "q", failing), consuming(bus, "dead", dead):
+        await bus.publish("worker.done", b"result", headers={"job_id": "j1"})
+        await eventually(lambda: len(dead.seen) == 1, "the dead letter")
+
+    # Assert
+    assert len(failing.seen) == 2
+    (letter,) = dead.seen
+    assert letter.body == b"result"
+    assert letter.routing_key == "worker.done"
+    assert letter.headers[REASON_HEADER] == "handler failed twice: ValueError: bad weights"
+    assert letter.headers[ORIGINAL_KEY_HEADER] == "worker.done"
+    assert letter.headers["job_id"] == "j1"
+
+
+async def test_poison_is_dead_lettered_at_once(bus: Bus) -> None:
+    # Prepare
+    await bus.declare_queue("q", ["worker.done"])
+    poisoned = Recorder(fail_first=99, error=lambda: Poison("contribution for an unknown job"))
+    dead = Recorder()
+
+    # Execute
+    async with consuming(bus, "q", poisoned), consuming(bus, "dead", dead):
+        await bus.publish("worker.done", b"x")
+        await eventually(lambda: len(dead.seen) == 1, "the dead letter")
+
+    # Assert
+    assert len(poisoned.seen) == 1
+    assert dead.seen[0].headers[REASON_HEADER] == "contribution for an unknown job"
+
+
+async def test_an_undecodable_event_is_dead_lettered_at_once(bus: Bus) -> None:
+    # Prepare
+    handled: list[object] = []
+
+    async def on_job(event: object, delivery: Delivery) -> None:
+        handled.append(event)
+
+    dead = Recorder()
+    sub = await subscribe(bus, "scheduler", {"job.requested": on_job})
+
+    # Execute
+    async with consuming(bus, "dead", dead):
+        await bus.publish("job.requested", b"\xc1 is never valid msgpack")
+        await eventually(lambda: len(dead.seen) == 1, "the dead letter")
+    await sub.cancel()
+
+    # Assert
+    assert handled == []
+    assert dead.seen[0].headers[ORIGINAL_KEY_HEADER] == "job.requested"
+    assert dead.seen[0].headers[REASON_HEADER]
+    assert await bus.queue_size("scheduler") == 0
+
+
+async def test_retryable_is_requeued_until_it_succeeds(bus: Bus) -> None:
+    # Prepare
+    await bus.declare_queue("q", ["worker.done"])
+    recorder = Recorder(fail_first=2, error=lambda: Retryable("database is down"))
+
+    # Execute
+    sub = await bus.consume("q", recorder)
+    await bus.publish("worker.done", b"result")
+    await eventually(lambda: len(recorder.seen) == 3, "three attempts")
+    await sub.cancel()
+
+    # Assert
+    assert recorder.bodies == [b"result"] * 3
+    assert await bus.queue_size("q") == 0
+    assert await bus.queue_size("dead") == 0
+
+
+# --- Consumers -------------------------------------------------------------------------------------
+
+
+async def test_cancelling_a_subscription_returns_its_in_flight_message(bus: Bus) -> None:
+    # Prepare
+    await bus.declare_queue("assign.pool", ["assign.pool"])
+    started = asyncio.Event()
+
+    async def dies_mid_training(delivery: Delivery) -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    first = await bus.consume("assign.pool", dies_mid_training)
+    await bus.publish("assign.pool", b"shard-3")
+    await asyncio.wait_for(started.wait(), DEADLINE)
+
+    # Execute
+    await first.cancel()
+    second = Recorder()
+    async with consuming(bus, "assign.pool", second):
+        await eventually(lambda: len(second.seen) == 1, "the second consumer to get it")
+
+    # Assert
+    assert second.bodies == [b"shard-3"]
+    assert second.seen[0].redelivered
+
+
+async def test_a_handler_failing_while_cancelled_leaves_its_message_for_the_next_consumer(bus: Bus) -> None:
+    # Prepare: the message is already a redelivery, so a counted failure would dead-letter it.
+    await bus.declare_queue("q", ["worker.done"])
+    started = asyncio.Event()
+    calls = 0
+
+    async def fails_once_then_breaks_on_shutdown(delivery: Delivery) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("first attempt fails")
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise RuntimeError("cleanup failed during shutdown") from None
+
+    first = await bus.consume("q", fails_once_then_breaks_on_shutdown)
+    await bus.publish("worker.done", b"result")
+    await asyncio.wait_for(started.wait(), DEADLINE)
+
+    # Execute
+    await first.cancel()
+    second = Recorder()
+    async with consuming(bus, "q", second):
+        await eventually(lambda: len(second.seen) == 1, "the next consumer to get it")
+
+    # Assert
+    assert second.bodies == [b"result"]
+    assert await bus.queue_size("dead") == 0
+
+
+async def test_competing_consumers_share_a_queue_and_each_message_is_handled_once(bus: Bus) -> None:
+    # Prepare
+    await bus.declare_queue("assign.pool", ["assign.pool"])
+    handled: dict[str, list[bytes]] = {"a": [], "b": []}
+    both_busy = asyncio.Event()
+
+    def worker(name: str) -> Callable[[Delivery], Awaitable[None]]:
+        async def handle(delivery: Delivery) -> None:
+            handled[name].append(delivery.body)
+            if all(handled.values()):
+                both_busy.set()
+            # Each worker holds its first message until the other has one too.
+            await asyncio.wait_for(both_busy.wait(), DEADLINE)
+
+        return handle
+
+    # Execute
+    async with consuming(bus, "assign.pool", worker("a"), prefetch=1), \
+            consuming(bus, "assign.pool", worker("b"), prefetch=1):
+        for i in range(20):
+            await bus.publish("assign.pool", f"shard-{i}".encode())
+        await eventually(lambda: sum(map(len, handled.values())) == 20, "all 20 shards")
+
+    # Assert
+    everything = handled["a"] + handled["b"]
+    assert sorted(everything) == sorted(f"shard-{i}".encode() for i in range(20))
+    assert handled["a"] and handled["b"]
+
+
+async def test_prefetch_bounds_how_many_handlers_run_at_once(bus: Bus) -> None:
+    # Prepare
+    await bus.declare_queue("q", ["task"])
+    gate = asyncio.Event()
+    running = 0
+    most = 0
+    done = 0
+
+    async def slow(delivery: Delivery) -> None:
+        nonlocal running, most, done
+        running += 1
+        most = max(most, running)
+        await asyncio.wait_for(gate.wait(), DEADLINE)
+        running -= 1
+        done += 1
+
+    # Execute
+    async with consuming(bus, "q", slow, prefetch=3):
+        for i in range(10):
+            await bus.publish("task", bytes([i]))
+        await eventually(lambda: running == 3, "three handlers to start")
+        waiting = await bus.queue_size("q")
+        gate.set()
+        await eventually(lambda: done == 10, "all ten to finish")
+
+    # Assert
+    assert waiting == 7
+    assert most == 3
+
+
+# --- Delays ----------------------------------------------------------------------------------------
+
+
+async def test_delayed_publish_arrives_after_its_delay_and_a_short_one_is_not_held_back(bus: Bus) -> None:
+    # Prepare
+    await bus.declare_queue("aggregator", ["round.timeout"])
+    recorder = Recorder()
+    async with consuming(bus, "aggregator", recorder):
+        # Execute
+        sent_long = time.monotonic()
+        await bus.publish("round.timeout", b"long", delay=2.0)
+        sent_short = time.monotonic()
+        await bus.publish("round.timeout", b"short", delay=0.5)
+        early = await bus.queue_size("aggregator") + len(recorder.seen)
+        await eventually(lambda: len(recorder.seen) == 2, "both timeouts")
+
+    # Assert
+    assert early == 0
+    assert recorder.bodies == [b"short", b"long"]
+    short_at, long_at = recorder.at
+    assert short_at - sent_short >= 0.5 - 0.01
+    assert short_at - sent_short < 1.8, "the short delay waited behind the long one"
+    assert long_at - sent_long >= 2.0 - 0.01
+
+
+# --- RabbitMQ only ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def broker_setting(name: str, value: int) -> Iterator[None]:
+    """Set a `rabbit` application setting on the running broker, restoring it afterwards."""
+    before = rabbitmqctl("eval", f"application:get_env(rabbit, {name}).").strip()
+    rabbitmqctl("eval", f"application:set_env(rabbit, {name}, {value}).")
+    try:
+        yield
+    finally:
+        match = re.fullmatch(r"\{ok,(.+)\}", before)
+        if match:
+            rabbitmqctl("eval", f"application:set_env(rabbit, {name}, {match.group(1)}).")
+        else:
+            rabbitmqctl("eval", f"application:unset_env(rabbit, {name}).")
+
+
+@contextlib.asynccontextmanager
+async def rabbit(url: str, namespace: str, **kw: float | None) -> AsyncIterator[RabbitBus]:
+    bus = RabbitBus(url, exchange=namespace, connection_name=f"{namespace} {uuid.uuid4().hex[:6]}", **kw)
+    await bus.connect()
+    try:
+        yield bus
+    finally:
+        await bus.close()
+
+
+def unacked(namespace: str) -> dict[str, int]:
+    """Unacked deliveries per queue of the namespace, as the broker counts them."""
+    rows = rabbitmqctl("list_queues", "-q", "--no-table-headers", "name", "messages_unacknowledged")
+    counts = {}
+    for line in rows.splitlines():
+        name, _, count = line.strip().rpartition("\t")
+        if name.startswith(f"{namespace}."):
+            counts[name.removeprefix(f"{namespace}.")] = int(count)
+    return counts
+
+
+TIMEOUT_MS = 3000  # the broker's consumer_timeout during these tests
+TRAINING_S = 8.0  # longer than the timeout plus several broker checks
+
+
+async def test_a_long_handler_outlives_the_consumer_timeout_without_loss_or_duplicate(
+    rabbit_url: str, bus_namespace: str
+) -> None:
+    # Prepare: the broker checks every 0.5 s and times out deliveries older than 3 s.
+    seen: list[tuple[bytes, bool]] = []
+    trained = asyncio.Event()
+
+    async def train(delivery: Delivery) -> None:
+        seen.append((delivery.body, delivery.redelivered))
+        if delivery.body == b"round-1":
+            await asyncio.sleep(TRAINING_S)  # the training itself
+            trained.set()
+
+    async with rabbit(rabbit_url, bus_namespace, lease_renewal=1.0) as bus:
+        await bus.declare_queue("assign.pool", ["assign.pool"])
+        with broker_setting("channel_tick_interval", 500):
+            with broker_setting("consumer_timeout", TIMEOUT_MS):
+                sub = await bus.consume("assign.pool", train, prefetch=1)  # the timeout is read here
+
+            # Execute
+            started = time.monotonic()
+            await bus.publish("assign.pool", b"round-1")
+            await asyncio.wait_for(trained.wait(), TRAINING_S + DEADLINE)
+            elapsed = time.monotonic() - started
+            await bus.publish("assign.pool", b"round-2")
+            await eventually(lambda: len(seen) == 2, "the next assignment")
+            await sub.cancel()
+
+        # Assert
+        assert elapsed > 2 * TIMEOUT_MS / 1000
+        assert seen == [(b"round-1", False), (b"round-2", False)]
+        assert await bus.queue_size("assign.pool") == 0
+        assert await bus.queue_size("dead") == 0
+        assert not [q for q in unacked(bus_namespace) if q.startswith("hold.")], "hold queue left behind"
+
+
+async def test_without_re_holding_the_broker_closes_the_channel_and_the_consumer_recovers(
+    rabbit_url: str, bus_namespace: str
+) -> None:
+    # Prepare: the control for the test above, with re-holding switched off.
+    seen: list[tuple[bytes, bool]] = []
+    release = asyncio.Event()
+
+    async def train(delivery: Delivery) -> None:
+        seen.append((delivery.body, delivery.redelivered))
+        if len(seen) == 1:
+            await asyncio.wait_for(release.wait(), DEADLINE + TRAINING_S)
+
+    async with rabbit(rabbit_url, bus_namespace, lease_renewal=None) as bus:
+        await bus.declare_queue("assign.pool", ["assign.pool"])
+        with broker_setting("channel_tick_interval", 500):
+            with broker_setting("consumer_timeout", TIMEOUT_MS):
+                sub = await bus.consume("assign.pool", train, prefetch=1)
+
+            # Execute
+            await bus.publish("assign.pool", b"round-1")
+            await eventually(lambda: len(seen) == 2, "the broker to time out and redeliver")
+            release.set()
+            await bus.publish("assign.pool", b"round-2")
+            await eventually(lambda: len(seen) == 3, "the recovered consumer to take more work")
+            await sub.cancel()
+
+        # Assert
+        assert seen == [(b"round-1", False), (b"round-1", True), (b"round-2", False)]
+        assert await bus.queue_size("assign.pool") == 0
+
+
+async def test_a_held_message_of_a_consumer_that_dies_goes_back_to_the_pool(
+    rabbit_url: str, bus_namespace: str
+) -> None:
+    # Prepare: a worker takes an assignment and holds it past a few re-holds.
+    async def trains_forever(delivery: Delivery) -> None:
+        await asyncio.Event().wait()
+
+    async with rabbit(rabbit_url, bus_namespace, lease_renewal=0.5) as dying, \
+            rabbit(rabbit_url, bus_namespace) as survivor:
+        await dying.declare_queue("assign.pool", ["assign.pool"])
+        await dying.consume("assign.pool", trains_forever, prefetch=1)
+        await dying.publish("assign.pool", b"shard-1", headers={"job_id": "j1"})
+
+        def re_held() -> bool:
+            counts = unacked(bus_namespace)
+            held = sum(n for q, n in counts.items() if q.startswith("hold."))
+            return counts.get("assign.pool") == 0 and held == 1
+
+        await eventually(re_held, "the delivery to be re-held")
+
+        # Execute: the process dies (its connection goes, nothing is settled).
+        assert dying._connection is not None
+        await dying._connection.close()
+        recorder = Recorder()
+        async with consuming(survivor, "assign.pool", recorder):
+            await eventually(lambda: len(recorder.seen) == 1, "the assignment to come back")
+
+    # Assert
+    (got,) = recorder.seen
+    assert (got.body, got.routing_key, got.redelivered) == (b"shard-1", "assign.pool", True)
+    assert got.headers == {"job_id": "j1"}
+
+
+async def test_consumers_resume_after_the_broker_drops_the_connection(
+    rabbit_url: str, bus_namespace: str
+) -> None:
+    # Prepare
+    recorder = Recorder()
+    async with rabbit(rabbit_url, bus_namespace) as bus:
+        await bus.declare_queue("q", ["a.b"])
+        async with consuming(bus, "q", recorder):
+            await bus.publish("a.b", b"before")
+            await eventually(lambda: len(recorder.seen) == 1, "the first message")
+
+            # Execute
+            rows = rabbitmqctl("list_connections", "-q", "--no-table-headers", "pid", "client_properties")
+            pids = [line.split("\t")[0] for line in rows.splitlines() if bus.connection_name in line]
+            assert len(pids) == 1, rows
+            rabbitmqctl("close_connection", pids[0], "test: simulated broker restart")
+            await bus.publish("a.b", b"after")
+            await eventually(lambda: len(recorder.seen) == 2, "the restored consumer")
+
+    # Assert
+    assert recorder.bodies == [b"before", b"after"]

@@ -9,8 +9,10 @@ import time
 from typing import Any
 
 from apiary.bus import Delivery, Poison, Raw, subscribe
-from apiary.component import Component, dumps, loads
+from apiary.component import Component, dumps
 from apiary.contracts import DecodeError, decode_body
+from services.tracker.http import HttpServer
+from services.tracker.views import TERMINAL, job_view
 
 log = logging.getLogger("apiary.tracker")
 
@@ -43,9 +45,9 @@ MIGRATIONS = [
       value DOUBLE PRECISION NOT NULL, ts DOUBLE PRECISION NOT NULL);
     CREATE INDEX IF NOT EXISTS metrics_job ON metrics (job_id, seq)
     """,
+    # The step a shard's training reached, for the per-worker progress table.
+    "ALTER TABLE shard_views ADD COLUMN step BIGINT",
 ]
-
-TERMINAL = ("completed", "failed", "cancelled", "rejected")
 
 
 class Tracker(Component):
@@ -53,24 +55,62 @@ class Tracker(Component):
 
     name = "tracker"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, http: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._sweeper: asyncio.Task[None] | None = None
         self.changed = asyncio.Condition()
+        # Bumped with every notification, so a waiter can tell whether it missed one.
+        self.version = 0
+        self.closing = asyncio.Event()
+        self.serve_http = http
+        self._http: HttpServer | None = None
+
+    @property
+    def http_url(self) -> str | None:
+        """The HTTP API's and dashboard's address while they are served, else None."""
+        return self._http.url if self._http is not None else None
 
     async def start(self) -> None:
+        self.closing.clear()
         await self.db.migrate(self.name, MIGRATIONS)
         self._subscriptions.append(
             await subscribe(self.bus, "tracker", {"#": Raw(self.on_event)}, prefetch=self.settings.prefetch)
         )
         self._sweeper = asyncio.create_task(self._sweep_offline(), name="tracker:offline-sweep")
+        if self.serve_http:
+            await self.start_http()
+
+    async def start_http(self, host: str | None = None, port: int | None = None) -> str:
+        """Serve the HTTP API and the dashboard (on the settings' host and port unless given; port 0
+        picks a free one) and return their address. Call after start()."""
+        from services.tracker.api import create_app
+
+        if self._http is not None:
+            return self._http.url
+        server = HttpServer(create_app(self), self.settings.http_host if host is None else host,
+                            self.settings.http_port if port is None else port)
+        url = await server.start()
+        self._http = server
+        log.info("tracker serving the API and dashboard on %s", url)
+        return url
 
     async def stop(self) -> None:
+        self.closing.set()
+        await self._notify()  # live streams end, so the HTTP server can stop promptly
+        if self._http is not None:
+            await self._http.stop()
+            self._http = None
         await super().stop()
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
+            self._sweeper = None
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.version += 1
+            self.changed.notify_all()
 
     async def on_event(self, delivery: Delivery) -> None:
         """Record one event and update the views it touches."""
@@ -94,8 +134,7 @@ class Tracker(Component):
                     await handler(tx, body, ts)
                 except (KeyError, TypeError, ValueError) as e:
                     raise Poison(f"{key} message lacks what the tracker needs: {e}") from e
-        async with self.changed:
-            self.changed.notify_all()
+        await self._notify()
 
     async def _sweep_offline(self) -> None:
         """Mark workers offline when their heartbeats stop."""
@@ -107,8 +146,7 @@ class Tracker(Component):
                     "UPDATE workers SET status = 'offline' WHERE status = 'online' AND last_seen < $1", cutoff
                 )
                 if changed:
-                    async with self.changed:
-                        self.changed.notify_all()
+                    await self._notify()
 
 
 def _summary(key: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -170,12 +208,15 @@ async def _assignment(tx: Any, b: dict[str, Any], ts: float) -> None:
 
 
 async def _shard_state(tx: Any, b: dict[str, Any], ts: float, state: str, error: str | None = None) -> None:
+    # A progress report that arrives after the shard's result must not turn it back into "training".
+    settled = "AND state NOT IN ('reported', 'failed', 'rejected')" if state == "training" else ""
     await tx.execute(
         "UPDATE shard_views SET worker_id = $5, state = $6, metrics = COALESCE($7, metrics),"
-        " error = $8, updated_at = $9"
-        " WHERE job_id = $1 AND round = $2 AND attempt = $3 AND shard = $4",
+        " error = $8, step = COALESCE($9, step), updated_at = $10"
+        f" WHERE job_id = $1 AND round = $2 AND attempt = $3 AND shard = $4 {settled}",
         b["job_id"], b["round"], b.get("attempt", 1), b["shard"], b["worker_id"], state,
-        dumps(b["metrics"]) if b.get("metrics") else None, error, ts,
+        dumps(b["metrics"]) if b.get("metrics") else None, error,
+        b.get("step") if isinstance(b.get("step"), int) else None, ts,
     )
 
 
@@ -247,6 +288,13 @@ async def _worker_online(tx: Any, b: dict[str, Any], ts: float) -> None:
 
 
 async def _worker_heartbeat(tx: Any, b: dict[str, Any], ts: float) -> None:
+    if b.get("state") == "training" and isinstance(b.get("job_id"), str) and isinstance(b.get("shard"), int):
+        # The worker took the shard but has not reported progress yet: it is training, not waiting.
+        await tx.execute(
+            "UPDATE shard_views SET state = 'training', worker_id = $4, updated_at = $5"
+            " WHERE job_id = $1 AND round = $2 AND shard = $3 AND state = 'assigned'",
+            b["job_id"], b.get("round"), b["shard"], b["worker_id"], ts,
+        )
     await _touch_worker(tx, b["worker_id"], ts, state=b.get("state"), job_id=b.get("job_id"),
                         round_index=b.get("round"), shard=b.get("shard"), gpu=b.get("gpu"),
                         samples_per_s=b.get("samples_per_s"))
@@ -299,27 +347,6 @@ _VIEWS = {
     "worker.heartbeat": _worker_heartbeat,
     "worker.offline": _worker_offline,
 }
-
-
-async def job_view(db: Any, job_id: str) -> dict[str, Any] | None:
-    """Everything known about one job: status, rounds, shards in the current round."""
-    job = await db.fetchrow("SELECT * FROM job_views WHERE job_id = $1", job_id)
-    if job is None:
-        return None
-    job["metrics"] = loads(job["metrics"], {})
-    job["errors"] = loads(job["errors"], [])
-    rounds = await db.fetch(
-        "SELECT round, attempt, status, metrics, reason, started_at, ended_at FROM round_views"
-        " WHERE job_id = $1 ORDER BY round, attempt", job_id,
-    )
-    job["rounds"] = [{**r, "metrics": loads(r["metrics"], {})} for r in rounds]
-    shards = await db.fetch(
-        "SELECT shard, worker_id, state, metrics, error, updated_at FROM shard_views"
-        " WHERE job_id = $1 AND round = $2 AND attempt = $3 ORDER BY shard",
-        job_id, job["round"], job["attempt"],
-    )
-    job["shards"] = [{**s, "metrics": loads(s["metrics"], {})} for s in shards]
-    return job
 
 
 __all__ = ["TERMINAL", "Tracker", "job_view"]

@@ -1,0 +1,157 @@
+"""What the tracker's tables say about jobs and workers, shaped for people, charts and the API."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from apiary.component import loads
+from apiary.db import Executor
+
+TERMINAL = ("completed", "failed", "cancelled", "rejected")
+
+# A shard whose worker went offline mid-round shows as offline, not as still training.
+_STALLED = ("assigned", "training")
+
+
+async def job_view(db: Executor, job_id: str) -> dict[str, Any] | None:
+    """Everything known about one job: status, rounds, and every shard of the current round."""
+    job = await db.fetchrow("SELECT * FROM job_views WHERE job_id = $1", job_id)
+    if job is None:
+        return None
+    job["metrics"] = loads(job["metrics"], {})
+    job["errors"] = loads(job["errors"], [])
+    rounds = await db.fetch(
+        "SELECT round, attempt, status, metrics, reason, started_at, ended_at FROM round_views"
+        " WHERE job_id = $1 ORDER BY round, attempt", job_id,
+    )
+    job["rounds"] = [{**r, "metrics": loads(r["metrics"], {})} for r in rounds]
+    shards = await db.fetch(
+        "SELECT s.shard, s.worker_id, s.state, s.step, s.metrics, s.error, s.updated_at, w.status AS worker_status"
+        " FROM shard_views s LEFT JOIN workers w ON w.worker_id = s.worker_id"
+        " WHERE s.job_id = $1 AND s.round = $2 AND s.attempt = $3 ORDER BY s.shard",
+        job_id, job["round"], job["attempt"],
+    )
+    job["shards"] = [_shard(s, job["status"]) for s in shards]
+    job["progress"] = progress_counts(job["shards"])
+    job["reported"] = [s["worker_id"] for s in job["shards"] if s["state"] == "reported"]
+    job["training"] = [s["worker_id"] for s in job["shards"] if s["state"] == "training"]
+    return job
+
+
+def _shard(row: dict[str, Any], job_status: str) -> dict[str, Any]:
+    worker_status = row.pop("worker_status")
+    shard = {**row, "metrics": loads(row["metrics"], {})}
+    if job_status not in TERMINAL and shard["state"] in _STALLED and worker_status == "offline":
+        shard["state"] = "offline"
+    return shard
+
+
+def progress_counts(shards: Iterable[dict[str, Any]]) -> dict[str, int]:
+    """How many shards of a round are in each state, plus the total."""
+    counts = dict.fromkeys(("assigned", "training", "reported", "failed", "rejected", "offline"), 0)
+    total = 0
+    for shard in shards:
+        counts[shard["state"]] = counts.get(shard["state"], 0) + 1
+        total += 1
+    return {**counts, "total": total}
+
+
+async def list_jobs(db: Executor, limit: int = 100) -> list[dict[str, Any]]:
+    """The newest jobs first, each with its status and its latest aggregated round's metrics."""
+    jobs = await db.fetch(
+        "SELECT job_id, name, status, round, attempt, num_rounds, num_shards, reason, final_model, metrics,"
+        " created_at, updated_at FROM job_views ORDER BY created_at DESC, job_id LIMIT $1", limit,
+    )
+    latest: dict[str, dict[str, Any]] = {}
+    if jobs:
+        marks = ", ".join(f"${i}" for i in range(1, len(jobs) + 1))
+        rounds = await db.fetch(
+            f"SELECT job_id, metrics FROM round_views WHERE status = 'aggregated' AND job_id IN ({marks})"
+            " ORDER BY round, attempt", *(j["job_id"] for j in jobs),
+        )
+        for r in rounds:
+            latest[r["job_id"]] = loads(r["metrics"], {})
+    return [{**j, "metrics": loads(j["metrics"], {}), "last_round_metrics": latest.get(j["job_id"], {})}
+            for j in jobs]
+
+
+async def job_metrics(db: Executor, job_id: str, name: str = "loss", after: int = 0) -> dict[str, Any] | None:
+    """One metric as chart series: per-worker points (x = seconds since the job was requested) after
+    the cursor `after`, and the aggregated value per round (x = round)."""
+    job = await db.fetchrow("SELECT job_id, created_at FROM job_views WHERE job_id = $1", job_id)
+    if job is None:
+        return None
+    rows = await db.fetch(
+        "SELECT seq, worker_id, round, attempt, shard, step, value, ts FROM metrics"
+        " WHERE job_id = $1 AND name = $2 AND seq > $3 ORDER BY seq", job_id, name, after,
+    )
+    names = await db.fetch("SELECT DISTINCT name FROM metrics WHERE job_id = $1 ORDER BY name", job_id)
+    rounds = await db.fetch(
+        "SELECT round, attempt, status, metrics, started_at, ended_at FROM round_views"
+        " WHERE job_id = $1 ORDER BY round, attempt", job_id,
+    )
+    return {
+        "job_id": job_id,
+        "metric": name,
+        "names": [n["name"] for n in names],
+        "cursor": max((r["seq"] for r in rows), default=after),
+        "workers": worker_series(rows, job["created_at"]),
+        "rounds": round_series(rounds, name),
+        "round_marks": [
+            {"round": r["round"], "attempt": r["attempt"], "x": _since(r["started_at"], job["created_at"])}
+            for r in rounds if r["started_at"] is not None
+        ],
+    }
+
+
+def worker_series(rows: Iterable[dict[str, Any]], origin: float) -> list[dict[str, Any]]:
+    """Metric rows (in arrival order) grouped into one series per worker, sorted by worker id."""
+    series: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        series.setdefault(r["worker_id"], []).append({
+            "x": _since(r["ts"], origin), "y": r["value"], "seq": r["seq"], "round": r["round"],
+            "attempt": r["attempt"], "shard": r["shard"], "step": r["step"],
+        })
+    return [{"worker_id": w, "points": points} for w, points in sorted(series.items())]
+
+
+def round_series(rounds: Iterable[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """The aggregated value of one metric after each round that aggregated (x = round)."""
+    points = []
+    for r in rounds:
+        value = loads(r["metrics"], {}).get(name) if r["status"] == "aggregated" else None
+        if isinstance(value, int | float):
+            points.append({"x": r["round"], "y": float(value), "attempt": r["attempt"]})
+    return points
+
+
+def _since(ts: float, origin: float) -> float:
+    return round(max(0.0, ts - origin), 3)
+
+
+async def workers_view(db: Executor, now: float | None = None) -> list[dict[str, Any]]:
+    """Every worker seen: presence, last heartbeat, current assignment, GPU (None without one), throughput."""
+    now = time.time() if now is None else now
+    rows = await db.fetch("SELECT * FROM workers ORDER BY worker_id")
+    out = []
+    for w in rows:
+        busy = w["job_id"] is not None and w["state"] == "training"
+        out.append({
+            "worker_id": w["worker_id"],
+            "hostname": w["hostname"],
+            "status": w["status"],
+            "state": w["state"],
+            "last_heartbeat": w["last_seen"],
+            "seconds_since_heartbeat": round(max(0.0, now - w["last_seen"]), 3),
+            "assignment": {"job_id": w["job_id"], "round": w["round"], "shard": w["shard"]} if busy else None,
+            "gpu": loads(w["gpu"]),
+            "samples_per_s": w["samples_per_s"],
+            "first_seen": w["first_seen"],
+        })
+    return out
+
+
+__all__ = ["TERMINAL", "job_metrics", "job_view", "list_jobs", "progress_counts", "round_series",
+           "worker_series", "workers_view"]

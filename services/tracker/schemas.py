@@ -1,0 +1,184 @@
+"""The HTTP API's response bodies, as pydantic models so /openapi.json documents them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from apiary.jobspec import FieldError
+
+
+class Problem(BaseModel):
+    """An error: one line for people, and one entry per bad field where the request had any."""
+
+    detail: str
+    errors: list[FieldError] = Field(default_factory=list)
+
+
+class JobSubmitted(BaseModel):
+    """A job request the tracker published; follow it at `url`, live at `events_url`."""
+
+    job_id: str
+    status: str
+    url: str
+    events_url: str
+
+
+class CancelRequested(BaseModel):
+    """A cancellation on its way to the scheduler; the job ends as `cancelled`."""
+
+    job_id: str
+    status: str
+
+
+class JobSummary(BaseModel):
+    """One job in the jobs list."""
+
+    job_id: str
+    name: str | None
+    status: str = Field(description="requested, sharding, running, completed, failed, cancelled or rejected")
+    round: int = Field(description="the current round (1-based; 0 before the first round starts)")
+    attempt: int
+    num_rounds: int | None
+    num_shards: int | None
+    reason: str | None = Field(description="why the job failed, was rejected or cancelled")
+    final_model: str | None = Field(description="where the final model is, once the job completed")
+    metrics: dict[str, float] = Field(description="final metrics, once the job completed")
+    last_round_metrics: dict[str, float] = Field(description="aggregated metrics of the latest round")
+    created_at: float
+    updated_at: float
+
+
+class RoundView(BaseModel):
+    """One attempt of one round and its aggregated metrics."""
+
+    round: int
+    attempt: int
+    status: str = Field(description="running, aggregated or failed")
+    metrics: dict[str, float]
+    reason: str | None
+    started_at: float | None
+    ended_at: float | None
+
+
+class ShardProgress(BaseModel):
+    """One shard of the current round: which worker has it and how far it got."""
+
+    shard: int
+    worker_id: str | None
+    state: str = Field(description="assigned, training, reported, failed, rejected or offline")
+    step: int | None
+    metrics: dict[str, float] = Field(description="the latest metrics the worker reported")
+    error: str | None
+    updated_at: float
+
+
+class JobDetail(BaseModel):
+    """Everything known about one job."""
+
+    job_id: str
+    name: str | None
+    status: str
+    round: int
+    attempt: int
+    num_rounds: int | None
+    num_shards: int | None
+    reason: str | None
+    errors: list[FieldError] = Field(description="each bad field, when the request was rejected")
+    final_model: str | None
+    metrics: dict[str, float]
+    created_at: float
+    updated_at: float
+    rounds: list[RoundView]
+    shards: list[ShardProgress] = Field(description="per-worker progress within the current round")
+    progress: dict[str, int] = Field(description="how many shards of the current round are in each state")
+    reported: list[str | None] = Field(description="workers that reported in the current round")
+    training: list[str | None] = Field(description="workers still training in the current round")
+
+
+class MetricPoint(BaseModel):
+    """One reported value: x is seconds since the job was requested, y the value."""
+
+    x: float
+    y: float
+    seq: int
+    round: int
+    attempt: int
+    shard: int
+    step: int | None
+
+
+class WorkerSeries(BaseModel):
+    """One worker's curve."""
+
+    worker_id: str
+    points: list[MetricPoint]
+
+
+class RoundPoint(BaseModel):
+    """The aggregated value after one round: x is the round."""
+
+    x: int
+    y: float
+    attempt: int
+
+
+class RoundMark(BaseModel):
+    """When a round attempt started, on the per-worker curves' x axis."""
+
+    round: int
+    attempt: int
+    x: float
+
+
+class JobMetrics(BaseModel):
+    """One metric of a job as chart series."""
+
+    job_id: str
+    metric: str
+    names: list[str] = Field(description="every metric name the workers reported")
+    cursor: int = Field(description="pass as `after` to get only later points")
+    workers: list[WorkerSeries]
+    rounds: list[RoundPoint]
+    round_marks: list[RoundMark]
+
+
+class Assignment(BaseModel):
+    """What a worker is training now."""
+
+    job_id: str
+    round: int | None
+    shard: int | None
+
+
+class GpuReading(BaseModel):
+    """A GPU's utilisation (percent) and memory (bytes), read through NVML on the worker."""
+
+    model_config = ConfigDict(extra="allow")
+
+    index: int | None = None
+    name: str | None = None
+    utilization: float | None = None
+    memory_used: int | None = None
+    memory_total: int | None = None
+
+
+class WorkerView(BaseModel):
+    """One worker as the tracker last heard of it."""
+
+    worker_id: str
+    hostname: str | None
+    status: str = Field(description="online or offline")
+    state: str | None = Field(description="idle, training or stopped")
+    last_heartbeat: float = Field(description="when the tracker last heard from the worker")
+    seconds_since_heartbeat: float
+    assignment: Assignment | None
+    gpu: GpuReading | None = Field(description="null where the worker has no GPU (never faked)")
+    samples_per_s: float | None = Field(description="training throughput of its latest shard")
+    first_seen: float
+
+
+def dump(model: type[BaseModel], value: Any) -> str:
+    """Validate a view against its response model and return its JSON."""
+    return model.model_validate(value).model_dump_json()

@@ -1,0 +1,434 @@
+/* Apiary dashboard: a jobs list and a live job page, fed by the tracker's API and its event streams. */
+"use strict";
+
+const API = "/api/v1";
+const TERMINAL = ["completed", "failed", "cancelled", "rejected"];
+const app = document.getElementById("app");
+let page = null; // the page shown now: {stop()}
+
+/* ---------- small DOM helpers (text always goes through textContent: names come from users) ---------- */
+
+function h(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === null || v === undefined || v === false) continue;
+    if (k === "class") node.className = v;
+    else if (k === "dataset") Object.assign(node.dataset, v);
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v === true ? "" : v);
+  }
+  for (const c of children.flat()) {
+    if (c === null || c === undefined || c === false) continue;
+    node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
+  return node;
+}
+
+const badge = (state) => h("span", { class: `badge s-${state}` }, state);
+const num = (v, digits) => (typeof v === "number" ? Charts.fmt(+v.toFixed(digits ?? 4)) : "—");
+
+function ago(seconds) {
+  if (seconds < 1) return "just now";
+  if (seconds < 60) return `${Math.round(seconds)} s ago`;
+  if (seconds < 3600) return `${Math.round(seconds / 60)} min ago`;
+  if (seconds < 86400) return `${Math.round(seconds / 3600)} h ago`;
+  return `${Math.round(seconds / 86400)} d ago`;
+}
+
+function duration(seconds) {
+  if (seconds < 60) return `${seconds.toFixed(seconds < 10 ? 1 : 0)} s`;
+  const m = Math.floor(seconds / 60), s = Math.round(seconds % 60);
+  return m < 60 ? `${m} min ${s} s` : `${Math.floor(m / 60)} h ${m % 60} min`;
+}
+
+function bytes(n) {
+  const gib = n / 2 ** 30;
+  return gib >= 1 ? `${gib.toFixed(1)} GiB` : `${(n / 2 ** 20).toFixed(0)} MiB`;
+}
+
+function bar(fraction, cls) {
+  const pct = Math.max(0, Math.min(1, fraction || 0)) * 100;
+  return h("span", { class: `bar ${cls || ""}` }, h("i", { style: `width:${pct.toFixed(1)}%` }));
+}
+
+function roundText(job) {
+  return `${job.round || 0} / ${job.num_rounds ?? "?"}`;
+}
+
+function roundFraction(job) {
+  if (!job.num_rounds) return 0;
+  if (job.status === "completed") return 1;
+  const p = job.progress;
+  const within = p && p.total ? p.reported / p.total : 0;
+  return Math.max(0, (job.round - 1 + within) / job.num_rounds);
+}
+
+/* ---------- live connection ---------- */
+
+function setLive(state, text) {
+  const live = document.getElementById("live");
+  live.dataset.state = state;
+  live.querySelector("span").textContent = text;
+}
+
+/* An EventSource with named-event handlers; the browser reconnects on its own after errors. */
+function subscribe(url, handlers) {
+  const source = new EventSource(url);
+  source.onopen = () => setLive("live", "live");
+  source.onerror = () => {
+    if (source.readyState !== EventSource.CLOSED) setLive("down", "reconnecting");
+  };
+  for (const [name, fn] of Object.entries(handlers)) {
+    source.addEventListener(name, (e) => fn(JSON.parse(e.data)));
+  }
+  return source;
+}
+
+/* Re-render at most once per frame however many events arrive. */
+function scheduler(render) {
+  let queued = false;
+  return () => {
+    if (queued) return;
+    queued = true;
+    requestAnimationFrame(() => { queued = false; render(); });
+  };
+}
+
+/* ---------- workers table (both pages) ---------- */
+
+function workersTable(workers, receivedAt) {
+  if (!workers.length) return h("p", { class: "empty" }, "No worker has announced itself yet.");
+  const age = (w) => w.seconds_since_heartbeat + (Date.now() - receivedAt) / 1000;
+  return h("table", { class: "grid", id: "workers-table" },
+    h("thead", {}, h("tr", {},
+      ["Worker", "Status", "Assignment", "GPU utilisation", "GPU memory", "Throughput", "Last heartbeat"]
+        .map((c) => h("th", {}, c)))),
+    h("tbody", {}, workers.map((w) => {
+      const state = w.status === "offline" ? "offline" : w.state || "idle";
+      const a = w.assignment;
+      const gpu = w.gpu;
+      return h("tr", { dataset: { worker: w.worker_id } },
+        h("td", {}, h("div", { class: "strong" }, w.worker_id), h("div", { class: "muted small" }, w.hostname || "")),
+        h("td", {}, badge(state)),
+        h("td", {}, a ? h("a", { href: `#/jobs/${encodeURIComponent(a.job_id)}` },
+          `${a.job_id} · round ${a.round ?? "?"} · shard ${a.shard ?? "?"}`) : h("span", { class: "muted" }, "—")),
+        h("td", {}, gpu && typeof gpu.utilization === "number"
+          ? h("div", { class: "gpu" }, bar(gpu.utilization / 100, "b-gpu"),
+            h("span", { class: "num" }, `${gpu.utilization.toFixed(0)} %`))
+          : h("span", { class: "muted", title: "no GPU on this worker" }, "no GPU")),
+        h("td", { class: "num" }, gpu && gpu.memory_total
+          ? [bar(gpu.memory_used / gpu.memory_total, "b-mem"), ` ${bytes(gpu.memory_used)} / ${bytes(gpu.memory_total)}`]
+          : h("span", { class: "muted" }, "—")),
+        h("td", { class: "num" }, typeof w.samples_per_s === "number"
+          ? `${w.samples_per_s.toFixed(w.samples_per_s < 100 ? 1 : 0)} samples/s` : h("span", { class: "muted" }, "—")),
+        h("td", { class: "muted", dataset: { age: age(w) } }, ago(age(w))));
+    })));
+}
+
+/* ---------- jobs list ---------- */
+
+function jobsPage() {
+  let jobs = null, workers = [], workersAt = Date.now();
+  const render = scheduler(() => {
+    app.replaceChildren(
+      h("section", { class: "card" },
+        h("div", { class: "card-head" }, h("h1", {}, "Training jobs"),
+          h("span", { class: "muted" }, jobs ? `${jobs.length} job${jobs.length === 1 ? "" : "s"}` : "")),
+        jobs === null ? h("p", { class: "empty" }, "Loading…")
+          : !jobs.length ? h("p", { class: "empty" },
+            "No jobs yet. Run one with ", h("code", {}, "apiary run job.yaml"), " or submit it with ",
+            h("code", {}, "POST /api/v1/training-jobs"), ".")
+            : h("table", { class: "grid", id: "jobs-table" },
+              h("thead", {}, h("tr", {}, ["Job", "Status", "Round", "Aggregated loss", "Started", "Updated"]
+                .map((c) => h("th", {}, c)))),
+              h("tbody", {}, jobs.map((j) => {
+                const loss = j.last_round_metrics.loss;
+                const now = Date.now() / 1000;
+                return h("tr", { class: "link", dataset: { job: j.job_id },
+                  onclick: () => { location.hash = `#/jobs/${encodeURIComponent(j.job_id)}`; } },
+                h("td", {}, h("a", { class: "strong", href: `#/jobs/${encodeURIComponent(j.job_id)}` },
+                  j.name || j.job_id), h("div", { class: "muted small mono" }, j.job_id)),
+                h("td", {}, badge(j.status)),
+                h("td", {}, h("div", { class: "round-cell" }, bar(roundFraction(j), `b-${j.status}`),
+                  h("span", { class: "num" }, roundText(j)))),
+                h("td", { class: "num" }, num(loss)),
+                h("td", { class: "muted" }, ago(now - j.created_at)),
+                h("td", { class: "muted" }, ago(now - j.updated_at)));
+              })))),
+      h("section", { class: "card" },
+        h("div", { class: "card-head" }, h("h2", {}, "Workers"),
+          h("span", { class: "muted" }, `${workers.filter((w) => w.status === "online").length} online`)),
+        workersTable(workers, workersAt)));
+  });
+  const source = subscribe(`${API}/stream`, {
+    jobs: (data) => { jobs = data; render(); },
+    workers: (data) => { workers = data; workersAt = Date.now(); render(); },
+  });
+  const clock = setInterval(render, 5000);
+  render();
+  return { stop: () => { source.close(); clearInterval(clock); } };
+}
+
+/* ---------- one job ---------- */
+
+function jobPage(jobId) {
+  const state = { job: null, workers: [], workersAt: Date.now(), curves: new Map(), rounds: [], marks: [],
+                  missing: false, ended: false, axis: "rounds", logY: null };
+  const url = `${API}/training-jobs/${encodeURIComponent(jobId)}`;
+
+  // The page skeleton stays; render() only refreshes its parts, so charts do not flicker.
+  const parts = {
+    title: h("h1", {}), id: h("div", { class: "muted mono small" }, jobId), status: h("span", {}),
+    actions: h("div", { class: "actions" }), banner: h("div", {}),
+    round: h("div", { class: "stat-value", id: "round-counter" }, "–"), roundBar: h("div", {}),
+    roundSub: h("div", { class: "stat-sub" }), reported: h("div", { class: "stat-value" }, "–"),
+    reportedSub: h("div", { class: "stat-sub" }), loss: h("div", { class: "stat-value" }, "–"),
+    lossSub: h("div", { class: "stat-sub" }), elapsed: h("div", { class: "stat-value" }, "–"),
+    elapsedSub: h("div", { class: "stat-sub" }),
+    workerChart: document.createElementNS("http://www.w3.org/2000/svg", "svg"),
+    workerLegend: h("div", { class: "legend" }),
+    controls: h("div", { class: "controls" }),
+    roundChart: document.createElementNS("http://www.w3.org/2000/svg", "svg"),
+    progress: h("div", {}), progressHead: h("span", { class: "muted" }), workers: h("div", {}),
+    rounds: h("div", {}), final: h("div", {}),
+  };
+  parts.workerChart.id = "worker-loss-chart";
+  parts.roundChart.id = "round-loss-chart";
+  parts.workerChart.classList.add("chart");
+  parts.roundChart.classList.add("chart");
+
+  const stat = (label, value, sub, extra) => h("div", { class: "stat" }, h("div", { class: "stat-label" }, label),
+    value, extra, sub);
+  app.replaceChildren(
+    h("a", { class: "back", href: "#/" }, "← All jobs"),
+    h("section", { class: "job-head" },
+      h("div", {}, h("div", { class: "title-row" }, parts.title, parts.status), parts.id), parts.actions),
+    parts.banner,
+    h("section", { class: "stats" },
+      stat("Round", parts.round, parts.roundSub, parts.roundBar),
+      stat("Reported this round", parts.reported, parts.reportedSub),
+      stat("Aggregated loss", parts.loss, parts.lossSub),
+      stat("Elapsed", parts.elapsed, parts.elapsedSub)),
+    h("section", { class: "charts" },
+      h("div", { class: "card" }, h("div", { class: "card-head" }, h("h2", {}, "Loss per worker"), parts.controls),
+        parts.workerChart, parts.workerLegend),
+      h("div", { class: "card" }, h("div", { class: "card-head" }, h("h2", {}, "Aggregated loss per round"),
+        h("span", { class: "muted small" }, "sample-weighted over workers")), parts.roundChart)),
+    h("section", { class: "card" }, h("div", { class: "card-head" }, h("h2", {}, "Workers in this round"),
+      parts.progressHead), parts.progress),
+    h("section", { class: "card" }, h("div", { class: "card-head" }, h("h2", {}, "Workers")), parts.workers),
+    h("section", { class: "card" }, h("div", { class: "card-head" }, h("h2", {}, "Rounds")), parts.rounds),
+    parts.final);
+
+  async function cancel(button) {
+    button.disabled = true;
+    button.textContent = "Cancelling…";
+    const response = await fetch(`${url}/cancel`, { method: "POST" });
+    if (!response.ok) {
+      const body = await response.json().catch(() => ({}));
+      button.textContent = "Cancel";
+      button.disabled = false;
+      alert(body.detail || `cancel failed (${response.status})`);
+    }
+  }
+
+  function renderHead(job) {
+    document.title = `${job.name || job.job_id} · Apiary`;
+    parts.title.textContent = job.name || job.job_id;
+    parts.status.replaceChildren(badge(job.status));
+    parts.actions.replaceChildren(TERMINAL.includes(job.status) ? "" :
+      h("button", { class: "danger", id: "cancel", onclick: (e) => cancel(e.currentTarget) }, "Cancel job"));
+    const banner = [];
+    if (job.reason) {
+      banner.push(h("div", { class: `banner ${job.status === "completed" ? "warn" : job.status === "cancelled" ? "info" : "error"}` },
+        h("strong", {}, job.status === "completed" ? "Note: " : job.status === "cancelled" ? "Cancelled: " : "Failed: "),
+        job.reason,
+        job.errors.length ? h("ul", {}, job.errors.map((e) => h("li", {}, h("code", {}, e.field), " ", e.message))) : ""));
+    }
+    parts.banner.replaceChildren(...banner);
+  }
+
+  function renderStats(job) {
+    parts.round.textContent = roundText(job);
+    parts.round.dataset.round = String(job.round || 0);
+    parts.roundBar.replaceChildren(bar(roundFraction(job), `b-${job.status} wide`));
+    parts.roundSub.textContent = job.attempt > 1 ? `attempt ${job.attempt}` : job.status === "running"
+      ? "in progress" : job.status;
+    const p = job.progress;
+    parts.reported.textContent = p.total ? `${p.reported} / ${p.total}` : "–";
+    parts.reportedSub.textContent = p.total
+      ? [p.training && `${p.training} training`, p.assigned && `${p.assigned} waiting`, p.failed && `${p.failed} failed`,
+         p.offline && `${p.offline} offline`].filter(Boolean).join(" · ") || "all reported" : "no round started yet";
+    const aggregated = state.rounds;
+    const last = aggregated[aggregated.length - 1];
+    const before = aggregated[aggregated.length - 2];
+    parts.loss.textContent = num(last?.y);
+    if (last && before) {
+      const delta = last.y - before.y;
+      parts.lossSub.textContent = `after round ${last.x} · ${delta <= 0 ? "▼" : "▲"} ${num(Math.abs(delta))} from round ${before.x}`;
+      parts.lossSub.className = `stat-sub ${delta <= 0 ? "good" : "bad"}`;
+    } else {
+      parts.lossSub.textContent = last ? `after round ${last.x}` : "after the first round";
+      parts.lossSub.className = "stat-sub";
+    }
+    const end = TERMINAL.includes(job.status) ? job.updated_at : Date.now() / 1000;
+    parts.elapsed.textContent = duration(Math.max(0, end - job.created_at));
+    parts.elapsedSub.textContent = `started ${new Date(job.created_at * 1000).toLocaleTimeString()}`;
+  }
+
+  function renderProgress(job) {
+    parts.progressHead.textContent = job.round ? `round ${job.round}${job.attempt > 1 ? ` (attempt ${job.attempt})` : ""}` : "";
+    if (!job.shards.length) {
+      parts.progress.replaceChildren(h("p", { class: "empty" },
+        TERMINAL.includes(job.status) ? "No round ran." : "Waiting for the first round to start…"));
+      return;
+    }
+    parts.progress.replaceChildren(h("table", { class: "grid", id: "progress-table" },
+      h("thead", {}, h("tr", {}, ["Shard", "Worker", "State", "Step", "Loss", "Other metrics", "Updated"]
+        .map((c) => h("th", {}, c)))),
+      h("tbody", {}, job.shards.map((s) => {
+        const others = Object.entries(s.metrics).filter(([k]) => k !== "loss")
+          .map(([k, v]) => `${k} ${num(v)}`).join(" · ");
+        return h("tr", { dataset: { shard: s.shard, state: s.state } },
+          h("td", { class: "num" }, `#${s.shard}`),
+          h("td", {}, s.worker_id || h("span", { class: "muted" }, "not picked up")),
+          h("td", {}, badge(s.state)),
+          h("td", { class: "num" }, s.step ?? "—"),
+          h("td", { class: "num" }, num(s.metrics.loss)),
+          h("td", { class: s.error ? "error-text" : "muted" }, s.error || others || "—"),
+          h("td", { class: "muted" }, ago(Date.now() / 1000 - s.updated_at)));
+      }))));
+  }
+
+  function renderRounds(job) {
+    if (!job.rounds.length) { parts.rounds.replaceChildren(h("p", { class: "empty" }, "No round yet.")); return; }
+    parts.rounds.replaceChildren(h("table", { class: "grid" },
+      h("thead", {}, h("tr", {}, ["Round", "Status", "Loss", "Other metrics", "Duration"].map((c) => h("th", {}, c)))),
+      h("tbody", {}, job.rounds.slice().reverse().map((r) => h("tr", {},
+        h("td", { class: "num" }, `${r.round}${r.attempt > 1 ? ` (attempt ${r.attempt})` : ""}`),
+        h("td", {}, badge(r.status)),
+        h("td", { class: "num" }, num(r.metrics.loss)),
+        h("td", { class: r.reason ? "error-text" : "muted" }, r.reason || Object.entries(r.metrics)
+          .filter(([k]) => k !== "loss").map(([k, v]) => `${k} ${num(v)}`).join(" · ") || "—"),
+        h("td", { class: "num muted" }, r.started_at && r.ended_at ? duration(r.ended_at - r.started_at) : "…"))))));
+  }
+
+  function renderFinal(job) {
+    if (job.status !== "completed") { parts.final.replaceChildren(); return; }
+    parts.final.replaceChildren(h("section", { class: "card" },
+      h("div", { class: "card-head" }, h("h2", {}, "Final model"),
+        h("span", { class: "muted small" }, "metrics of the last round, and of the held-out evaluation where the job has one")),
+      h("div", { class: "final" },
+        h("code", { class: "path", id: "final-model" }, job.final_model || "—"),
+        h("div", { class: "metrics" }, Object.entries(job.metrics).map(([k, v]) =>
+          h("span", { class: "metric" }, h("span", { class: "muted" }, k), h("strong", {}, num(v))))))));
+  }
+
+  /* Where a point sits on a round axis: round r spans (r - 1, r], a point at step s of S at r - 1 + s / S.
+     S is the most steps any worker logged in that round; the running round borrows the previous
+     round's S until it reaches it, so its points do not slide as they arrive. */
+  function roundPosition() {
+    const most = new Map();
+    for (const points of state.curves.values()) {
+      for (const p of points) most.set(p.round, Math.max(most.get(p.round) || 0, p.step ?? 0));
+    }
+    const current = state.job && !TERMINAL.includes(state.job.status) ? state.job.round : null;
+    return (p) => {
+      const steps = Math.max(most.get(p.round) || 0, p.round === current ? most.get(p.round - 1) || 0 : 0);
+      return p.round - 1 + (steps > 0 ? (p.step ?? 0) / steps : 1);
+    };
+  }
+
+  function renderControls() {
+    const values = [...state.curves.values()].flat().map((p) => p.y).concat(state.rounds.map((r) => r.y));
+    const logY = state.logY ?? Charts.wantsLog(values);
+    const toggle = (label, active, onclick, title) =>
+      h("button", { class: `toggle${active ? " on" : ""}`, onclick, title }, label);
+    parts.controls.replaceChildren(
+      h("div", { class: "segmented" },
+        toggle("by round", state.axis === "rounds", () => { state.axis = "rounds"; render(); }, "x axis: rounds"),
+        toggle("by time", state.axis === "time", () => { state.axis = "time"; render(); },
+          "x axis: seconds since the job was requested")),
+      toggle("log", logY, () => { state.logY = !logY; render(); }, "logarithmic y axis"));
+    return logY;
+  }
+
+  function renderCharts() {
+    const logY = renderControls();
+    const names = [...state.curves.keys()].sort();
+    const byRound = state.axis === "rounds";
+    const place = byRound ? roundPosition() : (p) => p.x;
+    const series = names.map((name) => ({
+      name,
+      points: state.curves.get(name).slice().sort((a, b) => a.seq - b.seq)
+        .map((p) => ({ x: place(p), y: p.y, group: `${p.round}.${p.attempt}`,
+                       label: `${name}, round ${p.round}, step ${p.step ?? "?"}` })),
+    }));
+    const legend = names.map((name, i) => ({ name, color: Charts.PALETTE[i % Charts.PALETTE.length] }));
+    if (byRound && state.rounds.length) {
+      series.push({ name: "aggregated", color: "#1b2330", width: 1.5, dash: "4 4", dots: true, radius: 3.5,
+        counted: false, points: state.rounds.map((r) => ({ x: r.x, y: r.y, group: 0, label: `aggregated after round ${r.x}` })) });
+      legend.push({ name: "aggregated after each round", color: "#1b2330", dot: true });
+    }
+    Charts.line(parts.workerChart, series, {
+      xLabel: byRound ? "round" : "seconds since the job was requested", yLabel: "loss", logY,
+      xTicks: byRound ? "rounds" : "auto",
+      marks: byRound ? [] : state.marks.map((m) => ({ x: m.x, label: `R${m.round}${m.attempt > 1 ? `.${m.attempt}` : ""}` })),
+      empty: "waiting for the workers' first loss reports…",
+    });
+    Charts.legend(parts.workerLegend, legend);
+    Charts.line(parts.roundChart, [{ name: "aggregated loss", color: "#e5a00d", width: 2.5, dots: true,
+      points: state.rounds.map((r) => ({ x: r.x, y: r.y, group: 0, label: `round ${r.x}` })) }],
+    { xLabel: "round", yLabel: "loss", logY, xTicks: "rounds", roundsPad: true, empty: "no round aggregated yet" });
+  }
+
+  const render = scheduler(() => {
+    if (state.missing) {
+      app.replaceChildren(h("a", { class: "back", href: "#/" }, "← All jobs"),
+        h("section", { class: "card" }, h("p", { class: "empty" }, `There is no job ${jobId}.`)));
+      return;
+    }
+    const job = state.job;
+    if (job) {
+      renderHead(job); renderStats(job); renderProgress(job); renderRounds(job); renderFinal(job);
+    }
+    parts.workers.replaceChildren(workersTable(state.workers, state.workersAt));
+    renderCharts();
+  });
+
+  let source = null;
+  fetch(url).then((response) => {
+    if (response.status === 404) { state.missing = true; render(); return; }
+    source = subscribe(`${url}/events`, {
+      job: (data) => { state.job = data; render(); },
+      metrics: (data) => {
+        for (const series of data.workers) {
+          const points = state.curves.get(series.worker_id) || [];
+          points.push(...series.points);
+          state.curves.set(series.worker_id, points);
+        }
+        state.rounds = data.rounds;
+        state.marks = data.round_marks;
+        render();
+      },
+      workers: (data) => { state.workers = data; state.workersAt = Date.now(); render(); },
+      end: () => { source.close(); state.ended = true; setLive("ended", "job ended"); },
+    });
+  });
+  const clock = setInterval(() => { if (!state.ended) render(); }, 1000);
+  render();
+  return { stop: () => { if (source) source.close(); clearInterval(clock); } };
+}
+
+/* ---------- routing ---------- */
+
+function route() {
+  if (page) page.stop();
+  setLive("connecting", "connecting");
+  const match = location.hash.match(/^#\/jobs\/(.+)$/);
+  page = match ? jobPage(decodeURIComponent(match[1])) : jobsPage();
+  window.scrollTo(0, 0);
+}
+
+window.addEventListener("hashchange", route);
+route();

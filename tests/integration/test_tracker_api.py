@@ -14,6 +14,8 @@ import httpx
 import pytest
 
 from apiary.bus.memory import MemoryBus
+from apiary.bus.typed import publish_event
+from apiary.contracts import ObjectRef, RoundStart, WorkerHeartbeat, WorkerOffline, WorkerProgress
 from apiary.db.sqlite import SqliteDatabase
 from apiary.runtime import Embedded
 from apiary.settings import Settings
@@ -251,6 +253,40 @@ async def test_workers_report_presence_assignment_and_throughput(api: Api) -> No
             assert w["gpu"] is None
         else:
             assert 0 <= w["gpu"]["utilization"] <= 100 and w["gpu"]["memory_total"] > 0
+
+
+async def test_a_gpu_reading_in_a_heartbeat_reaches_the_workers_endpoint(api: Api) -> None:
+    gpu = {"index": 0, "name": "NVIDIA H200", "utilization": 87.0, "memory_used": 40 * 2**30,
+           "memory_total": 141 * 2**30}
+    await publish_event(api.stack.ports.bus, WorkerHeartbeat(worker_id="gpu-box", state="idle", gpu=gpu,
+                                                             samples_per_s=1234.5))
+
+    async def seen() -> dict[str, Any] | None:
+        workers = (await api.http.get(f"{API}/workers")).json()
+        return next((w for w in workers if w["worker_id"] == "gpu-box"), None)
+
+    worker = await api.until(seen)
+
+    assert worker["gpu"] == gpu
+    assert worker["samples_per_s"] == 1234.5 and worker["status"] == "online"
+
+
+async def test_a_shard_whose_worker_went_offline_shows_as_offline(api: Api) -> None:
+    # Events only the tracker consumes, for a job no other service knows.
+    weights = ObjectRef(key="k", size=1, sha256="0" * 64)
+    await publish_event(api.stack.ports.bus, RoundStart(job_id="ghost", round=1, num_rounds=2, shards=[0, 1],
+                                                        min_workers=1, weights=weights, deadline=time.time() + 60))
+    await publish_event(api.stack.ports.bus, WorkerProgress(job_id="ghost", round=1, worker_id="w-gone", shard=0,
+                                                            metrics={"loss": 0.5}, step=3))
+    await api.wait_for("ghost", lambda v: v["progress"]["training"] == 1)
+    await publish_event(api.stack.ports.bus, WorkerOffline(worker_id="w-gone"))
+    await api.wait_for("ghost", lambda v: v["progress"]["offline"] == 1)
+
+    detail = (await api.http.get(f"{API}/training-jobs/ghost")).json()
+
+    assert [(s["shard"], s["worker_id"], s["state"], s["step"]) for s in detail["shards"]] == [
+        (0, "w-gone", "offline", 3), (1, None, "assigned", None)]
+    assert detail["training"] == [] and detail["status"] == "running"
 
 
 async def test_a_running_job_can_be_cancelled_once(api: Api) -> None:

@@ -579,3 +579,20 @@ async def test_consumers_resume_after_the_broker_drops_the_connection(
 
     # Assert
     assert recorder.bodies == [b"before", b"after"]
+
+
+async def test_delete_namespace_removes_every_queue_and_the_exchange(rabbit_url: str, bus_namespace: str) -> None:
+    # Prepare: plain, dead-letter and delay queues.
+    async with rabbit(rabbit_url, bus_namespace) as bus:
+        await bus.declare_queue("scheduler", ["job.*"])
+        await bus.publish("job.requested", b"x", delay=60)
+        before = set(unacked(bus_namespace))
+
+        # Execute
+        await bus.delete_namespace()
+
+    # Assert
+    assert before == {"scheduler", "dead", "delay.60000.job.requested"}
+    assert unacked(bus_namespace) == {}
+    exchanges = rabbitmqctl("list_exchanges", "-q", "--no-table-headers", "name").split()
+    assert bus_namespace not in exchanges

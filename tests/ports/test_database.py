@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import asyncpg
 import pytest
 
 from apiary.db.base import Database, DatabaseUnavailable
@@ -228,6 +229,35 @@ async def test_postgres_refuses_a_fractional_float_for_an_integer_instead_of_tru
             await database.execute(insert, "j", 2.5, "x")
         assert await database.fetchval("SELECT COUNT(*) FROM rounds") == 0
     finally:
+        await database.close()
+
+
+async def test_postgres_connections_the_server_drops_are_unavailable_then_replaced(postgres_url: str) -> None:
+    # Prepare
+    database = PostgresDatabase(postgres_url)
+    await database.connect()
+    admin = await asyncpg.connect(postgres_url)
+    name = postgres_url.rsplit("/", 1)[1]
+
+    try:
+        # Execute: the server ends every session of the database but the admin's.
+        await admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = $1 AND pid <> pg_backend_pid()",
+            name,
+        )
+        outcomes: list[object] = []
+        for _ in range(3):
+            try:
+                outcomes.append(await database.fetchval("SELECT 40 + 2"))
+            except DatabaseUnavailable as e:
+                outcomes.append(type(e))
+
+        # Assert: at most the first call notices the loss; the pool then reconnects.
+        assert outcomes[1:] == [42, 42]
+        assert outcomes[0] in (42, DatabaseUnavailable)
+    finally:
+        await admin.close()
         await database.close()
 
 

@@ -185,6 +185,12 @@ class _RabbitSubscription(Subscription):
                 delivery.routing_key, self._queue.name, e,
             )
             return
+        except Exception as e:
+            # Say, the dead-letter queue was deleted: hand the message back rather than sit on it.
+            log.error("could not settle %s on %s: %s; requeued", delivery.routing_key, self._queue.name, e)
+            with contextlib.suppress(Exception):
+                await message.nack(requeue=True)
+            return
         if held.hold is not None:
             await self._bus._delete_queue(held.hold.name)
 
@@ -336,10 +342,16 @@ class RabbitBus(Bus):
             message_id=message_id or uuid.uuid4().hex,
             delivery_mode=_PERSISTENT,
         )
-        if delay and delay > 0:
-            await self._send("", await self._declare_delay(routing_key, delay), message)
-        else:
-            await self._send(self.exchange, routing_key, message)
+        try:
+            if delay and delay > 0:
+                await self._send("", await self._declare_delay(routing_key, delay), message)
+            else:
+                await self._send(self.exchange, routing_key, message)
+        except TypeError as e:
+            raise ValueError(
+                f"message for {routing_key!r} cannot be sent over AMQP: {e}"
+                " (header values must be str, int, float, bool, None, or lists and dicts of them)"
+            ) from e
 
     async def _declare_delay(self, routing_key: str, delay: float) -> str:
         ms = max(1, round(delay * 1000))

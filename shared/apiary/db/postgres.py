@@ -118,13 +118,17 @@ class PostgresDatabase(Database):
             )
         except _UNAVAILABLE as e:
             raise self._unavailable(e) from e
-        # Created here, under the lock, so that services migrating at once do not race on it.
-        async with self.transaction() as tx:
-            await tx.execute(
-                "CREATE TABLE IF NOT EXISTS schema_migrations ("
-                " component TEXT NOT NULL, version BIGINT NOT NULL,"
-                " PRIMARY KEY (component, version))"
-            )
+        try:
+            # Created here, under the lock, so that services migrating at once do not race on it.
+            async with self.transaction() as tx:
+                await tx.execute(
+                    "CREATE TABLE IF NOT EXISTS schema_migrations ("
+                    " component TEXT NOT NULL, version BIGINT NOT NULL,"
+                    " PRIMARY KEY (component, version))"
+                )
+        except BaseException:
+            await self.close()
+            raise
 
     async def close(self) -> None:
         if self._pool is not None:
@@ -149,8 +153,12 @@ class PostgresDatabase(Database):
     async def _execute_on(self, conn: asyncpg.Connection, sql: str, args: Sequence[Any]) -> int:
         try:
             status = await conn.execute(sql, *await self._args(conn, sql, args))
-        except _UNAVAILABLE as e:
-            raise self._unavailable(e) from e
+        except Exception as e:
+            if isinstance(e, _UNAVAILABLE) or conn.is_closed():
+                # A lost connection, whatever asyncpg calls it (an admin shutdown can surface as
+                # an InternalClientError), is the database being unavailable.
+                raise self._unavailable(e) from e
+            raise
         return _rows_changed(status)
 
     async def _fetch_on(
@@ -158,8 +166,10 @@ class PostgresDatabase(Database):
     ) -> list[dict[str, Any]]:
         try:
             rows = await conn.fetch(sql, *await self._args(conn, sql, args))
-        except _UNAVAILABLE as e:
-            raise self._unavailable(e) from e
+        except Exception as e:
+            if isinstance(e, _UNAVAILABLE) or conn.is_closed():
+                raise self._unavailable(e) from e
+            raise
         return [dict(row) for row in rows]
 
     @asynccontextmanager

@@ -18,6 +18,12 @@ class TransferError(Exception):
     """A download or upload by URL failed, or its bytes did not match their sha256."""
 
 
+def _where(url: str) -> str:
+    """A URL without its query (presigned signatures are credentials)."""
+    parts = urlparse(url)
+    return f"{parts.scheme}://{parts.netloc}{parts.path}"
+
+
 def _local(url: str) -> Path:
     return Path(unquote(urlparse(url).path))
 
@@ -40,7 +46,7 @@ def _download(url: str, target: Path) -> str:
         tmp.replace(target)
     except (urllib.error.URLError, OSError) as e:
         tmp.unlink(missing_ok=True)
-        raise TransferError(f"download failed: {e}") from e
+        raise TransferError(f"download from {_where(url)} failed: {e}") from e
     return digest.hexdigest()
 
 
@@ -55,7 +61,7 @@ def _upload(url: str, source: Path) -> None:
             with urllib.request.urlopen(request, timeout=600) as response:
                 response.read()
         except (urllib.error.URLError, OSError) as e:
-            raise TransferError(f"upload failed: {e}") from e
+            raise TransferError(f"upload to {_where(url)} failed: {e}") from e
 
 
 async def download(url: str, target: Path, sha256: str | None = None) -> None:
@@ -83,7 +89,7 @@ async def upload_bytes(url: str, data: bytes) -> None:
             with urllib.request.urlopen(request, timeout=600) as response:
                 response.read()
         except (urllib.error.URLError, OSError) as e:
-            raise TransferError(f"upload failed: {e}") from e
+            raise TransferError(f"upload to {_where(url)} failed: {e}") from e
 
     await asyncio.to_thread(put)
 

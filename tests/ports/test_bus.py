@@ -434,8 +434,9 @@ def broker_setting(name: str, value: int) -> Iterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def rabbit(url: str, namespace: str, **kw: float | None) -> AsyncIterator[RabbitBus]:
-    bus = RabbitBus(url, exchange=namespace, connection_name=f"{namespace} {uuid.uuid4().hex[:6]}", **kw)
+async def rabbit(url: str, namespace: str, *, lease_renewal: float | None = 600.0) -> AsyncIterator[RabbitBus]:
+    name = f"{namespace} {uuid.uuid4().hex[:6]}"
+    bus = RabbitBus(url, exchange=namespace, connection_name=name, lease_renewal=lease_renewal)
     await bus.connect()
     try:
         yield bus

@@ -203,7 +203,7 @@ class Aggregator(Component):
             await self.outbox.flush()
             return
         state = await self._state(agg)
-        average = state.fedavg.result()
+        average = state.fedavg.finish()
         if agg["use_peft"]:
             base = load_weights(await self.storage.get_bytes(agg["weights_key"]))
             average = merge_partial(base, average)

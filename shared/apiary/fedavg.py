@@ -77,6 +77,8 @@ class FedAvg:
         """Add `samples * weights` to the running sum (the contribution must be validated first)."""
         if samples <= 0:
             raise InvalidContribution(f"sample count must be positive, got {samples}")
+        if self.count < 0:
+            raise ValueError("this average is finished: start a new FedAvg")
         if self._sum and weights.keys() != self._sum.keys():
             raise InvalidContribution("contribution's tensor names differ from the accumulated ones")
         for name, tensor in weights.items():
@@ -95,6 +97,26 @@ class FedAvg:
                 acc.add_(tensor.to(acc.dtype), alpha=samples)
         self.total_samples += samples
         self.count += 1
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """The weighted average, computed in place in the accumulator (no second model in memory);
+        the accumulator cannot be folded into afterwards."""
+        if not self.count:
+            raise ValueError("no contribution was folded: nothing to average")
+        out = {}
+        for name, acc in self._sum.items():
+            dtype = self._dtypes[name]
+            if acc.dtype == dtype:
+                out[name] = acc.div_(self.total_samples)
+            elif dtype.is_floating_point:
+                out[name] = (acc / self.total_samples).to(dtype)
+            elif dtype == torch.bool:
+                out[name] = acc / self.total_samples >= 0.5
+            else:
+                out[name] = torch.round(acc / self.total_samples).to(dtype)
+        self._sum = {}
+        self.count = -1
+        return out
 
     def result(self) -> dict[str, torch.Tensor]:
         """The weighted average, in each tensor's original dtype."""

@@ -13,6 +13,9 @@ from urllib.parse import unquote, urlparse
 from apiary.storage.base import CHUNK, sha256_file
 from apiary.storage.local import atomic_copy, atomic_write
 
+# Without it urllib labels a PUT body as a web form (and some S3 servers reject or stall on that).
+OCTET_STREAM = "application/octet-stream"
+
 
 class TransferError(Exception):
     """A download or upload by URL failed, or its bytes did not match their sha256."""
@@ -56,7 +59,8 @@ def _upload(url: str, source: Path) -> None:
         return
     size = source.stat().st_size
     with open(source, "rb") as f:
-        request = urllib.request.Request(url, data=f, method="PUT", headers={"Content-Length": str(size)})
+        request = urllib.request.Request(url, data=f, method="PUT", headers={
+            "Content-Length": str(size), "Content-Type": OCTET_STREAM})
         try:
             with urllib.request.urlopen(request, timeout=600) as response:
                 response.read()
@@ -84,7 +88,7 @@ async def upload_bytes(url: str, data: bytes) -> None:
         return
 
     def put() -> None:
-        request = urllib.request.Request(url, data=data, method="PUT")
+        request = urllib.request.Request(url, data=data, method="PUT", headers={"Content-Type": OCTET_STREAM})
         try:
             with urllib.request.urlopen(request, timeout=600) as response:
                 response.read()

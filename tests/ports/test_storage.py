@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -144,28 +143,8 @@ async def test_a_presigned_get_downloads_by_url_with_its_sha256_checked(
     assert not (tmp_path / "tampered").exists()
 
 
-class _OctetStreamRequest(urllib.request.Request):
-    """urllib's Request, but a body without a Content-Type is sent as application/octet-stream.
-
-    Workaround, to remove once apiary.transfer sets the header itself: without one urllib sends
-    `application/x-www-form-urlencoded`, which moto's server parses as a form and then waits for
-    the body it already consumed (the upload hangs). AWS and MinIO accept it, but label the object
-    as a form.
-    """
-
-    def __init__(self, url: str, data: object = None, headers: dict[str, str] | None = None,
-                 **kw: object) -> None:
-        headers = dict(headers or {})
-        if data is not None and not any(k.lower() == "content-type" for k in headers):
-            headers["Content-Type"] = "application/octet-stream"
-        super().__init__(url, data, headers, **kw)  # type: ignore[arg-type]
-
-
-async def test_a_presigned_put_uploads_by_url(
-    storage: Storage, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_presigned_put_uploads_by_url(storage: Storage, tmp_path: Path) -> None:
     # Prepare: a worker holds only the URL, not the storage credentials.
-    monkeypatch.setattr(urllib.request, "Request", _OctetStreamRequest)
     data = os.urandom(70_000)
     source = tmp_path / "update.safetensors"
     source.write_bytes(data)

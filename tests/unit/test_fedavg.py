@@ -120,3 +120,16 @@ def test_weighted_metrics_weight_by_samples_and_skip_non_numbers() -> None:
 def test_result_without_contributions_is_an_error() -> None:
     with pytest.raises(ValueError, match="nothing to average"):
         FedAvg().result()
+
+
+def test_finish_averages_in_place_and_closes_the_sum() -> None:
+    acc = FedAvg()
+    acc.fold({"w": torch.full((2,), 2.0), "n": torch.tensor(1)}, 1)
+    acc.fold({"w": torch.full((2,), 5.0), "n": torch.tensor(4)}, 2)
+    expected = acc.result()
+
+    finished = acc.finish()
+
+    assert torch.equal(finished["w"], expected["w"]) and torch.equal(finished["n"], expected["n"])
+    with pytest.raises(ValueError, match="finished"):
+        acc.fold({"w": torch.zeros(2), "n": torch.tensor(0)}, 1)

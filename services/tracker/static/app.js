@@ -36,6 +36,7 @@ function ago(seconds) {
 }
 
 function duration(seconds) {
+  if (seconds < 1) return `${Math.round(seconds * 1000)} ms`;
   if (seconds < 60) return `${seconds.toFixed(seconds < 10 ? 1 : 0)} s`;
   const m = Math.floor(seconds / 60), s = Math.round(seconds % 60);
   return m < 60 ? `${m} min ${s} s` : `${Math.floor(m / 60)} h ${m % 60} min`;
@@ -268,7 +269,8 @@ function jobPage(jobId) {
       parts.lossSub.textContent = `after round ${last.x} · ${delta <= 0 ? "▼" : "▲"} ${num(Math.abs(delta))} from round ${before.x}`;
       parts.lossSub.className = `stat-sub ${delta <= 0 ? "good" : "bad"}`;
     } else {
-      parts.lossSub.textContent = last ? `after round ${last.x}` : "after the first round";
+      parts.lossSub.textContent = last ? `after round ${last.x}`
+        : TERMINAL.includes(job.status) ? "no round aggregated" : "after the first round";
       parts.lossSub.className = "stat-sub";
     }
     const end = TERMINAL.includes(job.status) ? job.updated_at : Date.now() / 1000;
@@ -398,7 +400,7 @@ function jobPage(jobId) {
 
   let source = null;
   fetch(url).then((response) => {
-    if (response.status === 404) { state.missing = true; render(); return; }
+    if (response.status === 404) { state.missing = true; setLive("ended", "no such job"); render(); return; }
     source = subscribe(`${url}/events`, {
       job: (data) => { state.job = data; render(); },
       metrics: (data) => {

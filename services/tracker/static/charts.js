@@ -85,8 +85,8 @@ const Charts = (() => {
       x1 = Math.max(...all.map((p) => p.x)) + 0.5;
     } else if (opts.xTicks === "rounds") {
       // Round r spans (r - 1, r]: show whole rounds.
-      x0 = Math.floor(Math.min(...all.map((p) => p.x)) - 1e-9);
-      x1 = Math.max(x0 + 1, Math.ceil(Math.max(...all.map((p) => p.x)) - 1e-9));
+      x0 = Math.max(0, Math.ceil(Math.min(...all.map((p) => p.x))) - 1);
+      x1 = Math.max(x0 + 1, Math.ceil(Math.max(...all.map((p) => p.x))));
     }
     const [y0, y1] = extent(usable.map((p) => ty(p.y)), 0.08);
     const sx = (x) => M.left + ((x - x0) / (x1 - x0)) * pw;

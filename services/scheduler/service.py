@@ -27,6 +27,7 @@ from apiary.contracts import (
     JobRejected,
     JobRequested,
     JobSharded,
+    JobWaiting,
     ObjectRef,
     RoundAggregated,
     RoundFailed,
@@ -34,6 +35,9 @@ from apiary.contracts import (
     RoundTimeout,
     ShardInfo,
     ShardRequested,
+    WorkerHeartbeat,
+    WorkerOffline,
+    WorkerOnline,
     decode_body,
 )
 from apiary.db import Executor
@@ -42,7 +46,14 @@ from apiary.outbox import KeyedLocks, Outbox, outbox_migration
 from apiary.storage import ObjectNotFound
 from apiary.usercode import UserCodeError, UserCodeRunner
 from apiary.weights import WeightsError, read_header
-from services.scheduler.state import JobStatus, Next, after_aggregated, after_failed, is_current
+from services.scheduler.state import (
+    JobStatus,
+    Next,
+    after_aggregated,
+    after_failed,
+    is_current,
+    workers_needed,
+)
 
 log = logging.getLogger("apiary.scheduler")
 
@@ -55,6 +66,8 @@ MIGRATIONS = [
       weights_key TEXT, weights_size BIGINT, weights_sha256 TEXT,
       reason TEXT, final_model TEXT, metrics TEXT,
       created_at DOUBLE PRECISION NOT NULL, updated_at DOUBLE PRECISION NOT NULL);
+    CREATE TABLE IF NOT EXISTS worker_presence (
+      worker_id TEXT PRIMARY KEY, online BIGINT NOT NULL, last_seen DOUBLE PRECISION NOT NULL);
     CREATE TABLE IF NOT EXISTS rounds (
       job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL, status TEXT NOT NULL,
       shards TEXT NOT NULL, started_at DOUBLE PRECISION NOT NULL, deadline DOUBLE PRECISION NOT NULL,
@@ -87,6 +100,9 @@ class Scheduler(Component):
             "round.aggregated": self.on_round_aggregated,
             "round.failed": self.on_round_failed,
             "job.cancel": self.on_job_cancel,
+            "worker.online": self.on_worker_presence,
+            "worker.heartbeat": self.on_worker_presence,
+            "worker.offline": self.on_worker_presence,
         }
         self._subscriptions.append(
             await subscribe(self.bus, "scheduler", handlers, prefetch=self.settings.prefetch)
@@ -197,6 +213,66 @@ class Scheduler(Component):
     # ------------------------------------------------------------ rounds
 
     async def _start_round(
+        self,
+        tx: Executor,
+        job_id: str,
+        spec: JobSpec,
+        shards: list[ShardInfo],
+        weights: ObjectRef,
+        round_index: int,
+        attempt: int,
+    ) -> None:
+        """Start the round if enough workers are online; else park the job as waiting, with why."""
+        pinned = spec.worker_selection.workers if spec.worker_selection.mode == "pinned" else []
+        online, required = workers_needed(spec.distributed.min_workers, pinned, await self._online(tx))
+        if online < required:
+            which = f" of its pinned workers {pinned}" if pinned else ""
+            reason = f"waiting for workers: {online}{which} online, min_workers is {required}"
+            await tx.execute(
+                "UPDATE jobs SET status = $2, round = $3, attempt = $4, reason = $5, updated_at = $6"
+                " WHERE job_id = $1",
+                job_id, JobStatus.WAITING, round_index, attempt, reason, time.time(),
+            )
+            await self.outbox.add(tx, JobWaiting(job_id=job_id, reason=reason, round=round_index,
+                                                 online=online, required=required))
+            log.info("job %s: round %d %s", job_id, round_index, reason)
+            return
+        await tx.execute(
+            "UPDATE jobs SET status = $2, reason = NULL WHERE job_id = $1 AND status = $3",
+            job_id, JobStatus.RUNNING, JobStatus.WAITING,
+        )
+        await self._launch_round(tx, job_id, spec, shards, weights, round_index, attempt)
+
+    async def _online(self, tx: Executor) -> set[str]:
+        cutoff = time.time() - self.settings.worker_offline_after
+        rows = await tx.fetch("SELECT worker_id FROM worker_presence WHERE online = 1 AND last_seen >= $1", cutoff)
+        return {r["worker_id"] for r in rows}
+
+    async def on_worker_presence(self, event: WorkerOnline | WorkerHeartbeat | WorkerOffline,
+                                 delivery: Delivery) -> None:
+        """Track which workers are online; start the rounds of jobs that were waiting for them."""
+        online = 0 if isinstance(event, WorkerOffline) else 1
+        await self.db.execute(
+            "INSERT INTO worker_presence (worker_id, online, last_seen) VALUES ($1, $2, $3)"
+            " ON CONFLICT (worker_id) DO UPDATE SET online = $2, last_seen = $3",
+            event.worker_id, online, time.time(),
+        )
+        if not online:
+            return
+        waiting = await self.db.fetch("SELECT job_id FROM jobs WHERE status = $1", JobStatus.WAITING)
+        for row in waiting:
+            async with self._locks(row["job_id"]):
+                job = await self._job(row["job_id"])
+                if job is None or job["status"] != JobStatus.WAITING:
+                    continue
+                spec = JobSpec.model_validate_json(job["spec"])
+                shards = [ShardInfo.model_validate(s) for s in loads(job["shards"], [])]
+                weights = ObjectRef(key=job["weights_key"], size=job["weights_size"], sha256=job["weights_sha256"])
+                async with self.db.transaction() as tx:
+                    await self._start_round(tx, job["job_id"], spec, shards, weights, job["round"], job["attempt"])
+            await self.outbox.flush()
+
+    async def _launch_round(
         self,
         tx: Executor,
         job_id: str,

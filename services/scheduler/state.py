@@ -10,6 +10,7 @@ class JobStatus(enum.StrEnum):
     """Where a job is in its life."""
 
     SHARDING = "sharding"
+    WAITING = "waiting"
     RUNNING = "running"
     COMPLETED = "completed"
     FAILED = "failed"
@@ -53,6 +54,15 @@ def after_failed(round_index: int, attempt: int, failures: int, fault_tolerance:
     if failures > fault_tolerance:
         return Decision(Next.FAIL, round_index, attempt, failures)
     return Decision(Next.RETRY, round_index, attempt + 1, failures)
+
+
+def workers_needed(min_workers: int, pinned: list[str], online: set[str]) -> tuple[int, int]:
+    """(workers that count as online for the job, how many it needs) before a round may start.
+
+    A pinned job counts only its own workers, since its shards train nowhere else.
+    """
+    usable = online & set(pinned) if pinned else online
+    return len(usable), min_workers
 
 
 def is_current(job_round: int, job_attempt: int, round_index: int, attempt: int) -> bool:

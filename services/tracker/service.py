@@ -186,7 +186,8 @@ async def _job_rejected(tx: Any, b: dict[str, Any], ts: float) -> None:
 async def _round_start(tx: Any, b: dict[str, Any], ts: float) -> None:
     await _ensure_job(tx, b["job_id"], ts)
     await tx.execute(
-        "UPDATE job_views SET status = 'running', round = $2, attempt = $3, num_rounds = $4, updated_at = $5"
+        "UPDATE job_views SET status = 'running', reason = NULL, round = $2, attempt = $3, num_rounds = $4,"
+        " updated_at = $5"
         " WHERE job_id = $1 AND status NOT IN ('completed', 'failed', 'cancelled')",
         b["job_id"], b["round"], b["attempt"], b["num_rounds"], ts,
     )
@@ -274,6 +275,14 @@ async def _job_completed(tx: Any, b: dict[str, Any], ts: float) -> None:
     )
 
 
+async def _job_waiting(tx: Any, b: dict[str, Any], ts: float) -> None:
+    await _ensure_job(tx, b["job_id"], ts)
+    await tx.execute(
+        "UPDATE job_views SET status = 'waiting', reason = $2, updated_at = $3 WHERE job_id = $1",
+        b["job_id"], b["reason"], ts,
+    )
+
+
 async def _job_failed(tx: Any, b: dict[str, Any], ts: float) -> None:
     await _ensure_job(tx, b["job_id"], ts)
     status = "cancelled" if "cancel" in str(b.get("reason", "")) else "failed"
@@ -343,6 +352,7 @@ _VIEWS = {
     "round.failed": _round_failed,
     "job.completed": _job_completed,
     "job.failed": _job_failed,
+    "job.waiting": _job_waiting,
     "worker.online": _worker_online,
     "worker.heartbeat": _worker_heartbeat,
     "worker.offline": _worker_offline,

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from apiary import transfer
-from apiary.bus import Bus, Delivery, Subscription, publish_event, subscribe
+from apiary.bus import Bus, Delivery, Subscription, Unroutable, publish_event, subscribe
 from apiary.contracts import (
     Assignment,
     ObjectRef,
@@ -60,8 +60,12 @@ class Worker:
         """Announce the worker and start taking assignments."""
         self.cache.mkdir(parents=True, exist_ok=True)
         await self.runner.start()
-        await publish_event(self.bus, WorkerOnline(worker_id=self.worker_id, hostname=socket.gethostname(),
-                                                   gpu=gpu_stats(self.settings.gpu)))
+        try:
+            await publish_event(self.bus, WorkerOnline(worker_id=self.worker_id, hostname=socket.gethostname(),
+                                                       gpu=gpu_stats(self.settings.gpu)))
+        except Unroutable:
+            log.warning("worker %s: no service listens for worker.online yet; heartbeats will announce it",
+                        self.worker_id)
         prefetch = self.settings.worker_prefetch
         self._subscriptions.append(
             await subscribe(self.bus, self.own_queue, {self.own_queue: self.on_assignment}, prefetch=prefetch)

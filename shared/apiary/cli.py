@@ -114,11 +114,21 @@ def run(
         if root is not None:
             code_paths.append(str(root))
     log_path = _setup_logging(settings, to_console=False)
+    from apiary import telemetry
+
+    telemetry.setup("apiary")
 
     async def go() -> dict[str, Any]:
         started = time.time()
         async with Embedded(settings, workers=workers, code_paths=code_paths) as stack:
+            dashboard = None
+            try:
+                dashboard = await stack.tracker.start_http()
+            except OSError as e:
+                console.print(f"[yellow]dashboard not served:[/yellow] {e}")
             job_id = await stack.submit(request)
+            if dashboard and not as_json:
+                console.print(f"dashboard: {dashboard}/#/jobs/{job_id}")
             if as_json:
                 view = await stack.wait(job_id, timeout=timeout or None)
             else:
@@ -132,6 +142,8 @@ def run(
         result = _run_async(go())
     except TimeoutError as e:
         _fail(str(e))
+    finally:
+        telemetry.shutdown()
     if as_json:
         print(json.dumps(result))
     else:

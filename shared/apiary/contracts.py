@@ -186,6 +186,16 @@ class JobFailed(Event):
     round: int | None = None
 
 
+class JobWaiting(Event):
+    """`job.waiting`: a round cannot start yet (too few workers online); the job waits."""
+
+    routing_key: ClassVar[str] = "job.waiting"
+    reason: str
+    round: int
+    online: int
+    required: int
+
+
 class JobCancelRequested(Event):
     routing_key: ClassVar[str] = "job.cancel"
     reason: str = "cancelled by user"
@@ -231,7 +241,7 @@ EVENT_TYPES: dict[str, type[BaseModel]] = {
     for cls in (
         JobRequested, JobAccepted, JobRejected, ShardRequested, JobSharded, RoundStart,
         WorkerProgress, WorkerDone, WorkerFailed, RoundTimeout, RoundAggregated, RoundFailed,
-        JobCompleted, JobFailed, JobCancelRequested, WorkerOnline, WorkerHeartbeat, WorkerOffline,
+        JobCompleted, JobFailed, JobWaiting, JobCancelRequested, WorkerOnline, WorkerHeartbeat, WorkerOffline,
     )
 }
 

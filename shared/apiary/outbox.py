@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from apiary import telemetry
 from apiary.bus import Bus
 from apiary.contracts import encode
 from apiary.db import Database, Executor
@@ -46,8 +47,11 @@ class Outbox:
         delay: float | None = None,
         headers: dict[str, Any] | None = None,
     ) -> None:
-        """Queue an event inside the caller's transaction."""
+        """Queue an event inside the caller's transaction (with the current trace context, unless
+        `headers` are given)."""
         now = time.time()
+        if headers is None:
+            headers = telemetry.headers_for()
         await tx.execute(
             f"INSERT INTO {self._table} (routing_key, body, headers, deliver_at, created_at)"
             " VALUES ($1, $2, $3, $4, $5)",

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from apiary import telemetry
 from apiary.bus import Bus, make_bus, publish_event
 from apiary.bus.base import Unroutable
 from apiary.contracts import JSON
@@ -129,12 +130,15 @@ def _component(name: str, ports: Ports) -> Any:
     from services.sharder import Sharder
     from services.tracker import Tracker
 
-    classes = {"scheduler": Scheduler, "sharder": Sharder, "aggregator": Aggregator, "tracker": Tracker}
+    if name == "tracker":
+        return Tracker(ports.bus, ports.db, ports.storage, ports.settings, http=True)
+    classes = {"scheduler": Scheduler, "sharder": Sharder, "aggregator": Aggregator}
     return classes[name](ports.bus, ports.db, ports.storage, ports.settings)
 
 
 async def serve_service(name: str, settings: Settings) -> None:
     """Run one service until SIGTERM; its in-flight messages finish or go back to their queues."""
+    telemetry.setup(f"apiary-{name}")
     ports = Ports(settings)
     await ports.open()
     service = _component(name, ports)
@@ -146,12 +150,14 @@ async def serve_service(name: str, settings: Settings) -> None:
     finally:
         await service.stop()
         await ports.close()
+        telemetry.shutdown()
 
 
 async def serve_worker(settings: Settings) -> None:
     """Run one worker until SIGTERM; an assignment in training goes back to its queue."""
     from services.worker import Worker
 
+    telemetry.setup("apiary-worker")
     bus = make_bus(settings.bus_url, exchange=settings.exchange)
     await bus.connect()
     worker = Worker(bus, settings)
@@ -162,6 +168,7 @@ async def serve_worker(settings: Settings) -> None:
     finally:
         await worker.stop()
         await bus.close()
+        telemetry.shutdown()
 
 
 def code_root_for(entrypoint: str, start: Path) -> Path | None:

@@ -27,8 +27,11 @@ class Poison(Exception):
     """The message can never be handled; dead-letter it with this reason."""
 
 
-class Unroutable(Exception):
-    """A publish matched no queue: it would have been lost."""
+class Unroutable(Retryable):
+    """A publish matched no queue (its consumer is not running): it would have been lost.
+
+    A handler that hits it is retried later, like any other dead dependency.
+    """
 
 
 class Outcome(enum.Enum):

@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from apiary import telemetry
 from apiary.bus.base import Bus, Delivery, Poison, Subscription, topic_matches
 from apiary.contracts import decode, encode
 
@@ -30,7 +31,7 @@ async def publish_event(
 ) -> None:
     """Publish an event under its own routing key (or the one given, for assignments)."""
     key = routing_key or str(getattr(event, "routing_key", ""))
-    await bus.publish(key, encode(event), headers=headers, delay=delay)
+    await bus.publish(key, encode(event), headers={**telemetry.headers_for(), **(headers or {})}, delay=delay)
 
 
 async def subscribe(
@@ -46,11 +47,14 @@ async def subscribe(
     async def dispatch(delivery: Delivery) -> None:
         for pattern, handler in handlers.items():
             if topic_matches(pattern, delivery.routing_key):
-                if isinstance(handler, Raw):
-                    await handler.handler(delivery)
-                    return
-                event = decode(delivery.routing_key, delivery.body, delivery.content_type)
-                await handler(event, delivery)
+                # The message's trace context is current while it is handled, so what the handler
+                # publishes stays in the same trace.
+                with telemetry.attached(delivery.headers):
+                    if isinstance(handler, Raw):
+                        await handler.handler(delivery)
+                        return
+                    event = decode(delivery.routing_key, delivery.body, delivery.content_type)
+                    await handler(event, delivery)
                 return
         raise Poison(f"queue {queue} has no handler for {delivery.routing_key!r}")
 

@@ -1,0 +1,130 @@
+#!/usr/bin/env python
+"""Round overhead benchmark: median round time of a job whose entrypoint returns the weights it got.
+
+Runs the deployed stack as separate processes (scheduler, sharder, aggregator, tracker and K workers)
+on the local RabbitMQ and PostgreSQL and a moto S3 server, with a ~100k-parameter model, K shards
+of one sample-set each and K workers, for R rounds; reports the median time between round starts
+(round 1, which pays the workers' first imports and shard downloads, is left out).
+
+Reference (from the issue, same machines): Flower 1.42's simulation engine, 0.10 s (K=4) and
+0.21 s (K=16) per round for this model; the goal is a quarter of that or less.
+
+Usage: python scripts/bench_round.py [--k 4 16] [--rounds 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import asyncpg
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.fixtures.cluster import Cluster  # noqa: E402
+from tests.toyjobs.toy import make_dataset  # noqa: E402
+
+AMQP = os.environ.get("APIARY_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+POSTGRES = os.environ.get("APIARY_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+FLOWER = {4: 0.10, 16: 0.21}
+
+
+def admin(sql: str) -> None:
+    async def run() -> None:
+        conn = await asyncpg.connect(POSTGRES)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(run())
+
+
+def start_moto() -> tuple[subprocess.Popen[bytes], str]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1):
+                return process, endpoint
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError("moto server did not start") from None
+            time.sleep(0.1)
+
+
+def run(k: int, rounds: int, tmp: Path, endpoint: str) -> list[float]:
+    db = f"apiary_bench_{uuid.uuid4().hex[:8]}"
+    admin(f'CREATE DATABASE "{db}"')
+    exchange = f"apiary_bench_{uuid.uuid4().hex[:8]}"
+    cluster = Cluster(tmp / f"k{k}", AMQP, exchange, POSTGRES.rsplit("/", 1)[0] + f"/{db}",
+                      f"s3://bench-{uuid.uuid4().hex[:8]}/runs", endpoint)
+    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"})
+    try:
+        cluster.start(workers=k)
+        dataset = make_dataset(tmp / f"data-{k}", k * 4)
+        job_id = f"bench-k{k}-{uuid.uuid4().hex[:6]}"
+        cluster.publish_job({
+            "job_id": job_id, "name": f"bench-k{k}", "entrypoint": "tests.toyjobs.identity:fl_train_model",
+            "dataset": str(dataset), "config": {"params": 100_000},
+            "distributed": {"num_rounds": rounds, "min_workers": k, "max_workers": k, "aggregation_timeout": 600},
+        })
+        job = cluster.wait_job(job_id, timeout=600)
+        if job["status"] != "completed":
+            raise RuntimeError(f"benchmark job {job['status']}: {job['reason']}")
+        starts = [r["started_at"] for r in cluster.query(
+            "SELECT started_at FROM rounds WHERE job_id = $1 ORDER BY round", job_id)]
+        end = cluster.query("SELECT updated_at FROM jobs WHERE job_id = $1", job_id)[0]["updated_at"]
+        return [b - a for a, b in zip(starts, [*starts[1:], end], strict=True)][1:]
+    finally:
+        cluster.stop_all()
+        from tests.fixtures.services import delete_rabbit_namespace
+
+        delete_rabbit_namespace(AMQP, exchange)
+        admin(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--k", type=int, nargs="+", default=[4, 16])
+    parser.add_argument("--rounds", type=int, default=20)
+    args = parser.parse_args()
+    moto, endpoint = start_moto()
+    results = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="apiary-bench-") as tmp:
+            for k in args.k:
+                durations = run(k, args.rounds, Path(tmp), endpoint)
+                median = statistics.median(durations)
+                p90 = sorted(durations)[int(0.9 * len(durations))]
+                results[k] = {"median_s": round(median, 4), "p90_s": round(p90, 4),
+                              "min_s": round(min(durations), 4), "rounds": len(durations)}
+                ref = FLOWER.get(k)
+                versus = f", {median / ref:.2f}x Flower's {ref} s (goal <= 0.25x)" if ref else ""
+                print(f"K={k}: median round {median * 1000:.1f} ms over {len(durations)} rounds "
+                      f"(min {min(durations) * 1000:.1f}, p90 {results[k]['p90_s'] * 1000:.1f}){versus}", flush=True)
+    finally:
+        moto.terminate()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

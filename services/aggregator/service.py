@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from apiary import keys
+from apiary import keys, telemetry
 from apiary.bus import Delivery, EventHandler, subscribe
 from apiary.component import Component, dumps, loads
 from apiary.contracts import (
@@ -46,6 +46,8 @@ MIGRATIONS = [
     CREATE INDEX IF NOT EXISTS contributions_round ON contributions (job_id, round, attempt)
     """,
     outbox_migration("aggregator_outbox"),
+    # Trace context: the round's (parent of the aggregation span) and each contribution's (its links).
+    "ALTER TABLE aggregations ADD COLUMN traceparent TEXT; ALTER TABLE contributions ADD COLUMN traceparent TEXT",
 ]
 
 # What a stored contribution can be: counted in the average, refused, the user's code failed, or not
@@ -93,10 +95,11 @@ class Aggregator(Component):
         async with self._locks(event.job_id):
             await self.db.execute(
                 "INSERT INTO aggregations (job_id, round, attempt, shards, min_workers, weights_key,"
-                " weights_size, weights_sha256, use_peft, status, opened_at)"
-                " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'open', $10) ON CONFLICT DO NOTHING",
+                " weights_size, weights_sha256, use_peft, status, opened_at, traceparent)"
+                " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'open', $10, $11) ON CONFLICT DO NOTHING",
                 event.job_id, event.round, event.attempt, dumps(event.shards), event.min_workers,
                 event.weights.key, event.weights.size, event.weights.sha256, int(event.use_peft), time.time(),
+                telemetry.headers_for().get("traceparent"),
             )
 
     async def _admit(self, event: WorkerDone | WorkerFailed) -> dict[str, Any] | None:
@@ -179,9 +182,30 @@ class Aggregator(Component):
             await self._close(agg, timed_out=False)
 
     async def _close(self, agg: dict[str, Any], *, timed_out: bool) -> None:
+        """Aggregate or fail the round, inside one span: a child of the round, linked to every
+        contribution folded in."""
         job_id, round_index, attempt = agg["job_id"], agg["round"], agg["attempt"]
         rows = await self._contributions(job_id, round_index, attempt)
         accepted = [r for r in rows if r["status"] == ACCEPTED]
+        links = [link for r in accepted if (link := telemetry.link_from({"traceparent": r["traceparent"] or ""}))]
+        attributes = {"apiary.job_id": job_id, "apiary.round": round_index, "apiary.attempt": attempt,
+                      "apiary.contributions": len(accepted), "apiary.samples": sum(r["samples"] for r in accepted),
+                      "apiary.bytes": sum(r["size"] for r in accepted)}
+        parent = telemetry.context_from({"traceparent": agg["traceparent"] or ""})
+        with telemetry.tracer().start_as_current_span("aggregate", context=parent, links=links,
+                                                      attributes=attributes) as span:
+            if timed_out:
+                span.add_event("round.timeout")
+            for r in rows:
+                if r["status"] in (REJECTED, FAILED):
+                    span.add_event(f"contribution.{r['status']}", {"apiary.shard": r["shard"],
+                                                                    "apiary.worker_id": r["worker_id"],
+                                                                    "reason": r["reason"] or ""})
+            await self._settle(agg, rows, accepted, span, timed_out=timed_out)
+
+    async def _settle(self, agg: dict[str, Any], rows: list[dict[str, Any]], accepted: list[dict[str, Any]],
+                      span: Any, *, timed_out: bool) -> None:
+        job_id, round_index, attempt = agg["job_id"], agg["round"], agg["attempt"]
         rejected = {str(r["shard"]): r["reason"] or "" for r in rows if r["status"] in (REJECTED, FAILED)}
         expected = len(loads(agg["shards"]))
         if len(accepted) < agg["min_workers"]:
@@ -192,6 +216,7 @@ class Aggregator(Component):
                 reason += "; " + "; ".join(f"shard {s}: {r}" for s, r in sorted(rejected.items()))
             failed = RoundFailed(job_id=job_id, round=round_index, attempt=attempt, reason=reason,
                                  reported=len(accepted), required=agg["min_workers"])
+            telemetry.fail(span, "round.failed", reason)
             async with self.db.transaction() as tx:
                 await tx.execute(
                     "UPDATE aggregations SET status = 'failed', reason = $4, closed_at = $5"
@@ -264,8 +289,9 @@ class Aggregator(Component):
             samples, result, metrics = event.samples, event.result, event.metrics
         await self.db.execute(
             "INSERT INTO contributions (job_id, round, attempt, shard, worker_id, status, reason, samples,"
-            " result_key, size, sha256, metrics, received_at)"
-            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+            " result_key, size, sha256, metrics, received_at, traceparent)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
             event.job_id, event.round, event.attempt, event.shard, event.worker_id, status, reason,
             samples, result.key, result.size, result.sha256, dumps(metrics), time.time(),
+            telemetry.headers_for().get("traceparent"),
         )

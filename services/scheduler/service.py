@@ -14,7 +14,7 @@ from urllib.parse import unquote, urlparse
 
 from pydantic import ValidationError
 
-from apiary import keys
+from apiary import keys, telemetry
 from apiary.bus import Delivery, EventHandler, Raw, subscribe
 from apiary.component import Component, dumps, loads
 from apiary.contracts import (
@@ -75,6 +75,8 @@ MIGRATIONS = [
       PRIMARY KEY (job_id, round, attempt));
     """,
     outbox_migration("scheduler_outbox"),
+    # The round span's ids, chosen when the round starts and recorded when it ends.
+    "ALTER TABLE rounds ADD COLUMN trace_id TEXT; ALTER TABLE rounds ADD COLUMN span_id TEXT",
 ]
 
 INIT_TIMEOUT = 600.0
@@ -286,11 +288,14 @@ class Scheduler(Component):
         now = time.time()
         timeout = spec.distributed.aggregation_timeout
         deadline = now + timeout
-        chosen = [s for s in shards][: spec.distributed.max_workers]
+        chosen = shards[: spec.distributed.max_workers]
+        trace_id, span_id = telemetry.new_round_ids()
+        trace = telemetry.headers_for(telemetry.round_context(trace_id, span_id))
         await tx.execute(
-            "INSERT INTO rounds (job_id, round, attempt, status, shards, started_at, deadline)"
-            " VALUES ($1, $2, $3, 'running', $4, $5, $6) ON CONFLICT DO NOTHING",
+            "INSERT INTO rounds (job_id, round, attempt, status, shards, started_at, deadline, trace_id, span_id)"
+            " VALUES ($1, $2, $3, 'running', $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING",
             job_id, round_index, attempt, dumps([s.index for s in chosen]), now, deadline,
+            f"{trace_id:032x}", f"{span_id:016x}",
         )
         await tx.execute(
             "UPDATE jobs SET round = $2, attempt = $3, updated_at = $4 WHERE job_id = $1",
@@ -300,7 +305,7 @@ class Scheduler(Component):
             job_id=job_id, round=round_index, attempt=attempt, num_rounds=spec.distributed.num_rounds,
             shards=[s.index for s in chosen], min_workers=spec.distributed.min_workers, weights=weights,
             deadline=deadline, use_peft=spec.use_peft,
-        ))
+        ), headers=trace)
         ttl = int(timeout + self.settings.presign_ttl)
         pinned = spec.worker_selection.workers if spec.worker_selection.mode == "pinned" else []
         for shard in chosen:
@@ -320,8 +325,9 @@ class Scheduler(Component):
             routing_key = f"assign.worker.{worker}" if worker else "assign.pool"
             if worker:
                 await self.bus.declare_queue(routing_key, [routing_key])
-            await self.outbox.add(tx, assignment, routing_key=routing_key)
-        await self.outbox.add(tx, RoundTimeout(job_id=job_id, round=round_index, attempt=attempt), delay=timeout)
+            await self.outbox.add(tx, assignment, routing_key=routing_key, headers=trace)
+        await self.outbox.add(tx, RoundTimeout(job_id=job_id, round=round_index, attempt=attempt), delay=timeout,
+                              headers=trace)
         log.info("job %s: round %d/%d (attempt %d) started on %d shards", job_id, round_index,
                  spec.distributed.num_rounds, attempt, len(chosen))
 
@@ -442,6 +448,16 @@ class Scheduler(Component):
     async def _close_round(self, tx: Executor, job_id: str, round_index: int, attempt: int, status: str,
                            *, reason: str | None = None, weights_key: str | None = None,
                            metrics: dict[str, float] | None = None) -> None:
+        row = await tx.fetchrow(
+            "SELECT started_at, trace_id, span_id, shards FROM rounds WHERE job_id = $1 AND round = $2"
+            " AND attempt = $3 AND status = 'running'",
+            job_id, round_index, attempt,
+        )
+        if row is not None and row["trace_id"]:
+            attributes = {"apiary.job_id": job_id, "apiary.round": round_index, "apiary.attempt": attempt,
+                          "apiary.shards": len(loads(row["shards"], [])), "apiary.round.status": status}
+            telemetry.recorded_span(f"round {round_index}", int(row["trace_id"], 16), int(row["span_id"], 16),
+                                    int(row["started_at"] * 1e9), attributes, error=reason)
         await tx.execute(
             "UPDATE rounds SET status = $4, ended_at = $5, reason = $6, weights_key = $7, metrics = $8"
             " WHERE job_id = $1 AND round = $2 AND attempt = $3",

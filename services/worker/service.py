@@ -12,7 +12,9 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from apiary import transfer
+from opentelemetry.trace import SpanKind
+
+from apiary import telemetry, transfer
 from apiary.bus import Bus, Delivery, Subscription, Unroutable, publish_event, subscribe
 from apiary.contracts import (
     Assignment,
@@ -111,10 +113,19 @@ class Worker:
                          assignment.job_id, assignment.round, assignment.shard)
                 return
             self.current, self.state = assignment, "training"
+            attributes = {**telemetry.messaging(delivery.routing_key, "process", self.settings.exchange),
+                          **self._attributes(assignment)}
             try:
-                await self._train(assignment)
+                with telemetry.tracer().start_as_current_span(
+                    f"{delivery.routing_key} process", kind=SpanKind.CONSUMER, attributes=attributes
+                ):
+                    await self._train(assignment)
             finally:
                 self.current, self.state = None, "idle"
+
+    def _attributes(self, a: Assignment) -> dict[str, Any]:
+        return {"apiary.job_id": a.job_id, "apiary.round": a.round, "apiary.attempt": a.attempt,
+                "apiary.shard": a.shard, "apiary.worker_id": self.worker_id}
 
     async def _train(self, a: Assignment) -> None:
         started = time.monotonic()
@@ -122,13 +133,17 @@ class Worker:
         work = job_dir / f"round-{a.round:04d}-{a.attempt}-shard-{a.shard:04d}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-        try:
-            data_root = await self._shard(a, job_dir)
-            weights = work / "global.safetensors"
-            await transfer.download(a.weights_url, weights, a.weights_sha256)
-        except (transfer.TransferError, zipfile.BadZipFile, OSError, ValueError) as e:
-            await self._failed(a, f"inputs could not be fetched: {e}")
-            return
+        tracer = telemetry.tracer()
+        with tracer.start_as_current_span("download", attributes=self._attributes(a)) as span:
+            try:
+                data_root, moved = await self._shard(a, job_dir)
+                weights = work / "global.safetensors"
+                await transfer.download(a.weights_url, weights, a.weights_sha256)
+                span.set_attribute("apiary.bytes", moved + weights.stat().st_size)
+            except (transfer.TransferError, zipfile.BadZipFile, OSError, ValueError) as e:
+                telemetry.fail(span, "download.failed", str(e))
+                await self._failed(a, f"inputs could not be fetched: {e}")
+                return
         progress = _ProgressStream(self, a)
         call = TrainCall(
             module=a.entrypoint.split(":", 1)[0],
@@ -140,24 +155,31 @@ class Worker:
             round={"index": a.round, "total": a.num_rounds, "attempt": a.attempt},
             job={"id": a.job_id, "name": a.job_name},
         )
-        try:
-            result = await self.runner.train(call, timeout=max(1.0, a.deadline - time.time()),
-                                             on_metrics=progress.add)
-        except UserCodeError as e:
-            await progress.close()
-            await self._failed(a, str(e))
-            return
+        with tracer.start_as_current_span("train", attributes={**self._attributes(a),
+                                                               "apiary.entrypoint": a.entrypoint}) as span:
+            try:
+                result = await self.runner.train(call, timeout=max(1.0, a.deadline - time.time()),
+                                                 on_metrics=progress.add)
+            except UserCodeError as e:
+                telemetry.fail(span, "user_code.error", str(e))
+                await progress.close()
+                await self._failed(a, str(e))
+                return
+            span.set_attribute("apiary.samples", result.samples if isinstance(result.samples, int) else -1)
         await progress.close()
         if isinstance(result.samples, bool) or not isinstance(result.samples, int) or result.samples <= 0:
             await self._failed(a, f"fl_train_model returned samples={result.samples!r}: expected a positive int")
             return
         result_path = Path(call.result_path)
-        try:
-            await transfer.upload(a.upload_url, result_path)
-            await self._upload_files(a, Path(call.out_dir), work)
-        except (transfer.TransferError, OSError) as e:
-            await self._failed(a, f"result upload failed: {e}")
-            return
+        with tracer.start_as_current_span("upload", attributes=self._attributes(a)) as span:
+            try:
+                await transfer.upload(a.upload_url, result_path)
+                moved = result_path.stat().st_size + await self._upload_files(a, Path(call.out_dir), work)
+                span.set_attribute("apiary.bytes", moved)
+            except (transfer.TransferError, OSError) as e:
+                telemetry.fail(span, "upload.failed", str(e))
+                await self._failed(a, f"result upload failed: {e}")
+                return
         duration = time.monotonic() - started
         self.samples_per_s = result.samples * max(1, int(a.env.get("EPOCHS") or 1)) / max(duration, 1e-6)
         ref = ObjectRef(key=a.result_key, size=result_path.stat().st_size, sha256=sha256_file(result_path))
@@ -170,20 +192,21 @@ class Worker:
         log.info("worker %s: job %s round %d shard %d done in %.2fs (%d samples)", self.worker_id,
                  a.job_id, a.round, a.shard, duration, result.samples)
 
-    async def _shard(self, a: Assignment, job_dir: Path) -> Path:
-        """The shard's folder, downloaded and unpacked once per job."""
+    async def _shard(self, a: Assignment, job_dir: Path) -> tuple[Path, int]:
+        """The shard's folder, downloaded and unpacked once per job; and the bytes fetched for it."""
         root = job_dir / f"shard-{a.shard:04d}-{a.shard_sha256[:16]}"
         if (root / "manifest.json").is_file():
-            return root
+            return root, 0
         archive = job_dir / f"shard-{a.shard:04d}.zip"
         await transfer.download(a.shard_url, archive, a.shard_sha256)
+        size = archive.stat().st_size
         await asyncio.to_thread(extract_shard, archive, root)
         archive.unlink(missing_ok=True)
-        return root
+        return root, size
 
-    async def _upload_files(self, a: Assignment, out_dir: Path, work: Path) -> None:
+    async def _upload_files(self, a: Assignment, out_dir: Path, work: Path) -> int:
         if a.files_upload_url is None or not out_dir.is_dir() or not any(out_dir.iterdir()):
-            return
+            return 0
         archive = work / "files.zip"
 
         def pack() -> None:
@@ -194,6 +217,7 @@ class Worker:
 
         await asyncio.to_thread(pack)
         await transfer.upload(a.files_upload_url, archive)
+        return archive.stat().st_size
 
     async def _failed(self, a: Assignment, error: str) -> None:
         log.warning("worker %s: job %s round %d shard %d failed: %s", self.worker_id, a.job_id, a.round,

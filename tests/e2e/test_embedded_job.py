@@ -11,7 +11,7 @@ import torch
 
 from apiary import keys
 from apiary.weights import loads
-from tests.e2e.conftest import REPO, StackFactory, toy_request
+from tests.fixtures.embedded import REPO, StackFactory, toy_request
 
 
 async def test_final_weights_are_the_fedavg_of_what_the_workers_returned(embedded: StackFactory,

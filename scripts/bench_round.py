@@ -38,6 +38,7 @@ from tests.toyjobs.toy import make_dataset  # noqa: E402
 AMQP = os.environ.get("APIARY_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 POSTGRES = os.environ.get("APIARY_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 FLOWER = {4: 0.10, 16: 0.21}
+BREAKDOWN = bool(os.environ.get("APIARY_BENCH_BREAKDOWN"))
 
 
 def admin(sql: str) -> None:
@@ -92,6 +93,18 @@ def run(k: int, rounds: int, tmp: Path, endpoint: str) -> list[float]:
             raise RuntimeError(f"benchmark job {job['status']}: {job['reason']}")
         starts = [r["started_at"] for r in cluster.query(
             "SELECT started_at FROM rounds WHERE job_id = $1 ORDER BY round", job_id)]
+        if BREAKDOWN:
+            closed = {r["round"]: r["closed_at"] for r in cluster.query(
+                "SELECT round, closed_at FROM aggregations WHERE job_id = $1", job_id)}
+            received: dict[int, list[float]] = {}
+            for r in cluster.query("SELECT round, received_at FROM contributions WHERE job_id = $1", job_id):
+                received.setdefault(r["round"], []).append(r["received_at"])
+            for i, start in enumerate(starts[1:], start=2):
+                got = sorted(received[i])
+                nxt = starts[i] if i < len(starts) else None
+                print(f"  round {i}: first result +{(got[0] - start) * 1000:.0f} ms,"
+                      f" last +{(got[-1] - start) * 1000:.0f} ms, closed +{(closed[i] - start) * 1000:.0f} ms"
+                      + (f", next round +{(nxt - start) * 1000:.0f} ms" if nxt else ""))
         end = cluster.query("SELECT updated_at FROM jobs WHERE job_id = $1", job_id)[0]["updated_at"]
         return [b - a for a, b in zip(starts, [*starts[1:], end], strict=True)][1:]
     finally:

@@ -48,7 +48,11 @@ MIGRATIONS = [
     outbox_migration("aggregator_outbox"),
     # Trace context: the round's (parent of the aggregation span) and each contribution's (its links).
     "ALTER TABLE aggregations ADD COLUMN traceparent TEXT; ALTER TABLE contributions ADD COLUMN traceparent TEXT",
+    # The round's deadline: a last shard settling after it ends the round as a timeout would.
+    "ALTER TABLE aggregations ADD COLUMN deadline DOUBLE PRECISION",
 ]
+
+PREFETCH_MAX_BYTES = 8 * 1024 * 1024
 
 # What a stored contribution can be: counted in the average, refused, the user's code failed, or not
 # for this round. The first three settle a shard; the others are recorded and ignored.
@@ -95,11 +99,11 @@ class Aggregator(Component):
         async with self._locks(event.job_id):
             await self.db.execute(
                 "INSERT INTO aggregations (job_id, round, attempt, shards, min_workers, weights_key,"
-                " weights_size, weights_sha256, use_peft, status, opened_at, traceparent)"
-                " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'open', $10, $11) ON CONFLICT DO NOTHING",
+                " weights_size, weights_sha256, use_peft, status, opened_at, traceparent, deadline)"
+                " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'open', $10, $11, $12) ON CONFLICT DO NOTHING",
                 event.job_id, event.round, event.attempt, dumps(event.shards), event.min_workers,
                 event.weights.key, event.weights.size, event.weights.sha256, int(event.use_peft), time.time(),
-                telemetry.headers_for().get("traceparent"),
+                telemetry.headers_for().get("traceparent"), event.deadline,
             )
 
     async def _admit(self, event: WorkerDone | WorkerFailed) -> dict[str, Any] | None:
@@ -123,6 +127,9 @@ class Aggregator(Component):
         )
         if reported is not None:
             await self._record(event, DUPLICATE, f"shard {event.shard} already reported ({reported})")
+            # A redelivered last report whose first handling failed after it was recorded: the round
+            # is still open, so close it now rather than at the timeout.
+            await self._maybe_close(agg)
             return None
         return agg
 
@@ -137,6 +144,14 @@ class Aggregator(Component):
 
     async def on_worker_done(self, event: WorkerDone, delivery: Delivery) -> None:
         """Validate a contribution and fold it in, once; close the round when every shard reported."""
+        # Small contributions are fetched before queueing for the job's lock, so many download at
+        # once; large ones are fetched one at a time inside it (memory: one accumulator plus one).
+        early: bytes | BaseException | None = None
+        if event.result.size <= PREFETCH_MAX_BYTES:
+            try:
+                early = await self.storage.verified_bytes(event.result)
+            except (ObjectNotFound, ValueError) as e:
+                early = e
         async with self._locks(event.job_id):
             agg = await self._admit(event)
             if agg is None:
@@ -144,7 +159,9 @@ class Aggregator(Component):
             key = (event.job_id, event.round, event.attempt)
             state = await self._state(agg)
             try:
-                data = await self.storage.verified_bytes(event.result)
+                if isinstance(early, BaseException):
+                    raise early
+                data = early if early is not None else await self.storage.verified_bytes(event.result)
                 weights = load_weights(data, copy=False)
                 validate(state.spec, weights, event.samples, partial=bool(agg["use_peft"]),
                          expected_keys=state.keys)
@@ -179,7 +196,8 @@ class Aggregator(Component):
             agg["job_id"], agg["round"], agg["attempt"],
         )
         if int(count) >= len(loads(agg["shards"])):
-            await self._close(agg, timed_out=False)
+            # A last shard settled after the deadline (a straggler stopped there) ends a round that timed out.
+            await self._close(agg, timed_out=agg["deadline"] is not None and time.time() >= agg["deadline"])
 
     async def _close(self, agg: dict[str, Any], *, timed_out: bool) -> None:
         """Aggregate or fail the round, inside one span: a child of the round, linked to every
@@ -228,6 +246,8 @@ class Aggregator(Component):
             await self.outbox.flush()
             return
         state = await self._state(agg)
+        # finish() consumes the sum: should closing fail after it, the retry re-folds from storage.
+        self._rounds.pop((job_id, round_index, attempt), None)
         average = state.fedavg.finish()
         if agg["use_peft"]:
             base = load_weights(await self.storage.get_bytes(agg["weights_key"]))

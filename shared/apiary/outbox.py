@@ -63,24 +63,38 @@ class Outbox:
         )
 
     async def flush(self) -> int:
-        """Publish every pending event, oldest first; return how many were published."""
+        """Publish every pending event, in the order added; return how many were published.
+
+        The publishes go out together (the broker confirms them as a batch) and are deleted in one
+        statement; any that failed stay for the next flush.
+        """
         async with self._lock:
             rows = await self._db.fetch(
                 f"SELECT id, routing_key, body, headers, deliver_at FROM {self._table} ORDER BY id"
             )
-            for row in rows:
-                delay = None
-                if row["deliver_at"] is not None:
-                    # Restarted publishers keep the original deadline, not a fresh full delay.
-                    delay = max(0.001, float(row["deliver_at"]) - time.time())
-                await self._bus.publish(
-                    row["routing_key"],
-                    base64.b64decode(row["body"]),
-                    headers=json.loads(row["headers"]),
-                    delay=delay,
-                )
-                await self._db.execute(f"DELETE FROM {self._table} WHERE id = $1", row["id"])
-            return len(rows)
+            if not rows:
+                return 0
+            results = await asyncio.gather(*(self._publish(row) for row in rows), return_exceptions=True)
+            sent = [row["id"] for row, result in zip(rows, results, strict=True) if result is None]
+            if sent:
+                marks = ", ".join(f"${i}" for i in range(1, len(sent) + 1))
+                await self._db.execute(f"DELETE FROM {self._table} WHERE id IN ({marks})", *sent)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            return len(sent)
+
+    async def _publish(self, row: dict[str, Any]) -> None:
+        delay = None
+        if row["deliver_at"] is not None:
+            # Restarted publishers keep the original deadline, not a fresh full delay.
+            delay = max(0.001, float(row["deliver_at"]) - time.time())
+        await self._bus.publish(
+            row["routing_key"],
+            base64.b64decode(row["body"]),
+            headers=json.loads(row["headers"]),
+            delay=delay,
+        )
 
 
 class KeyedLocks:

@@ -74,7 +74,8 @@ def setup(service_name: str, *, exporter: SpanExporter | None = None) -> TracerP
     else:
         raise ValueError(f"OTEL_TRACES_EXPORTER={chosen!r} is not supported: use none, console or otlp")
     provider.add_span_processor(processor)
-    trace.set_tracer_provider(provider)
+    # Kept here rather than installed globally, so a process (or a test) can set tracing up again
+    # after shutdown(); OpenTelemetry's global provider can be set only once.
     _provider = provider
     return provider
 
@@ -103,7 +104,9 @@ def shutdown() -> None:
 
 def tracer() -> trace.Tracer:
     """Apiary's tracer (a no-op one when tracing is off)."""
-    return trace.get_tracer(TRACER_NAME)
+    if _provider is not None:
+        return _provider.get_tracer(TRACER_NAME)
+    return trace.NoOpTracer()
 
 
 def new_round_ids() -> tuple[int, int]:

@@ -49,6 +49,8 @@ class Database(Executor):
     """A connection pool (or file) with transactions and versioned migrations."""
 
     dialect: str = ""
+    # A statement that makes concurrent migrations (from other processes) wait their turn.
+    migration_lock_sql: str | None = None
 
     @abstractmethod
     async def connect(self) -> None:
@@ -64,14 +66,19 @@ class Database(Executor):
 
     async def migrate(self, component: str, migrations: Sequence[str]) -> int:
         """Apply the component's migrations not yet applied, in order; return how many ran."""
-        await self.execute(
-            "CREATE TABLE IF NOT EXISTS schema_migrations ("
-            " component TEXT NOT NULL, version BIGINT NOT NULL,"
-            " PRIMARY KEY (component, version))"
-        )
+        async with self.transaction() as tx:
+            if self.migration_lock_sql:
+                await tx.execute(self.migration_lock_sql)
+            await tx.execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations ("
+                " component TEXT NOT NULL, version BIGINT NOT NULL,"
+                " PRIMARY KEY (component, version))"
+            )
         applied = 0
         for version, script in enumerate(migrations, start=1):
             async with self.transaction() as tx:
+                if self.migration_lock_sql:
+                    await tx.execute(self.migration_lock_sql)
                 done = await tx.fetchval(
                     "SELECT version FROM schema_migrations WHERE component = $1 AND version = $2",
                     component,

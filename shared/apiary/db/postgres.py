@@ -8,9 +8,11 @@ int for a float placeholder a float, a whole float or a bool for an integer plac
 A fractional float for an integer placeholder raises ValueError: asyncpg would truncate it
 silently. Other mismatches (a str for a number) are left to asyncpg, which says what it expected.
 
-Transactions run one at a time, as on SQLite: each takes a transaction-scoped advisory lock, so a
-read-modify-write inside `transaction()` cannot lose an update to a concurrent one, in this
-process or another. Single statements outside a transaction are atomic but not serialised.
+Transactions of one process run one at a time, as on SQLite, so a read-modify-write inside
+`transaction()` cannot lose an update to another of the same process. Services in other processes
+own other tables, so their transactions are not serialised against each other (a database-wide
+lock would make every service wait on the busiest one); migrations alone take a transaction-scoped
+advisory lock, so replicas starting together apply each version once.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import asyncpg
 
 from apiary.db.base import Database, DatabaseUnavailable, Executor
 
-# Any constant works; this one is "apiary" in ASCII, so it is recognisable in pg_locks.
+# Any constant works; this one is "apiary" in ASCII, so it is recognisable in pg_locks (migrations).
 _TRANSACTION_LOCK = 0x617069617279
 
 _INTEGER = frozenset({"int2", "int4", "int8"})
@@ -91,6 +93,8 @@ class _Tx(Executor):
 class PostgresDatabase(Database):
     """A PostgreSQL database shared by the services of a deployment."""
 
+    migration_lock_sql = f"SELECT pg_advisory_xact_lock({_TRANSACTION_LOCK})"
+
     dialect = "postgresql"
 
     def __init__(
@@ -121,6 +125,7 @@ class PostgresDatabase(Database):
         try:
             # Created here, under the lock, so that services migrating at once do not race on it.
             async with self.transaction() as tx:
+                await tx.execute(self.migration_lock_sql)
                 await tx.execute(
                     "CREATE TABLE IF NOT EXISTS schema_migrations ("
                     " component TEXT NOT NULL, version BIGINT NOT NULL,"
@@ -199,7 +204,6 @@ class PostgresDatabase(Database):
             tx = conn.transaction()
             try:
                 await tx.start()
-                await conn.execute("SELECT pg_advisory_xact_lock($1)", _TRANSACTION_LOCK)
             except _UNAVAILABLE as e:
                 raise self._unavailable(e) from e
             try:

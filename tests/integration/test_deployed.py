@@ -118,3 +118,29 @@ def test_cli_submit_and_status_work_against_the_deployment(cluster: Cluster, tmp
     view = json.loads(shown.stdout)
     assert view["status"] == "completed" and view["round"] == 2
     assert [r["status"] for r in view["rounds"]] == ["aggregated", "aggregated"]
+
+
+def test_a_dataset_uploaded_once_is_named_by_id_or_uri(cluster: Cluster, tmp_path: Path) -> None:
+    dataset = make_dataset(tmp_path / "toy", 6)
+    cluster.start(workers=2)
+    uploaded = subprocess.run([sys.executable, "-m", "apiary.cli", "dataset", "upload", str(dataset),
+                               "--name", "toy"], cwd=REPO, env=cluster.env(), capture_output=True, text=True,
+                              timeout=60)
+    assert uploaded.returncode == 0, uploaded.stderr
+    dataset_id, uri = uploaded.stdout.split()
+    base = {"entrypoint": "tests.toyjobs.toy:fl_train_model",
+            "distributed": {"num_rounds": 1, "min_workers": 2, "max_workers": 2}}
+
+    by_id = cluster.publish_job({**base, "job_id": f"by-id-{uuid.uuid4().hex[:6]}", "name": "by-id",
+                                 "dataset_id": dataset_id})
+    by_uri = cluster.publish_job({**base, "job_id": f"by-uri-{uuid.uuid4().hex[:6]}", "name": "by-uri",
+                                  "dataset": uri})
+    unknown = cluster.publish_job({**base, "job_id": f"unknown-{uuid.uuid4().hex[:6]}", "name": "unknown",
+                                   "dataset_id": "0123456789ab"})
+
+    assert uri.startswith("s3://") and uri.endswith("/toy.zip")
+    assert cluster.wait_job(by_id)["status"] == "completed"
+    assert cluster.wait_job(by_uri)["status"] == "completed"
+    failed = cluster.wait_job(unknown)
+    assert failed["status"] == "failed"
+    assert "dataset_id '0123456789ab' is unknown" in failed["reason"]

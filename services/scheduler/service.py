@@ -19,7 +19,6 @@ from apiary.bus import Delivery, EventHandler, Raw, subscribe
 from apiary.component import Component, dumps, loads
 from apiary.contracts import (
     Assignment,
-    DecodeError,
     JobAccepted,
     JobCancelRequested,
     JobCompleted,
@@ -268,8 +267,8 @@ class Scheduler(Component):
                 if job is None or job["status"] != JobStatus.WAITING:
                     continue
                 spec = JobSpec.model_validate_json(job["spec"])
-                shards = [ShardInfo.model_validate(s) for s in loads(job["shards"], [])]
-                weights = ObjectRef(key=job["weights_key"], size=job["weights_size"], sha256=job["weights_sha256"])
+                shards = _shards(job)
+                weights = _weights(job)
                 async with self.db.transaction() as tx:
                     await self._start_round(tx, job["job_id"], spec, shards, weights, job["round"], job["attempt"])
             await self.outbox.flush()
@@ -345,7 +344,7 @@ class Scheduler(Component):
             if decision.next is Next.FINISH:
                 await self._finish(job, spec, event)
                 return
-            shards = [ShardInfo.model_validate(s) for s in loads(job["shards"], [])]
+            shards = _shards(job)
             async with self.db.transaction() as tx:
                 await self._close_round(tx, event.job_id, event.round, event.attempt, "aggregated",
                                         weights_key=event.weights.key, metrics=event.metrics)
@@ -380,8 +379,8 @@ class Scheduler(Component):
                     await self._fail_tx(tx, event.job_id, reason, event.round)
                 await self.outbox.flush()
                 return
-            shards = [ShardInfo.model_validate(s) for s in loads(job["shards"], [])]
-            weights = ObjectRef(key=job["weights_key"], size=job["weights_size"], sha256=job["weights_sha256"])
+            shards = _shards(job)
+            weights = _weights(job)
             async with self.db.transaction() as tx:
                 await self._close_round(tx, event.job_id, event.round, event.attempt, "failed", reason=event.reason)
                 await tx.execute("UPDATE jobs SET failures = $2 WHERE job_id = $1", event.job_id, decision.failures)
@@ -482,4 +481,14 @@ class Scheduler(Component):
         return await self.db.fetchrow("SELECT * FROM jobs WHERE job_id = $1", job_id)
 
 
-__all__ = ["DecodeError", "Scheduler"]
+def _shards(job: dict[str, Any]) -> list[ShardInfo]:
+    """A job row's shards."""
+    return [ShardInfo.model_validate(s) for s in loads(job["shards"], [])]
+
+
+def _weights(job: dict[str, Any]) -> ObjectRef:
+    """A job row's current global weights."""
+    return ObjectRef(key=job["weights_key"], size=job["weights_size"], sha256=job["weights_sha256"])
+
+
+__all__ = ["Scheduler"]

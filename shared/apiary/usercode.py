@@ -295,8 +295,10 @@ class UserCodeRunner:
                     elif tag == "error":
                         raise UserCodeError(value)
                     elif tag == "died":
-                        code = self._proc.exitcode if self._proc is not None else None
+                        # The pipe can close before the child is reaped: its exit code is known after the join.
+                        proc = self._proc
                         await asyncio.to_thread(self._kill)
+                        code = proc.exitcode if proc is not None else None
                         raise UserCodeError(f"user code exited the process (exit code {code})")
             except TimeoutError:
                 await asyncio.to_thread(self._kill)

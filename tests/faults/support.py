@@ -1,0 +1,241 @@
+"""What the fault cases share: toy job requests, the toy's closed-form FedAvg, and a deployment
+(`Faults`, around the `cluster` fixture) that a test can read, publish into and break.
+
+The toy's shard s adds s + 1 to every float weight and 1 to every integer one, so a round whose
+accepted shards are A moves the global weights by sum(n_s * (s + 1)) / sum(n_s), s in A.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import boto3
+import msgpack
+import pika
+import torch
+
+from apiary import keys
+from apiary.bus.base import ORIGINAL_KEY_HEADER, REASON_HEADER
+from apiary.contracts import MSGPACK, Event, ObjectRef, encode
+from apiary.weights import dumps as dump_weights
+from apiary.weights import loads as load_weights
+from tests.fixtures.cluster import REPO, Cluster
+from tests.toyjobs.toy import fl_init_weights
+
+TOY = "tests.toyjobs.toy:fl_train_model"
+
+# Rounds: for each aggregated round in order, the accepted shards and their sample counts.
+Rounds = list[dict[int, int]]
+
+
+def toy_job(
+    job_id: str,
+    dataset: Path,
+    *,
+    rounds: int = 2,
+    min_workers: int = 1,
+    max_workers: int = 2,
+    timeout: float = 120.0,
+    fault_tolerance: int = 0,
+    config: dict[str, Any] | None = None,
+    pinned: list[str] | None = None,
+) -> dict[str, Any]:
+    """A job request for the toy entrypoint, the way another system would publish it."""
+    request: dict[str, Any] = {
+        "job_id": job_id, "name": job_id.rsplit("-", 1)[0], "entrypoint": TOY, "dataset": str(dataset),
+        "config": config or {},
+        "distributed": {"num_rounds": rounds, "min_workers": min_workers, "max_workers": max_workers,
+                        "aggregation_timeout": timeout, "fault_tolerance": fault_tolerance},
+    }
+    if pinned:
+        request["worker_selection"] = {"mode": "pinned", "workers": pinned}
+    return request
+
+
+def new_id(case: str) -> str:
+    """A job id that names the case."""
+    return f"{case}-{uuid.uuid4().hex[:8]}"
+
+
+def expected_weights(rounds: Rounds) -> dict[str, torch.Tensor]:
+    """The toy's global weights after these rounds, from its closed form (in float64)."""
+    weights = {k: v.to(torch.float64) if v.is_floating_point() else v.clone()
+               for k, v in fl_init_weights({}).items()}
+    for accepted in rounds:
+        assert accepted, "an aggregated round has at least one accepted shard"
+        step = sum(n * (s + 1) for s, n in accepted.items()) / sum(accepted.values())
+        for tensor in weights.values():
+            tensor.add_(step if tensor.is_floating_point() else 1)
+    return weights
+
+
+def assert_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> str:
+    """Same names, shapes and dtypes as the toy's; values equal up to float32 rounding. Returns
+    a line for the outcome table.
+
+    One contribution counted twice, or one from the wrong round, moves a value by at least 1/N of
+    a whole step (N: the samples in a round), far above the tolerance.
+    """
+    assert set(actual) == set(expected)
+    error = 0.0
+    for name, want in expected.items():
+        got = actual[name]
+        assert got.shape == want.shape, name
+        if want.is_floating_point():
+            assert got.dtype == torch.float32, name
+            assert torch.allclose(got.to(torch.float64), want, rtol=0, atol=1e-5), (name, got, want)
+            error = max(error, float((got.to(torch.float64) - want).abs().max()))
+        else:
+            assert torch.equal(got, want), (name, got, want)
+    bias = actual["layer.bias"].tolist()
+    return f"weights exact (bias {[round(b, 4) for b in bias]}, max error {error:.0e})"
+
+
+class Faults:
+    """A deployment under test: read its tables and bucket, publish into its exchange."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.bucket, _, self.prefix = cluster.storage_url.removeprefix("s3://").partition("/")
+        self.s3 = boto3.client("s3", endpoint_url=cluster.s3_endpoint, region_name="us-east-1")
+
+    # ---------------------------------------------------------------- reading
+
+    def query(self, sql: str, *args: Any) -> list[dict[str, Any]]:
+        """Rows from the deployment's database."""
+        return self.cluster.query(sql, *args)
+
+    def shard_sizes(self, job_id: str) -> dict[int, int]:
+        """Each shard's sample count, as the sharder wrote it (waits until the job is sharded)."""
+        job = self.cluster.wait_for(lambda: (j := self.cluster.job(job_id)) and j["shards"] and j, 60,
+                                    f"job {job_id} to be sharded")
+        return {s["index"]: s["num_samples"] for s in json.loads(job["shards"])}
+
+    def contributions(self, job_id: str) -> list[dict[str, Any]]:
+        """Every report the aggregator recorded for the job, in arrival order."""
+        return self.query("SELECT * FROM contributions WHERE job_id = $1 ORDER BY seq", job_id)
+
+    def accepted(self, job_id: str) -> dict[tuple[int, int], dict[int, int]]:
+        """(round, attempt) -> {shard: samples} of the accepted contributions."""
+        out: dict[tuple[int, int], dict[int, int]] = {}
+        for row in self.contributions(job_id):
+            if row["status"] == "accepted":
+                out.setdefault((row["round"], row["attempt"]), {})[row["shard"]] = row["samples"]
+        return out
+
+    def double_counted(self, job_id: str) -> int:
+        """Contributions counted more than once: extra accepted rows per (round, attempt, shard),
+        plus extra aggregated attempts per round."""
+        extra_rows = self.query(
+            "SELECT COALESCE(SUM(n - 1), 0) AS extra FROM (SELECT COUNT(*) AS n FROM contributions"
+            " WHERE job_id = $1 AND status = 'accepted' GROUP BY round, attempt, shard) c", job_id)
+        extra_rounds = self.query(
+            "SELECT COALESCE(SUM(n - 1), 0) AS extra FROM (SELECT COUNT(*) AS n FROM aggregations"
+            " WHERE job_id = $1 AND status = 'aggregated' GROUP BY round) a", job_id)
+        return int(extra_rows[0]["extra"]) + int(extra_rounds[0]["extra"])
+
+    def aggregations(self, job_id: str) -> list[dict[str, Any]]:
+        """The aggregator's rounds of a job, in order."""
+        return self.query("SELECT * FROM aggregations WHERE job_id = $1 ORDER BY round, attempt", job_id)
+
+    def rounds(self, job_id: str) -> list[dict[str, Any]]:
+        """The scheduler's rounds of a job, in order."""
+        return self.query("SELECT * FROM rounds WHERE job_id = $1 ORDER BY round, attempt", job_id)
+
+    def wait_aggregation(self, job_id: str, round_index: int, status: str = "aggregated", *, attempt: int = 1,
+                         timeout: float = 120) -> dict[str, Any]:
+        """Wait until the aggregator has closed (or opened, with status 'open') a round attempt."""
+        return dict(self.cluster.wait_for(lambda: self.query(
+            "SELECT * FROM aggregations WHERE job_id = $1 AND round = $2 AND attempt = $3 AND status = $4",
+            job_id, round_index, attempt, status), timeout, f"round {round_index}.{attempt} {status}")[0])
+
+    def wait_training(self, worker_id: str, job_id: str, round_index: int, timeout: float = 60) -> int:
+        """Wait until the worker's heartbeat says it trains a shard of this round; return the shard."""
+        rows = self.cluster.wait_for(lambda: self.query(
+            "SELECT shard FROM workers WHERE worker_id = $1 AND state = 'training' AND job_id = $2 AND round = $3",
+            worker_id, job_id, round_index), timeout, f"{worker_id} to train round {round_index} of {job_id}")
+        return int(rows[0]["shard"])
+
+    def object(self, key: str) -> bytes:
+        """An object of the deployment's storage, by its storage key."""
+        return bytes(self.s3.get_object(Bucket=self.bucket, Key=f"{self.prefix}/{key}")["Body"].read())
+
+    def global_weights(self, job_id: str, round_index: int) -> dict[str, torch.Tensor]:
+        """The global weights the aggregator stored after a round."""
+        return load_weights(self.object(keys.global_weights(job_id, round_index)))
+
+    def final_weights(self, job_id: str) -> dict[str, torch.Tensor]:
+        """The job's final model from the bucket."""
+        return load_weights(self.object(keys.final_model(job_id)))
+
+    def alive(self) -> dict[str, bool]:
+        """Which processes of the deployment still run."""
+        return {name: p.poll() is None for name, p in self.cluster.processes.items()}
+
+    def status_cli(self, job_id: str) -> tuple[dict[str, Any], str]:
+        """`apiary status JOB --json` (parsed) and what `apiary status JOB` shows an operator."""
+        def run(*extra: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "apiary.cli", "status", job_id, *extra], cwd=REPO,
+                                  env=self.cluster.env(COLUMNS="400"), capture_output=True, text=True,
+                                  timeout=60, check=True)
+        shown = run()
+        return json.loads(run("--json").stdout), shown.stdout + shown.stderr
+
+    # ---------------------------------------------------------------- writing
+
+    def publish(self, routing_key: str, body: bytes, *, content_type: str = MSGPACK,
+                message_id: str | None = None) -> str:
+        """Publish raw bytes into the exchange with pika, as any other client could; return the id."""
+        message_id = message_id or uuid.uuid4().hex
+        connection = pika.BlockingConnection(pika.URLParameters(self.cluster.amqp_url))
+        try:
+            channel = connection.channel()
+            channel.confirm_delivery()
+            channel.basic_publish(
+                exchange=self.cluster.exchange, routing_key=routing_key, body=body, mandatory=True,
+                properties=pika.BasicProperties(content_type=content_type, delivery_mode=2,
+                                                message_id=message_id),
+            )
+        finally:
+            connection.close()
+        return message_id
+
+    def publish_event(self, event: Event, routing_key: str | None = None) -> str:
+        """Publish an event as msgpack under its routing key."""
+        return self.publish(routing_key or event.routing_key, encode(event))
+
+    def put_object(self, key: str, data: bytes) -> ObjectRef:
+        """Store bytes under a storage key; return their claim check."""
+        self.s3.put_object(Bucket=self.bucket, Key=f"{self.prefix}/{key}", Body=data)
+        return ObjectRef(key=key, size=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+    def put_weights(self, key: str, weights: dict[str, torch.Tensor]) -> ObjectRef:
+        """Store weights as safetensors under a storage key."""
+        return self.put_object(key, dump_weights(weights))
+
+    def dead_letters(self) -> list[dict[str, Any]]:
+        """Take every message from the dead-letter queue: id, original routing key, reason, body."""
+        out = []
+        connection = pika.BlockingConnection(pika.URLParameters(self.cluster.amqp_url))
+        try:
+            channel = connection.channel()
+            while True:
+                method, properties, body = channel.basic_get(f"{self.cluster.exchange}.dead", auto_ack=True)
+                if method is None:
+                    return out
+                headers = properties.headers or {}
+                out.append({"message_id": properties.message_id, "routing_key": headers.get(ORIGINAL_KEY_HEADER),
+                            "reason": headers.get(REASON_HEADER), "body": body})
+        finally:
+            connection.close()
+
+
+def msgpack_of(value: Any) -> bytes:
+    """Any value as msgpack (for bodies that are valid msgpack but not a valid event)."""
+    return bytes(msgpack.packb(value, use_bin_type=True))

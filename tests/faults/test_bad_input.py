@@ -1,0 +1,172 @@
+"""Bad input never poisons state: undecodable and schema-violating messages, corrupt contributions,
+malformed job requests."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from apiary import keys
+from apiary.contracts import JSON, ObjectRef, WorkerDone
+from apiary.weights import dumps as dump_weights
+from tests.faults.support import Faults, assert_weights, expected_weights, msgpack_of, new_id, toy_job
+from tests.toyjobs.toy import fl_init_weights
+
+Record = Callable[[str, str, str, int], None]
+Data = Callable[[int], Path]
+
+
+def test_poison_messages_are_dead_lettered_with_their_reason_and_services_keep_running(
+        faults: Faults, toy_data: Data, outcome: Record) -> None:
+    cluster = faults.cluster
+    cluster.start(workers=1)
+    poison: list[tuple[str, bytes, str, str]] = [
+        # routing key, body, content type, what the reason must say
+        ("worker.done", b"\xc1\xc1 garbage", "application/msgpack", "not valid application/msgpack"),
+        ("worker.failed", b"{not json", JSON, "not valid application/json"),
+        ("round.aggregated", msgpack_of({"job_id": "x", "round": "one"}), "application/msgpack", "malformed"),
+        ("round.timeout", msgpack_of([1, 2, 3]), "application/msgpack", "must be a map"),
+        ("job.sharded", msgpack_of({"v": 99, "job_id": "x"}), "application/msgpack", "schema version 99"),
+        ("worker.heartbeat", msgpack_of({"worker_id": ["not", "a", "string"]}), "application/msgpack", "malformed"),
+        ("assign.pool", msgpack_of({"job_id": "x", "round": 1, "shard": "zero"}), "application/msgpack",
+         "malformed"),
+        ("job.requested", b"\x00\xff\xfe", "application/msgpack", "not valid application/msgpack"),
+    ]
+
+    sent = {faults.publish(key, body, content_type=ctype): (key, must) for key, body, ctype, must in poison}
+    dead: list[dict[str, Any]] = []
+
+    def all_dead() -> bool:
+        dead.extend(faults.dead_letters())
+        return {d["message_id"] for d in dead} >= set(sent)
+
+    cluster.wait_for(all_dead, 60, "every poison message to reach the dead-letter queue")
+    for letter in dead:
+        key, must = sent[letter["message_id"]]
+        assert letter["routing_key"] == key
+        assert letter["reason"], letter
+    for message_id, (key, must) in sent.items():
+        reasons = [d["reason"] for d in dead if d["message_id"] == message_id]
+        assert any(must in r for r in reasons), (key, must, reasons)
+    alive = faults.alive()
+    job_id = new_id("after-poison")
+    cluster.publish_job(toy_job(job_id, toy_data(8), rounds=1, max_workers=2))
+    sizes = faults.shard_sizes(job_id)
+    job = cluster.wait_job(job_id)
+
+    assert all(alive.values()), alive
+    assert job["status"] == "completed", job["reason"]
+    weights = assert_weights(faults.final_weights(job_id), expected_weights([sizes]))
+    double = faults.double_counted(job_id)
+    assert double == 0
+    outcome(f"poison messages ({len(poison)}: garbage bytes, bad JSON, wrong schema/version, not a map)",
+            "each dead-lettered with x-apiary-reason; no process exits; the next job is exact",
+            f"{len(set(d['message_id'] for d in dead))} messages in {len(dead)} dead letters (one per consuming"
+            f" queue), reasons e.g. {dead[0]['reason'][:60]!r}; all processes up; next job {job['status']},"
+            f" {weights}", double)
+
+
+def test_malformed_job_request_is_rejected_naming_each_bad_field(faults: Faults, outcome: Record) -> None:
+    cluster = faults.cluster
+    cluster.start(workers=0)
+    job_id = new_id("malformed")
+
+    cluster.publish_job({"job_id": job_id, "name": "", "entrypoint": 5, "dataset": "x",
+                         "distributed": {"num_rounds": 0, "min_workers": 3, "max_workers": 2},
+                         "colour": "blue"})
+    view = cluster.wait_for(lambda: (v := faults.status_cli(job_id)[0]) and v["status"] == "rejected" and v, 60,
+                            "the job to be rejected")
+
+    fields = {e["field"] for e in view["errors"]}
+    assert {"name", "entrypoint", "distributed.num_rounds", "colour"} <= fields, view["errors"]
+    assert all(f in view["reason"] for f in ("entrypoint", "distributed.num_rounds", "colour"))
+    assert cluster.job(job_id) is None
+    outcome("malformed job request (5 bad fields)", "job.rejected naming each bad field",
+            f"rejected: {view['reason'][:90]}…", 0)
+
+
+def _forged(base: dict[str, torch.Tensor], shard: int) -> dict[str, torch.Tensor]:
+    """What the toy would return for this shard in round 1: a valid contribution to corrupt."""
+    return {k: v + (shard + 1 if v.is_floating_point() else 1) for k, v in base.items()}
+
+
+def test_corrupt_contributions_are_rejected_with_their_reason(
+        faults: Faults, toy_data: Data, outcome: Record) -> None:
+    cluster = faults.cluster
+    cluster.start(workers=0)
+    cluster.start_worker("site-a")
+    cluster.wait_workers(["site-a"])
+    ghosts = [f"ghost-{i}" for i in range(1, 13)]
+    job_id = new_id("corrupt")
+    cluster.publish_job(toy_job(job_id, toy_data(26), rounds=1, max_workers=13, pinned=["site-a", *ghosts]))
+    sizes = faults.shard_sizes(job_id)
+    faults.wait_aggregation(job_id, 1, "open")
+    base = fl_init_weights({})
+
+    def weights(shard: int, change: Callable[[dict[str, torch.Tensor]], None]) -> bytes:
+        w = _forged(base, shard)
+        change(w)
+        return dump_weights(w)
+
+    def nan(w: dict[str, torch.Tensor]) -> None:
+        w["layer.weight"][0, 0] = float("nan")
+
+    def inf(w: dict[str, torch.Tensor]) -> None:
+        w["layer.bias"][1] = float("inf")
+
+    def valid(shard: int) -> bytes:
+        return weights(shard, lambda w: None)
+
+    cases: dict[int, tuple[bytes | None, int, str, str]] = {
+        # shard: (bytes stored, samples announced, how the claim lies, what the reason must say)
+        1: (weights(1, lambda w: w.pop("layer.bias")), 2, "", "missing ['layer.bias']"),
+        2: (weights(2, lambda w: w.update({"layer.extra": torch.ones(1)})), 2, "", "extra ['layer.extra']"),
+        3: (weights(3, lambda w: w.update({"layer.weight": torch.zeros(3, 3)})), 2, "",
+            "'layer.weight' is float32[3, 3], expected float32[2, 3]"),
+        4: (weights(4, lambda w: w.update({"layer.weight": w["layer.weight"].double()})), 2, "",
+            "'layer.weight' is float64[2, 3], expected float32[2, 3]"),
+        5: (weights(5, nan), 2, "", "'layer.weight' has NaN or infinite values"),
+        6: (weights(6, inf), 2, "", "'layer.bias' has NaN or infinite values"),
+        7: (valid(7), 0, "", "sample count must be a positive integer, got 0"),
+        8: (valid(8), -4, "", "sample count must be a positive integer, got -4"),
+        9: (valid(9), 2, "sha256", "sha256 mismatch"),
+        10: (valid(10), 2, "size", "does not match the announced"),
+        11: (None, 2, "", "is missing"),
+        12: (b"\x08\x00\x00\x00\x00\x00\x00\x00not json", 2, "", "safetensors header is not JSON"),
+    }
+
+    for shard, (data, samples, lie, _) in cases.items():
+        key = keys.contribution(job_id, 1, 1, shard)
+        if data is None:
+            ref = ObjectRef(key=key, size=100, sha256="0" * 64)
+        else:
+            ref = faults.put_object(key, data)
+        if lie == "sha256":
+            ref = ObjectRef(key=key, size=ref.size, sha256=hashlib.sha256(b"other").hexdigest())
+        elif lie == "size":
+            ref = ObjectRef(key=key, size=ref.size + 1, sha256=ref.sha256)
+        faults.publish_event(WorkerDone(job_id=job_id, round=1, attempt=1, worker_id=f"ghost-{shard}", shard=shard,
+                                        result=ref, samples=samples))
+    job = cluster.wait_job(job_id)
+
+    assert job["status"] == "completed", job["reason"]
+    rows = {r["shard"]: r for r in faults.contributions(job_id)}
+    assert rows[0]["status"] == "accepted" and rows[0]["worker_id"] == "site-a"
+    for shard, (_, _, _, must) in cases.items():
+        assert rows[shard]["status"] == "rejected", rows[shard]
+        assert must in rows[shard]["reason"], (shard, rows[shard]["reason"])
+    assert len(rows) == 13 and len(faults.contributions(job_id)) == 13
+    view, _ = faults.status_cli(job_id)
+    assert sorted(s["shard"] for s in view["shards"] if s["state"] == "rejected") == list(cases)
+    weights_line = assert_weights(faults.final_weights(job_id), expected_weights([{0: sizes[0]}]))
+    double = faults.double_counted(job_id)
+    assert double == 0
+    outcome("corrupt contributions (missing key, extra key, shape, dtype, NaN, inf, samples 0 and -4,"
+            " sha256 and size mismatch, missing object, not safetensors)",
+            "each rejected with its reason; the round averages only the valid shard",
+            f"12 rejected with reasons (e.g. {rows[4]['reason'][:50]!r}); round 1 = shard 0 only; {weights_line}",
+            double)

@@ -1,0 +1,218 @@
+"""Processes killed with SIGKILL mid-job: workers, the aggregator, the scheduler, the sharder and the
+tracker. Each is restarted (or not) and the job must end exactly as a run without the crash."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.faults.support import Faults, assert_weights, expected_weights, new_id, toy_job
+
+Record = Callable[[str, str, str, int], None]
+Data = Callable[[int], Path]
+
+
+def test_pool_assignment_of_a_killed_worker_is_trained_by_another(
+        faults: Faults, toy_data: Data, outcome: Record) -> None:
+    cluster = faults.cluster
+    cluster.start(workers=2)
+    job_id = new_id("kill-pool")
+    cluster.publish_job(toy_job(job_id, toy_data(12), rounds=2, config={"mode": "slow", "slow_seconds": 3}))
+    sizes = faults.shard_sizes(job_id)
+    shard = faults.wait_training("worker-2", job_id, 1)
+
+    cluster.kill("worker-2", signal.SIGKILL)
+    job = cluster.wait_job(job_id)
+
+    assert job["status"] == "completed", job["reason"]
+    rows = faults.contributions(job_id)
+    assert sorted((r["round"], r["shard"], r["worker_id"], r["status"]) for r in rows) == [
+        (1, 0, "worker-1", "accepted"), (1, 1, "worker-1", "accepted"),
+        (2, 0, "worker-1", "accepted"), (2, 1, "worker-1", "accepted"),
+    ]
+    weights = assert_weights(faults.final_weights(job_id), expected_weights([sizes, sizes]))
+    double = faults.double_counted(job_id)
+    assert double == 0
+    outcome("worker kill -9 mid-training (pool)",
+            "its shard retrained by another worker; completed; 2 full rounds",
+            f"{job['status']}; round-1 shard {shard} accepted once, from worker-1; {weights}", double)
+
+
+def test_pinned_shard_waits_for_its_killed_worker_to_come_back(
+        faults: Faults, toy_data: Data, outcome: Record) -> None:
+    cluster = faults.cluster
+    cluster.start(workers=0)
+    for worker in ("site-a", "site-b"):
+        cluster.start_worker(worker)
+    cluster.wait_workers(["site-a", "site-b"])
+    job_id = new_id("kill-pinned")
+    cluster.publish_job(toy_job(job_id, toy_data(10), rounds=2, min_workers=2, pinned=["site-a", "site-b"],
+                                config={"mode": "slow", "slow_seconds": 3}))
+    sizes = faults.shard_sizes(job_id)
+    faults.wait_training("site-b", job_id, 1)
+
+    cluster.kill("site-b", signal.SIGKILL)
+    faults.wait_aggregation(job_id, 1, "open")
+    cluster.wait_for(lambda: faults.query(
+        "SELECT 1 FROM contributions WHERE job_id = $1 AND shard = 0 AND round = 1", job_id), 60,
+        "site-a to report round 1")
+    assert not faults.query("SELECT 1 FROM contributions WHERE job_id = $1 AND shard = 1", job_id)
+    assert faults.aggregations(job_id)[0]["status"] == "open"
+    cluster.start_worker("site-b")
+    job = cluster.wait_job(job_id)
+
+    assert job["status"] == "completed", job["reason"]
+    rows = faults.contributions(job_id)
+    assert sorted((r["round"], r["shard"], r["worker_id"], r["status"]) for r in rows) == [
+        (1, 0, "site-a", "accepted"), (1, 1, "site-b", "accepted"),
+        (2, 0, "site-a", "accepted"), (2, 1, "site-b", "accepted"),
+    ]
+    first = faults.aggregations(job_id)[0]
+    assert first["status"] == "aggregated" and first["closed_at"] < first["deadline"]
+    weights = assert_weights(faults.final_weights(job_id), expected_weights([sizes, sizes]))
+    double = faults.double_counted(job_id)
+    assert double == 0
+    outcome("pinned worker kill -9, restarted before the deadline",
+            "its shard waits for it (no other worker takes it); round completes before the timeout",
+            f"{job['status']}; round 1 shard 1 trained by the restarted site-b, closed before the deadline;"
+            f" {weights}", double)
+
+
+def test_aggregator_killed_after_contributions_were_recorded_resumes_without_double_counting(
+        faults: Faults, toy_data: Data, outcome: Record) -> None:
+    cluster = faults.cluster
+    cluster.start(workers=2)
+    job_id = new_id("kill-aggregator")
+    cluster.publish_job(toy_job(job_id, toy_data(15), rounds=2, max_workers=3,
+                                config={"mode": "slow", "slow_seconds": 5, "fail_shards": [0]}))
+    sizes = faults.shard_sizes(job_id)
+    cluster.wait_for(lambda: len(faults.accepted(job_id).get((1, 1), {})) == 2, 60,
+                     "two contributions of round 1 to be recorded")
+
+    cluster.kill("aggregator", signal.SIGKILL)
+    recorded = faults.accepted(job_id)[(1, 1)]
+    cluster.wait_for(lambda: faults.query(
+        "SELECT 1 FROM shard_views WHERE job_id = $1 AND round = 1 AND shard = 0 AND state = 'reported'", job_id),
+        60, "the last shard of round 1 to report while the aggregator is down")
+    cluster.start_service("aggregator")
+    job = cluster.wait_job(job_id)
+
+    assert job["status"] == "completed", job["reason"]
+    assert set(recorded) == {1, 2}
+    assert faults.accepted(job_id) == {(1, 1): sizes, (2, 1): sizes}
+    assert [(a["round"], a["status"]) for a in faults.aggregations(job_id)] == [(1, "aggregated"), (2, "aggregated")]
+    weights = assert_weights(faults.final_weights(job_id), expected_weights([sizes, sizes]))
+    double = faults.double_counted(job_id)
+    assert double == 0
+    outcome("aggregator kill -9 after 2 of 3 contributions recorded",
+            "restarted aggregator rebuilds the sum from stored contributions; each round aggregated once",
+            f"{job['status']}; rounds aggregated once each, 3 accepted rows per round; {weights}", double)
+
+
+def test_scheduler_killed_between_rounds_and_mid_round_resumes_the_job(
+        faults: Faults, toy_data: Data, outcome: Record) -> None:
+    cluster = faults.cluster
+    cluster.start(workers=2)
+    job_id = new_id("kill-scheduler")
+    cluster.publish_job(toy_job(job_id, toy_data(12), rounds=3, config={"mode": "slow", "slow_seconds": 2}))
+    sizes = faults.shard_sizes(job_id)
+    faults.wait_training("worker-1", job_id, 1)
+
+    cluster.kill("scheduler", signal.SIGKILL)
+    faults.wait_aggregation(job_id, 1)
+    between = [(r["round"], r["status"]) for r in faults.rounds(job_id)]
+    cluster.start_service("scheduler")
+    faults.wait_training("worker-1", job_id, 2)
+    cluster.kill("scheduler", signal.SIGKILL)
+    cluster.start_service("scheduler")
+    job = cluster.wait_job(job_id)
+
+    assert job["status"] == "completed", job["reason"]
+    assert between == [(1, "running")]
+    assert [(r["round"], r["attempt"], r["status"]) for r in faults.rounds(job_id)] == [
+        (1, 1, "aggregated"), (2, 1, "aggregated"), (3, 1, "aggregated")]
+    assert faults.accepted(job_id) == {(1, 1): sizes, (2, 1): sizes, (3, 1): sizes}
+    weights = assert_weights(faults.final_weights(job_id), expected_weights([sizes] * 3))
+    double = faults.double_counted(job_id)
+    assert double == 0
+    outcome("scheduler kill -9 between rounds 1 and 2, and mid-round 2",
+            "restarted scheduler resumes from its tables; each round started and aggregated once",
+            f"{job['status']}; rounds 1-3 each one attempt, aggregated; {weights}", double)
+
+
+def test_sharder_and_tracker_killed_and_restarted_lose_nothing(
+        faults: Faults, toy_data: Data, outcome: Record) -> None:
+    cluster = faults.cluster
+    cluster.start(workers=2)
+    cluster.kill("sharder", signal.SIGKILL)
+    job_id = new_id("kill-sharder-tracker")
+
+    cluster.publish_job(toy_job(job_id, toy_data(12), rounds=2, config={"mode": "slow", "slow_seconds": 1}))
+    cluster.wait_for(lambda: (j := cluster.job(job_id)) and j["status"] == "sharding", 60, "the job to be accepted")
+    cluster.start_service("sharder")
+    sizes = faults.shard_sizes(job_id)
+    faults.wait_training("worker-1", job_id, 1)
+    cluster.kill("tracker", signal.SIGKILL)
+    faults.wait_aggregation(job_id, 1)
+    cluster.start_service("tracker")
+    job = cluster.wait_job(job_id)
+    view = cluster.wait_for(lambda: (v := faults.status_cli(job_id)[0])["status"] == "completed" and v, 60,
+                            "the tracker to show the job completed")
+
+    assert job["status"] == "completed", job["reason"]
+    assert [(r["round"], r["status"]) for r in view["rounds"]] == [(1, "aggregated"), (2, "aggregated")]
+    weights = assert_weights(faults.final_weights(job_id), expected_weights([sizes, sizes]))
+    double = faults.double_counted(job_id)
+    assert double == 0
+    outcome("sharder down at submission, tracker kill -9 mid-round",
+            "sharding waits for the restarted sharder; the restarted tracker catches up",
+            f"{job['status']}; `apiary status` shows both rounds aggregated; {weights}", double)
+
+
+FAIL_ONCE = """
+CREATE FUNCTION apiary_fail_once() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  -- nextval is not rolled back with the failed transaction: only the first write fails.
+  IF nextval(TG_ARGV[0]) = 1 THEN
+    RAISE EXCEPTION 'injected fault: %', TG_ARGV[0];
+  END IF;
+  RETURN NEW;
+END $$
+"""
+
+
+def test_aggregator_writes_failing_once_neither_lose_nor_double_count_a_contribution(
+        faults: Faults, toy_data: Data, outcome: Record) -> None:
+    cluster = faults.cluster
+    cluster.start(workers=2)
+    for statement in (
+        "CREATE SEQUENCE fault_accept", "CREATE SEQUENCE fault_close", FAIL_ONCE,
+        # Recording round 1's contribution of shard 1 fails once (after it was folded into the sum) ...
+        "CREATE TRIGGER fail_accept BEFORE INSERT ON contributions FOR EACH ROW"
+        " WHEN (NEW.status = 'accepted' AND NEW.round = 1 AND NEW.shard = 1)"
+        " EXECUTE FUNCTION apiary_fail_once('fault_accept')",
+        # ... and closing round 2 fails once (after the average was computed and stored).
+        "CREATE TRIGGER fail_close BEFORE UPDATE ON aggregations FOR EACH ROW"
+        " WHEN (NEW.status = 'aggregated' AND NEW.round = 2) EXECUTE FUNCTION apiary_fail_once('fault_close')",
+    ):
+        faults.query(statement)
+    job_id = new_id("aggregator-db-fault")
+
+    cluster.publish_job(toy_job(job_id, toy_data(12), rounds=3, timeout=60))
+    sizes = faults.shard_sizes(job_id)
+    job = cluster.wait_job(job_id, timeout=100)
+
+    assert job["status"] == "completed", job["reason"]
+    assert [faults.query(f"SELECT last_value FROM {s}")[0]["last_value"] for s in ("fault_accept", "fault_close")] \
+        == [2, 2], "each fault fired once and the write then succeeded"
+    closing = [(a["round"], a["status"], a["closed_at"] < a["deadline"]) for a in faults.aggregations(job_id)]
+    assert closing == [(1, "aggregated", True), (2, "aggregated", True), (3, "aggregated", True)]
+    assert faults.accepted(job_id) == {(1, 1): sizes, (2, 1): sizes, (3, 1): sizes}
+    assert_weights(faults.global_weights(job_id, 2), expected_weights([sizes, sizes]))
+    weights = assert_weights(faults.final_weights(job_id), expected_weights([sizes] * 3))
+    double = faults.double_counted(job_id)
+    assert double == 0
+    outcome("aggregator's database write fails once: recording a contribution, then closing a round",
+            "the redelivered worker.done is folded once / closes the round at once, with the right average",
+            f"{job['status']}; every round closed before its deadline; {weights}", double)

@@ -1,0 +1,138 @@
+"""Round rules under failure: duplicate and late results, quorum at the timeout, retries and
+fault_tolerance, a worker that leaves mid-round and rejoins."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+from apiary import keys
+from apiary.contracts import ObjectRef, WorkerDone
+from tests.faults.support import Faults, assert_weights, expected_weights, new_id, toy_job
+
+Record = Callable[[str, str, str, int], None]
+Data = Callable[[int], Path]
+
+
+def _copy_of(row: dict[str, object]) -> WorkerDone:
+    """The worker.done the aggregator recorded as this contribution row, sent again."""
+    return WorkerDone(job_id=str(row["job_id"]), round=int(str(row["round"])), attempt=int(str(row["attempt"])),
+                      worker_id=str(row["worker_id"]), shard=int(str(row["shard"])), samples=int(str(row["samples"])),
+                      result=ObjectRef(key=str(row["result_key"]), size=int(str(row["size"])),
+                                       sha256=str(row["sha256"])))
+
+
+def test_duplicated_and_late_worker_done_are_recorded_and_never_counted(
+        faults: Faults, toy_data: Data, outcome: Record) -> None:
+    cluster = faults.cluster
+    cluster.start(workers=2)
+    job_id = new_id("duplicate-late")
+    cluster.publish_job(toy_job(job_id, toy_data(12), rounds=2,
+                                config={"mode": "slow", "slow_seconds": 4, "fail_shards": [0]}))
+    sizes = faults.shard_sizes(job_id)
+    first = cluster.wait_for(lambda: faults.query(
+        "SELECT * FROM contributions WHERE job_id = $1 AND round = 1 AND shard = 1 AND status = 'accepted'", job_id),
+        60, "shard 1 of round 1 to be accepted")[0]
+
+    faults.publish_event(_copy_of(first))
+    cluster.wait_for(lambda: faults.query(
+        "SELECT 1 FROM contributions WHERE job_id = $1 AND round = 1 AND status = 'duplicate'", job_id), 30,
+        "the copy to be recorded as a duplicate")
+    open_then = faults.aggregations(job_id)[0]["status"]
+    faults.wait_aggregation(job_id, 2, "open")
+    faults.publish_event(_copy_of(first))
+    skewed = {k: v + 1000 if v.is_floating_point() else v for k, v in faults.global_weights(job_id, 1).items()}
+    forged = faults.put_weights(keys.contribution(job_id, 1, 1, 0) + ".late", skewed)
+    faults.publish_event(WorkerDone(job_id=job_id, round=1, attempt=1, worker_id="worker-x", shard=0, result=forged,
+                                    samples=1000))
+    job = cluster.wait_job(job_id)
+    cluster.wait_for(lambda: len(faults.query(
+        "SELECT 1 FROM contributions WHERE job_id = $1 AND status = 'late'", job_id)) == 2, 30,
+        "both round-1 results sent during round 2 to be recorded as late")
+
+    assert job["status"] == "completed", job["reason"]
+    assert open_then == "open"
+    statuses = sorted((r["round"], r["shard"], r["status"], r["reason"] or "") for r in faults.contributions(job_id))
+    assert statuses == [
+        (1, 0, "accepted", ""), (1, 0, "late", "round already aggregated"),
+        (1, 1, "accepted", ""), (1, 1, "duplicate", "shard 1 already reported (accepted)"),
+        (1, 1, "late", "round already aggregated"),
+        (2, 0, "accepted", ""), (2, 1, "accepted", ""),
+    ]
+    weights = assert_weights(faults.final_weights(job_id), expected_weights([sizes, sizes]))
+    double = faults.double_counted(job_id)
+    assert double == 0
+    outcome("duplicated worker.done (copy while the round is open)", "recorded 'duplicate', not counted",
+            f"recorded duplicate: {statuses[3][3]!r}; {weights}", double)
+    outcome("late worker.done for round 1 during round 2 (a copy, and a forged one with 1000 samples)",
+            "recorded 'late', not counted in round 1 or 2", f"both recorded late; {weights}", double)
+
+
+def test_too_few_workers_by_the_timeout_fails_the_round_retries_then_fails_the_job(
+        faults: Faults, toy_data: Data, outcome: Record) -> None:
+    cluster = faults.cluster
+    cluster.start(workers=2)
+    job_id = new_id("quorum")
+    timeout = 8
+    cluster.publish_job(toy_job(job_id, toy_data(12), rounds=2, min_workers=2, timeout=timeout, fault_tolerance=1,
+                                config={"mode": "slow", "slow_seconds": 600, "fail_shards": [1]}))
+    sizes = faults.shard_sizes(job_id)
+
+    job = cluster.wait_job(job_id, timeout=120)
+    view, text = cluster.wait_for(lambda: (shown := faults.status_cli(job_id))[0]["status"] == "failed" and shown,
+                                  30, "`apiary status` to show the job failed")
+
+    # The straggler's worker stops it at the deadline too, so its worker.failed may come before or
+    # after round.timeout: either way the round failed by timing out.
+    last = "timeout: 1 of 2 shards contributed valid weights, min_workers is 2"
+    straggler = f"; shard 1: user code did not finish within {timeout}s and was stopped"
+    assert job["status"] == "failed"
+    assert job["reason"].startswith(f"round 1 failed 2 time(s) in a row (fault_tolerance=1); last: {last}")
+    rounds = [(r["round"], r["attempt"], r["status"]) for r in faults.rounds(job_id)]
+    assert rounds == [(1, 1, "failed"), (1, 2, "failed")]
+    assert all(r["reason"] in (last, last + straggler) for r in faults.rounds(job_id))
+    assert [(a["attempt"], a["status"], a["closed_at"] >= a["deadline"]) for a in faults.aggregations(job_id)] == [
+        (1, "failed", True), (2, "failed", True)]
+    assert view["status"] == "failed" and view["reason"] == job["reason"]
+    assert "reason:" in text and "fault_tolerance=1" in text
+    assert faults.accepted(job_id) == {(1, 1): {0: sizes[0]}, (1, 2): {0: sizes[0]}}
+    assert {r["status"] for r in faults.contributions(job_id) if r["shard"] == 1} <= {"failed", "late"}
+    double = faults.double_counted(job_id)
+    assert double == 0
+    outcome("fewer than min_workers by the timeout (straggler shard, min_workers=2, fault_tolerance=1)",
+            "round 1 fails 'timeout' with counts, retried once, then the job fails with the reason",
+            f"rounds 1.1 and 1.2 failed {last[:60]!r}…; job failed; `apiary status` shows the reason", double)
+
+
+def test_a_worker_that_leaves_mid_round_and_rejoins_gets_the_current_round_with_the_latest_weights(
+        faults: Faults, toy_data: Data, outcome: Record) -> None:
+    cluster = faults.cluster
+    cluster.start(workers=0)
+    for worker in ("site-a", "site-b"):
+        cluster.start_worker(worker)
+    cluster.wait_workers(["site-a", "site-b"])
+    job_id = new_id("rejoin")
+    cluster.publish_job(toy_job(job_id, toy_data(10), rounds=3, pinned=["site-a", "site-b"], timeout=12,
+                                config={"mode": "slow", "slow_seconds": 2, "fail_shards": [1]}))
+    sizes = faults.shard_sizes(job_id)
+    faults.wait_training("site-b", job_id, 1)
+
+    cluster.kill("site-b", signal.SIGTERM)
+    first = faults.wait_aggregation(job_id, 1)
+    cluster.start_worker("site-b")
+    job = cluster.wait_job(job_id)
+
+    assert job["status"] == "completed", job["reason"]
+    assert first["closed_at"] >= first["deadline"]
+    rows = sorted((r["round"], r["shard"], r["worker_id"], r["status"]) for r in faults.contributions(job_id))
+    assert rows == [(1, 0, "site-a", "accepted"), (2, 0, "site-a", "accepted"), (2, 1, "site-b", "accepted"),
+                    (3, 0, "site-a", "accepted"), (3, 1, "site-b", "accepted")]
+    assert f"skipping stale assignment {job_id} round 1 shard 1" in cluster.log("site-b")
+    weights = assert_weights(faults.final_weights(job_id), expected_weights([{0: sizes[0]}, sizes, sizes]))
+    double = faults.double_counted(job_id)
+    assert double == 0
+    outcome("worker stops mid-round 1 (SIGTERM) and rejoins during round 2 (pinned)",
+            "round 1 aggregates the others at the timeout; on rejoin the stale round-1 assignment is skipped"
+            " and round 2 is trained from round 1's weights",
+            f"round 1 from shard 0 at the timeout; site-b skipped round 1, trained rounds 2 and 3; {weights}", double)

@@ -72,12 +72,13 @@ def start_moto() -> tuple[subprocess.Popen[bytes], str]:
             time.sleep(0.1)
 
 
-def run(k: int, rounds: int, tmp: Path, endpoint: str) -> list[float]:
+def run(k: int, rounds: int, tmp: Path, endpoint: str, storage: str = "s3") -> list[float]:
     db = f"apiary_bench_{uuid.uuid4().hex[:8]}"
     admin(f'CREATE DATABASE "{db}"')
     exchange = f"apiary_bench_{uuid.uuid4().hex[:8]}"
-    cluster = Cluster(tmp / f"k{k}", AMQP, exchange, POSTGRES.rsplit("/", 1)[0] + f"/{db}",
-                      f"s3://bench-{uuid.uuid4().hex[:8]}/runs", endpoint)
+    storage_url = (f"s3://bench-{uuid.uuid4().hex[:8]}/runs" if storage == "s3"
+                   else f"file://{tmp / f'storage-k{k}'}")
+    cluster = Cluster(tmp / f"k{k}", AMQP, exchange, POSTGRES.rsplit("/", 1)[0] + f"/{db}", storage_url, endpoint)
     os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"})
     try:
         cluster.start(workers=k)
@@ -119,20 +120,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--k", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--storage", choices=["s3", "file"], default="s3",
+                        help="s3: moto's S3 server (the benchmark); file: a shared local folder, to see what "
+                             "the rest of the system costs without S3 requests")
     args = parser.parse_args()
     moto, endpoint = start_moto()
     results = {}
     try:
         with tempfile.TemporaryDirectory(prefix="apiary-bench-") as tmp:
             for k in args.k:
-                durations = run(k, args.rounds, Path(tmp), endpoint)
+                durations = run(k, args.rounds, Path(tmp), endpoint, args.storage)
                 median = statistics.median(durations)
                 p90 = sorted(durations)[int(0.9 * len(durations))]
                 results[k] = {"median_s": round(median, 4), "p90_s": round(p90, 4),
                               "min_s": round(min(durations), 4), "rounds": len(durations)}
                 ref = FLOWER.get(k)
                 versus = f", {median / ref:.2f}x Flower's {ref} s (goal <= 0.25x)" if ref else ""
-                print(f"K={k}: median round {median * 1000:.1f} ms over {len(durations)} rounds "
+                print(f"K={k} ({args.storage}): median round {median * 1000:.1f} ms over {len(durations)} rounds "
                       f"(min {min(durations) * 1000:.1f}, p90 {results[k]['p90_s'] * 1000:.1f}){versus}", flush=True)
     finally:
         moto.terminate()

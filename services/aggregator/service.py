@@ -57,7 +57,7 @@ PREFETCH_MAX_BYTES = 8 * 1024 * 1024
 # What a stored contribution can be: counted in the average, refused, the user's code failed, or not
 # for this round. The first three settle a shard; the others are recorded and ignored.
 ACCEPTED, REJECTED, FAILED = "accepted", "rejected", "failed"
-DUPLICATE, LATE, ORPHAN = "duplicate", "late", "orphan"
+DUPLICATE, LATE, ORPHAN, UNASSIGNED = "duplicate", "late", "orphan", "unassigned"
 SETTLED = "('accepted', 'rejected', 'failed')"
 
 
@@ -118,7 +118,7 @@ class Aggregator(Component):
             await self._record(event, LATE, f"round already {agg['status']}")
             return None
         if event.shard not in loads(agg["shards"]):
-            await self._record(event, DUPLICATE, f"shard {event.shard} is not assigned in this round")
+            await self._record(event, UNASSIGNED, f"shard {event.shard} is not assigned in this round")
             return None
         reported = await self.db.fetchval(
             "SELECT status FROM contributions WHERE job_id = $1 AND round = $2 AND attempt = $3"
@@ -147,7 +147,11 @@ class Aggregator(Component):
         # Small contributions are fetched before queueing for the job's lock, so many download at
         # once; large ones are fetched one at a time inside it (memory: one accumulator plus one).
         early: bytes | BaseException | None = None
-        if event.result.size <= PREFETCH_MAX_BYTES:
+        expected_key = keys.contribution(event.job_id, event.round, event.attempt, event.shard)
+        if event.result.key != expected_key:
+            # Only the object the assignment's upload URL wrote counts: never any other in the bucket.
+            early = ValueError(f"result {event.result.key!r} is not this shard's upload ({expected_key!r})")
+        elif event.result.size <= PREFETCH_MAX_BYTES:
             try:
                 early = await self.storage.verified_bytes(event.result)
             except (ObjectNotFound, ValueError) as e:

@@ -100,9 +100,9 @@ def test_corrupt_contributions_are_rejected_with_their_reason(
     cluster.start(workers=0)
     cluster.start_worker("site-a")
     cluster.wait_workers(["site-a"])
-    ghosts = [f"ghost-{i}" for i in range(1, 13)]
+    ghosts = [f"ghost-{i}" for i in range(1, 14)]
     job_id = new_id("corrupt")
-    cluster.publish_job(toy_job(job_id, toy_data(26), rounds=1, max_workers=13, pinned=["site-a", *ghosts]))
+    cluster.publish_job(toy_job(job_id, toy_data(28), rounds=1, max_workers=14, pinned=["site-a", *ghosts]))
     sizes = faults.shard_sizes(job_id)
     faults.wait_aggregation(job_id, 1, "open")
     base = fl_init_weights({})
@@ -137,10 +137,14 @@ def test_corrupt_contributions_are_rejected_with_their_reason(
         10: (valid(10), 2, "size", "does not match the announced"),
         11: (None, 2, "", "is missing"),
         12: (b"\x08\x00\x00\x00\x00\x00\x00\x00not json", 2, "", "safetensors header is not JSON"),
+        13: (valid(13), 2, "key", "is not this shard's upload"),
     }
 
     for shard, (data, samples, lie, _) in cases.items():
         key = keys.contribution(job_id, 1, 1, shard)
+        if lie == "key":
+            # Valid weights, but an object the assignment's upload URL never wrote.
+            key = f"jobs/{job_id}/elsewhere/shard-{shard}.safetensors"
         if data is None:
             ref = ObjectRef(key=key, size=100, sha256="0" * 64)
         else:
@@ -159,14 +163,14 @@ def test_corrupt_contributions_are_rejected_with_their_reason(
     for shard, (_, _, _, must) in cases.items():
         assert rows[shard]["status"] == "rejected", rows[shard]
         assert must in rows[shard]["reason"], (shard, rows[shard]["reason"])
-    assert len(rows) == 13 and len(faults.contributions(job_id)) == 13
+    assert len(rows) == 14 and len(faults.contributions(job_id)) == 14
     view, _ = faults.status_cli(job_id)
     assert sorted(s["shard"] for s in view["shards"] if s["state"] == "rejected") == list(cases)
     weights_line = assert_weights(faults.final_weights(job_id), expected_weights([{0: sizes[0]}]))
     double = faults.double_counted(job_id)
     assert double == 0
     outcome("corrupt contributions (missing key, extra key, shape, dtype, NaN, inf, samples 0 and -4,"
-            " sha256 and size mismatch, missing object, not safetensors)",
+            " sha256 and size mismatch, missing object, not safetensors, another object's key)",
             "each rejected with its reason; the round averages only the valid shard",
-            f"12 rejected with reasons (e.g. {rows[4]['reason'][:50]!r}); round 1 = shard 0 only; {weights_line}",
+            f"13 rejected with reasons (e.g. {rows[4]['reason'][:50]!r}); round 1 = shard 0 only; {weights_line}",
             double)

@@ -136,3 +136,29 @@ def test_a_worker_that_leaves_mid_round_and_rejoins_gets_the_current_round_with_
             "round 1 aggregates the others at the timeout; on rejoin the stale round-1 assignment is skipped"
             " and round 2 is trained from round 1's weights",
             f"round 1 from shard 0 at the timeout; site-b skipped round 1, trained rounds 2 and 3; {weights}", double)
+
+
+def test_a_round_waits_for_min_workers_online_with_a_visible_reason(
+        faults: Faults, toy_data: Data, outcome: Record) -> None:
+    cluster = faults.cluster
+    cluster.start(workers=1)
+    job_id = new_id("waiting")
+    cluster.publish_job(toy_job(job_id, toy_data(8), rounds=2, min_workers=2, max_workers=2))
+    waiting = cluster.wait_for(lambda: (j := cluster.job(job_id)) and j["status"] == "waiting" and j, 60,
+                               "the job to wait for workers")
+    view, _ = faults.status_cli(job_id)
+
+    cluster.start_worker("worker-2")
+    job = cluster.wait_job(job_id)
+
+    assert waiting["reason"] == "waiting for workers: 1 online, min_workers is 2"
+    assert view["status"] == "waiting" and view["reason"] == waiting["reason"]
+    assert not faults.rounds(job_id) or faults.rounds(job_id)[0]["started_at"] > waiting["updated_at"]
+    assert job["status"] == "completed", job["reason"]
+    sizes = faults.shard_sizes(job_id)
+    line = assert_weights(faults.final_weights(job_id), expected_weights([sizes, sizes]))
+    double = faults.double_counted(job_id)
+    assert double == 0
+    outcome("fewer than min_workers online when a round should start",
+            "the job waits, saying why, and starts when enough workers are online",
+            f"waited ({waiting['reason']!r}), completed after worker-2 joined; {line}", double)

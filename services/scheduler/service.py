@@ -333,13 +333,10 @@ class Scheduler(Component):
     async def on_round_aggregated(self, event: RoundAggregated, delivery: Delivery) -> None:
         """A round's average is stored: start the next round, or finish the job."""
         async with self._locks(event.job_id):
-            job = await self._job(event.job_id)
-            if job is None or job["status"] != JobStatus.RUNNING:
+            current = await self._current(event)
+            if current is None:
                 return
-            if not is_current(job["round"], job["attempt"], event.round, event.attempt):
-                log.info("job %s: late round.aggregated for %d/%d ignored", event.job_id, event.round, event.attempt)
-                return
-            spec = JobSpec.model_validate_json(job["spec"])
+            job, spec = current
             decision = after_aggregated(event.round, spec.distributed.num_rounds)
             if decision.next is Next.FINISH:
                 await self._finish(job, spec, event)
@@ -361,12 +358,10 @@ class Scheduler(Component):
     async def on_round_failed(self, event: RoundFailed, delivery: Delivery) -> None:
         """A round failed: retry it from the last global weights, or fail the job."""
         async with self._locks(event.job_id):
-            job = await self._job(event.job_id)
-            if job is None or job["status"] != JobStatus.RUNNING:
+            current = await self._current(event)
+            if current is None:
                 return
-            if not is_current(job["round"], job["attempt"], event.round, event.attempt):
-                return
-            spec = JobSpec.model_validate_json(job["spec"])
+            job, spec = current
             decision = after_failed(event.round, event.attempt, job["failures"], spec.distributed.fault_tolerance)
             log.warning("job %s: round %d attempt %d failed: %s", event.job_id, event.round, event.attempt,
                         event.reason)
@@ -476,6 +471,18 @@ class Scheduler(Component):
             job_id, JobStatus.FAILED, reason, time.time(),
         )
         await self.outbox.add(tx, JobFailed(job_id=job_id, reason=reason, round=round_index))
+
+    async def _current(self, event: RoundAggregated | RoundFailed) -> tuple[dict[str, Any], JobSpec] | None:
+        """The running job and its spec, if the outcome is for the attempt it runs now (else it is
+        late or a duplicate, and ignored)."""
+        job = await self._job(event.job_id)
+        if job is None or job["status"] != JobStatus.RUNNING:
+            return None
+        if not is_current(job["round"], job["attempt"], event.round, event.attempt):
+            log.info("job %s: late %s for round %d attempt %d ignored", event.job_id, event.routing_key,
+                     event.round, event.attempt)
+            return None
+        return job, JobSpec.model_validate_json(job["spec"])
 
     async def _job(self, job_id: str) -> dict[str, Any] | None:
         return await self.db.fetchrow("SELECT * FROM jobs WHERE job_id = $1", job_id)

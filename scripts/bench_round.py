@@ -52,6 +52,23 @@ def admin(sql: str) -> None:
     asyncio.run(run())
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and its live children (Linux /proc)."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    pids = [pid]
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    if children.exists():
+        pids += [int(p) for p in children.read_text().split()]
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 def start_moto() -> tuple[subprocess.Popen[bytes], str]:
     import socket
 
@@ -107,6 +124,13 @@ def run(k: int, rounds: int, tmp: Path, endpoint: str, storage: str = "s3") -> l
                       f" last +{(got[-1] - start) * 1000:.0f} ms, closed +{(closed[i] - start) * 1000:.0f} ms"
                       + (f", next round +{(nxt - start) * 1000:.0f} ms" if nxt else ""))
         end = cluster.query("SELECT updated_at FROM jobs WHERE job_id = $1", job_id)[0]["updated_at"]
+        if BREAKDOWN:
+            cpu: dict[str, float] = {}
+            for name, process in cluster.processes.items():
+                kind = "worker" if name.startswith("worker") else name
+                cpu[kind] = cpu.get(kind, 0.0) + _cpu_seconds(process.pid)
+            print("  CPU seconds by process (with children):",
+                  ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])))
         return [b - a for a, b in zip(starts, [*starts[1:], end], strict=True)][1:]
     finally:
         cluster.stop_all()

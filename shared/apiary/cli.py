@@ -31,7 +31,7 @@ def _root() -> None:
 
 
 def _fail(message: str) -> None:
-    console.print(f"[red]error:[/red] {message}")
+    console.print(f"[red]error:[/red] {message}", soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -210,6 +210,8 @@ def submit(
     from apiary.runtime import Ports
     from apiary.runtime import submit as publish_request
 
+    _quiet_client_logs()
+
     settings = Settings()
     try:
         request = load_job_file(job_file)
@@ -255,6 +257,10 @@ def status(
         await ports.db.connect()
         try:
             return await job_view(ports.db, job_id)
+        except Exception as e:
+            if _no_tracker_tables(e):
+                return None
+            raise
         finally:
             await ports.db.close()
 
@@ -323,6 +329,18 @@ def dataset_upload(
     print(f"{info['dataset_id']} {info['uri']}")
     console.print(f"[dim]{info['num_samples']} samples, {info['size']} bytes; use it with "
                   f"dataset_id: {info['dataset_id']}[/dim]")
+
+
+def _no_tracker_tables(error: BaseException) -> bool:
+    """Whether a query failed because the tracker never ran against this database."""
+    text = str(error)
+    return "no such table" in text or ("relation" in text and "does not exist" in text)
+
+
+def _quiet_client_logs() -> None:
+    """A client command reports a dead service in one line of its own, not the AMQP library's."""
+    for name in ("aiormq", "aio_pika"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def _guard(call: Any) -> Any:

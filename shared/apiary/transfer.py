@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import shutil
 import urllib.error
 import urllib.request
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from apiary.storage.base import CHUNK, sha256_file
-from apiary.storage.local import atomic_copy, atomic_write
+from apiary.storage.local import atomic_copy
 
 # Without it urllib labels a PUT body as a web form (and some S3 servers reject or stall on that).
 OCTET_STREAM = "application/octet-stream"
@@ -79,25 +78,3 @@ async def download(url: str, target: Path, sha256: str | None = None) -> None:
 async def upload(url: str, source: Path) -> None:
     """PUT a file to a URL."""
     await asyncio.to_thread(_upload, url, source)
-
-
-async def upload_bytes(url: str, data: bytes) -> None:
-    """PUT bytes to a URL."""
-    if url.startswith("file:"):
-        await asyncio.to_thread(atomic_write, _local(url), data)
-        return
-
-    def put() -> None:
-        request = urllib.request.Request(url, data=data, method="PUT", headers={"Content-Type": OCTET_STREAM})
-        try:
-            with urllib.request.urlopen(request, timeout=600) as response:
-                response.read()
-        except (urllib.error.URLError, OSError) as e:
-            raise TransferError(f"upload to {_where(url)} failed: {e}") from e
-
-    await asyncio.to_thread(put)
-
-
-def copy_tree(source: Path, target: Path) -> None:
-    """Copy a folder (used for a run's files)."""
-    shutil.copytree(source, target, dirs_exist_ok=True)

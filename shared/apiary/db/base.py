@@ -7,7 +7,7 @@ DOUBLE PRECISION, `ON CONFLICT ... DO NOTHING`, `RETURNING`. JSON is stored as T
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -101,9 +101,3 @@ class Database(Executor):
 
 def _statements(script: str) -> list[str]:
     return [s.strip() for s in script.split(";") if s.strip()]
-
-
-async def aiter_rows(rows: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-    """Iterate rows asynchronously (keeps call sites uniform)."""
-    for row in rows:
-        yield row

@@ -97,9 +97,7 @@ def _forged(base: dict[str, torch.Tensor], shard: int) -> dict[str, torch.Tensor
 def test_corrupt_contributions_are_rejected_with_their_reason(
         faults: Faults, toy_data: Data, outcome: Record) -> None:
     cluster = faults.cluster
-    cluster.start(workers=0)
-    cluster.start_worker("site-a")
-    cluster.wait_workers(["site-a"])
+    cluster.start(workers=["site-a"])
     ghosts = [f"ghost-{i}" for i in range(1, 14)]
     job_id = new_id("corrupt")
     cluster.publish_job(toy_job(job_id, toy_data(28), rounds=1, max_workers=14, pinned=["site-a", *ghosts]))

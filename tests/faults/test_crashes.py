@@ -42,10 +42,7 @@ def test_pool_assignment_of_a_killed_worker_is_trained_by_another(
 def test_pinned_shard_waits_for_its_killed_worker_to_come_back(
         faults: Faults, toy_data: Data, outcome: Record) -> None:
     cluster = faults.cluster
-    cluster.start(workers=0)
-    for worker in ("site-a", "site-b"):
-        cluster.start_worker(worker)
-    cluster.wait_workers(["site-a", "site-b"])
+    cluster.start(workers=["site-a", "site-b"])
     job_id = new_id("kill-pinned")
     cluster.publish_job(toy_job(job_id, toy_data(10), rounds=2, min_workers=2, pinned=["site-a", "site-b"],
                                 config={"mode": "slow", "slow_seconds": 3}))

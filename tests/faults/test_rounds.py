@@ -108,10 +108,7 @@ def test_too_few_workers_by_the_timeout_fails_the_round_retries_then_fails_the_j
 def test_a_worker_that_leaves_mid_round_and_rejoins_gets_the_current_round_with_the_latest_weights(
         faults: Faults, toy_data: Data, outcome: Record) -> None:
     cluster = faults.cluster
-    cluster.start(workers=0)
-    for worker in ("site-a", "site-b"):
-        cluster.start_worker(worker)
-    cluster.wait_workers(["site-a", "site-b"])
+    cluster.start(workers=["site-a", "site-b"])
     job_id = new_id("rejoin")
     cluster.publish_job(toy_job(job_id, toy_data(10), rounds=3, pinned=["site-a", "site-b"], timeout=12,
                                 config={"mode": "slow", "slow_seconds": 2, "fail_shards": [1]}))

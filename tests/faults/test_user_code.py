@@ -15,10 +15,7 @@ Data = Callable[[int], Path]
 def test_user_code_that_raises_exits_or_hangs_fails_its_shard_and_the_worker_stays_up(
         faults: Faults, toy_data: Data, outcome: Record) -> None:
     cluster = faults.cluster
-    cluster.start(workers=0)
-    for worker in ("site-a", "site-b"):
-        cluster.start_worker(worker)
-    cluster.wait_workers(["site-a", "site-b"])
+    cluster.start(workers=["site-a", "site-b"])
     pinned = ["site-a", "site-b"]
     timeout = 8
     jobs = {

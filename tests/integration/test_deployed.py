@@ -79,10 +79,7 @@ def test_a_worker_added_mid_job_takes_pool_assignments(cluster: Cluster, tmp_pat
 
 def test_pinned_shards_train_only_on_their_workers(cluster: Cluster, tmp_path: Path) -> None:
     dataset = make_dataset(tmp_path / "toy", 10)
-    cluster.start(workers=0)
-    for worker in ("site-a", "site-b", "bystander"):
-        cluster.start_worker(worker)
-    cluster.wait_workers(["site-a", "site-b", "bystander"])
+    cluster.start(workers=["site-a", "site-b", "bystander"])
     job_id = f"pinned-{uuid.uuid4().hex[:8]}"
 
     cluster.publish_job({

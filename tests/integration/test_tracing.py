@@ -169,11 +169,7 @@ def test_each_round_is_one_trace_across_processes(cluster: Cluster, tmp_path: Pa
     endpoint, spans = collector
     otel = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
             "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
-    cluster.start(workers=0, **otel)
-    workers = ["worker-1", "worker-2"]
-    for name in workers:
-        cluster.start_worker(name, **otel)
-    cluster.wait_workers(workers)
+    cluster.start(workers=["worker-1", "worker-2"], **otel)
     job_id = f"traced-{uuid.uuid4().hex[:8]}"
     cluster.publish_job({
         "job_id": job_id, "name": "traced", "entrypoint": "tests.toyjobs.toy:fl_train_model",

@@ -39,6 +39,7 @@ AMQP = os.environ.get("APIARY_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:567
 POSTGRES = os.environ.get("APIARY_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 FLOWER = {4: 0.10, 16: 0.21}
 BREAKDOWN = bool(os.environ.get("APIARY_BENCH_BREAKDOWN"))
+MOTO: list[subprocess.Popen[bytes]] = []
 
 
 def admin(sql: str) -> None:
@@ -54,12 +55,12 @@ def admin(sql: str) -> None:
 
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU of a process and its live children (Linux /proc)."""
-    total = 0.0
     tick = os.sysconf("SC_CLK_TCK")
     pids = [pid]
     children = Path(f"/proc/{pid}/task/{pid}/children")
     if children.exists():
         pids += [int(p) for p in children.read_text().split()]
+    total = 0.0
     for p in pids:
         try:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
@@ -67,6 +68,40 @@ def _cpu_seconds(pid: int) -> float:
             continue
         total += (int(fields[11]) + int(fields[12])) / tick
     return total
+
+
+def _cpu_by_command(names: tuple[str, ...]) -> dict[str, float]:
+    """CPU seconds of every process whose command name is one of `names` (RabbitMQ, PostgreSQL)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = dict.fromkeys(names, 0.0)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            head, tail = stat.read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        name = head.split("(", 1)[1]
+        if name in out:
+            fields = tail.split()
+            out[name] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _machine_busy_seconds() -> float:
+    """CPU seconds the whole machine spent busy (all cores), from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot(processes: dict[str, subprocess.Popen[bytes]]) -> dict[str, float]:
+    """CPU seconds so far by kind: each Apiary process kind, moto, RabbitMQ, PostgreSQL, the machine."""
+    cpu: dict[str, float] = {}
+    for name, process in processes.items():
+        kind = "worker" if name.startswith("worker") else name
+        cpu[kind] = cpu.get(kind, 0.0) + _cpu_seconds(process.pid)
+    servers = _cpu_by_command(("beam.smp", "postgres"))
+    cpu["rabbitmq"], cpu["postgresql"] = servers["beam.smp"], servers["postgres"]
+    cpu["machine"] = _machine_busy_seconds()
+    return cpu
 
 
 def start_moto() -> tuple[subprocess.Popen[bytes], str]:
@@ -106,6 +141,12 @@ def run(k: int, rounds: int, tmp: Path, endpoint: str, storage: str = "s3") -> l
             "dataset": str(dataset), "config": {"params": 100_000},
             "distributed": {"num_rounds": rounds, "min_workers": k, "max_workers": k, "aggregation_timeout": 600},
         })
+        before: dict[str, float] = {}
+        if BREAKDOWN:
+            # CPU per round from round 2 on: round 1 pays imports and shard downloads.
+            cluster.wait_for(lambda: cluster.query(
+                "SELECT 1 FROM rounds WHERE job_id = $1 AND round = 2", job_id), 300, "round 2", interval=0.05)
+            before = cpu_snapshot({**cluster.processes, "moto": MOTO[0]} if MOTO else cluster.processes)
         job = cluster.wait_job(job_id, timeout=600)
         if job["status"] != "completed":
             raise RuntimeError(f"benchmark job {job['status']}: {job['reason']}")
@@ -125,12 +166,10 @@ def run(k: int, rounds: int, tmp: Path, endpoint: str, storage: str = "s3") -> l
                       + (f", next round +{(nxt - start) * 1000:.0f} ms" if nxt else ""))
         end = cluster.query("SELECT updated_at FROM jobs WHERE job_id = $1", job_id)[0]["updated_at"]
         if BREAKDOWN:
-            cpu: dict[str, float] = {}
-            for name, process in cluster.processes.items():
-                kind = "worker" if name.startswith("worker") else name
-                cpu[kind] = cpu.get(kind, 0.0) + _cpu_seconds(process.pid)
-            print("  CPU seconds by process (with children):",
-                  ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])))
+            after = cpu_snapshot({**cluster.processes, "moto": MOTO[0]} if MOTO else cluster.processes)
+            per_round = {kind: (after[kind] - before.get(kind, 0.0)) / max(1, len(starts) - 1) for kind in after}
+            print("  CPU ms per round (rounds 2..N; 2 cores give 2000 ms per wall second):",
+                  ", ".join(f"{k} {v * 1000:.0f}" for k, v in sorted(per_round.items(), key=lambda kv: -kv[1])))
         return [b - a for a, b in zip(starts, [*starts[1:], end], strict=True)][1:]
     finally:
         cluster.stop_all()
@@ -149,6 +188,7 @@ def main() -> None:
                              "the rest of the system costs without S3 requests")
     args = parser.parse_args()
     moto, endpoint = start_moto()
+    MOTO.append(moto)
     results = {}
     try:
         with tempfile.TemporaryDirectory(prefix="apiary-bench-") as tmp:

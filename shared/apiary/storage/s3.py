@@ -24,6 +24,7 @@ from botocore.exceptions import ClientError, NoCredentialsError, ReadTimeoutErro
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from apiary.contracts import ObjectRef
+from apiary.storage import sigv4
 from apiary.storage.base import ObjectNotFound, Storage, StorageUnavailable, check_key, sha256_file
 
 T = TypeVar("T")
@@ -62,7 +63,9 @@ class S3Storage(Storage):
             # S3-compatible servers (MinIO, moto) are addressed by path, AWS by virtual host.
             s3={"addressing_style": "path" if endpoint_url else "auto"},
         )
-        self._client: Any = boto3.session.Session().client(
+        self._session = boto3.session.Session()
+        self._presigner: sigv4.Presigner | None = None
+        self._client: Any = self._session.client(
             "s3", endpoint_url=endpoint_url, region_name=region, config=config
         )
         self.transfer = TransferConfig(
@@ -242,15 +245,35 @@ class S3Storage(Storage):
             if not self._missing(e):
                 raise
 
-    def presign_get(self, key: str, expires: int) -> str:
-        params = {"Bucket": self.bucket, "Key": self._key(key)}
-        url: str = self._client.generate_presigned_url("get_object", Params=params, ExpiresIn=expires)
+    def _botocore_presign(self, method: str, full_key: str, expires: int) -> str:
+        operation = "get_object" if method == "GET" else "put_object"
+        url: str = self._client.generate_presigned_url(
+            operation, Params={"Bucket": self.bucket, "Key": full_key}, ExpiresIn=expires)
         return url
 
+    def _frozen_credentials(self) -> sigv4.Credentials:
+        creds = self._session.get_credentials()
+        if creds is None:
+            raise NoCredentialsError()
+        frozen = creds.get_frozen_credentials()  # refreshes temporary credentials when they are due
+        return sigv4.Credentials(frozen.access_key, frozen.secret_key, frozen.token)
+
+    def _presign(self, method: str, key: str, expires: int) -> str:
+        full = self._key(key)
+        if self._presigner is None:
+            # botocore decides the addressing and the credential scope once; every URL after it is
+            # signed here (a few HMACs rather than botocore's whole request pipeline).
+            probe = self._botocore_presign(method, full, expires)
+            endpoint = sigv4.Endpoint.from_presigned(probe, full)
+            self._presigner = sigv4.Presigner(endpoint, self._frozen_credentials)
+            return probe
+        return self._presigner.presign(method, full, expires)
+
+    def presign_get(self, key: str, expires: int) -> str:
+        return self._presign("GET", key, expires)
+
     def presign_put(self, key: str, expires: int) -> str:
-        params = {"Bucket": self.bucket, "Key": self._key(key)}
-        url: str = self._client.generate_presigned_url("put_object", Params=params, ExpiresIn=expires)
-        return url
+        return self._presign("PUT", key, expires)
 
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{self._key(key)}"

@@ -17,7 +17,7 @@ KEYS = [
     "jobs/é ü/ключ/+&=?#%.bin",
     "a~b/c!d*e'f(g)h",
 ]
-NOW = datetime.datetime(2026, 11, 29, 23, 59, 58, tzinfo=datetime.timezone.utc)
+NOW = datetime.datetime(2026, 11, 29, 23, 59, 58, tzinfo=datetime.UTC)
 
 
 def _storage(monkeypatch: pytest.MonkeyPatch, url: str, endpoint: str | None, region: str,

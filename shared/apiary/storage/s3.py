@@ -256,6 +256,8 @@ class S3Storage(Storage):
         if creds is None:
             raise NoCredentialsError()
         frozen = creds.get_frozen_credentials()  # refreshes temporary credentials when they are due
+        if not frozen.access_key or not frozen.secret_key:
+            raise NoCredentialsError()
         return sigv4.Credentials(frozen.access_key, frozen.secret_key, frozen.token)
 
     def _presign(self, method: str, key: str, expires: int) -> str:

@@ -235,3 +235,5 @@ async def test_an_unreachable_s3_raises_storage_unavailable() -> None:
     # Execute / Assert
     with pytest.raises(StorageUnavailable, match=f"127.0.0.1:{port}"):
         await storage.put_bytes("k", b"x")
+    with pytest.raises(StorageUnavailable, match=f"127.0.0.1:{port}"):
+        await storage.get_bytes("k")

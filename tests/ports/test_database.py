@@ -232,6 +232,29 @@ async def test_postgres_refuses_a_fractional_float_for_an_integer_instead_of_tru
         await database.close()
 
 
+async def test_postgres_a_connection_released_inside_a_transaction_goes_back_without_it(
+    postgres_url: str,
+) -> None:
+    # Prepare: one pooled connection, released by a caller that left a transaction open.
+    database = PostgresDatabase(postgres_url, min_size=1, max_size=1)
+    await database.connect()
+    await database.migrate("scheduler", [ROUNDS])
+    try:
+        async with database._connection() as conn:
+            await conn.execute("BEGIN")
+            await conn.execute("INSERT INTO rounds (job_id, round, state) VALUES ('j', 1, 'x')")
+
+        # Execute
+        async with database._connection() as conn:
+            in_transaction = conn.is_in_transaction()
+
+        # Assert: the next user gets a clean connection and the half-done insert is gone.
+        assert not in_transaction
+        assert await database.fetchval("SELECT COUNT(*) FROM rounds") == 0
+    finally:
+        await database.close()
+
+
 async def test_postgres_connections_the_server_drops_are_unavailable_then_replaced(postgres_url: str) -> None:
     # Prepare
     database = PostgresDatabase(postgres_url)

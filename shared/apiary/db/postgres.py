@@ -90,6 +90,15 @@ class _Tx(Executor):
         return await self._db._fetch_on(self._conn, sql, args)
 
 
+async def _reset(conn: asyncpg.Connection) -> None:
+    """What a connection needs before it goes back to the pool. asyncpg's default resets session
+    state (advisory locks, cursors, LISTEN, settings) in one more round trip per query; Apiary keeps
+    none of those across a release (the migration lock is transaction-scoped), so only an open
+    transaction, left by a cancelled caller, is rolled back."""
+    if conn.is_in_transaction():
+        await conn.execute("ROLLBACK")
+
+
 class PostgresDatabase(Database):
     """A PostgreSQL database shared by the services of a deployment."""
 
@@ -118,7 +127,8 @@ class PostgresDatabase(Database):
             return
         try:
             self._pool = await asyncpg.create_pool(
-                self.url, min_size=self._min_size, max_size=self._max_size, timeout=self._connect_timeout
+                self.url, min_size=self._min_size, max_size=self._max_size, timeout=self._connect_timeout,
+                reset=_reset,
             )
         except _UNAVAILABLE as e:
             raise self._unavailable(e) from e

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,14 +60,22 @@ PREFETCH_MAX_BYTES = 8 * 1024 * 1024
 # for this round. The first three settle a shard; the others are recorded and ignored.
 ACCEPTED, REJECTED, FAILED = "accepted", "rejected", "failed"
 DUPLICATE, LATE, ORPHAN, UNASSIGNED = "duplicate", "late", "orphan", "unassigned"
-SETTLED = "('accepted', 'rejected', 'failed')"
+SETTLED = frozenset({ACCEPTED, REJECTED, FAILED})
+
+
+SPEC_CACHE = 256  # global weights whose names, dtypes and shapes are remembered
 
 
 @dataclass
 class RoundState:
-    """The in-memory accumulator of one open round; rebuilt from storage after a restart."""
+    """One open round in memory: its row, which shards have settled and the running sum. It is a
+    cache of the database and storage: dropped whenever a handler fails, rebuilt from them on next use
+    (after a restart too), so a contribution is counted exactly when its row says so."""
 
+    agg: dict[str, Any]
     spec: WeightSpec
+    shards: frozenset[int]
+    settled: dict[int, str] = field(default_factory=dict)
     fedavg: FedAvg = field(default_factory=FedAvg)
     keys: frozenset[str] | None = None
 
@@ -80,6 +90,7 @@ class Aggregator(Component):
         self.outbox = Outbox(self.db, self.bus, "aggregator_outbox")
         self._locks = KeyedLocks()
         self._rounds: dict[tuple[str, int, int], RoundState] = {}
+        self._specs: dict[tuple[str, str], WeightSpec] = {}
 
     async def start(self) -> None:
         await self.db.migrate(self.name, MIGRATIONS)
@@ -97,50 +108,60 @@ class Aggregator(Component):
     async def on_round_start(self, event: RoundStart, delivery: Delivery) -> None:
         """Remember which shards a round waits for and the weights it started from."""
         async with self._locks(event.job_id):
-            await self.db.execute(
+            row = {
+                "job_id": event.job_id, "round": event.round, "attempt": event.attempt,
+                "shards": dumps(event.shards), "min_workers": event.min_workers, "weights_key": event.weights.key,
+                "weights_size": event.weights.size, "weights_sha256": event.weights.sha256,
+                "use_peft": int(event.use_peft), "status": "open", "opened_at": time.time(),
+                "traceparent": telemetry.headers_for().get("traceparent"), "deadline": event.deadline,
+            }
+            inserted = await self.db.execute(
                 "INSERT INTO aggregations (job_id, round, attempt, shards, min_workers, weights_key,"
                 " weights_size, weights_sha256, use_peft, status, opened_at, traceparent, deadline)"
-                " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'open', $10, $11, $12) ON CONFLICT DO NOTHING",
-                event.job_id, event.round, event.attempt, dumps(event.shards), event.min_workers,
-                event.weights.key, event.weights.size, event.weights.sha256, int(event.use_peft), time.time(),
-                telemetry.headers_for().get("traceparent"), event.deadline,
+                " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) ON CONFLICT DO NOTHING",
+                *row.values(),
             )
+            spec = self._specs.get((event.weights.key, event.weights.sha256))
+            if inserted and spec is not None:
+                # A new round whose weights this aggregator wrote: nothing to read back before its results.
+                self._rounds[(event.job_id, event.round, event.attempt)] = RoundState(
+                    agg={**row, "result_key": None, "reason": None, "closed_at": None}, spec=spec,
+                    shards=frozenset(event.shards))
 
-    async def _admit(self, event: WorkerDone | WorkerFailed) -> dict[str, Any] | None:
+    async def _admit(self, event: WorkerDone | WorkerFailed) -> RoundState | None:
         """The open round this report settles a shard of; None (recorded why) if it settles nothing."""
-        agg = await self._aggregation(event.job_id, event.round, event.attempt)
-        if agg is None:
-            await self._record(event, ORPHAN, "no such round")
-            return None
-        if agg["status"] != "open":
-            log.info("job %s: late report for round %d/%d shard %d from %s ignored", event.job_id,
-                     event.round, event.attempt, event.shard, event.worker_id)
-            await self._record(event, LATE, f"round already {agg['status']}")
-            return None
-        if event.shard not in loads(agg["shards"]):
+        state = self._rounds.get((event.job_id, event.round, event.attempt))
+        if state is None:
+            agg = await self._aggregation(event.job_id, event.round, event.attempt)
+            if agg is None:
+                await self._record(event, ORPHAN, "no such round")
+                return None
+            if agg["status"] != "open":
+                log.info("job %s: late report for round %d/%d shard %d from %s ignored", event.job_id,
+                         event.round, event.attempt, event.shard, event.worker_id)
+                await self._record(event, LATE, f"round already {agg['status']}")
+                return None
+            state = await self._load(agg)
+        if event.shard not in state.shards:
             await self._record(event, UNASSIGNED, f"shard {event.shard} is not assigned in this round")
             return None
-        reported = await self.db.fetchval(
-            "SELECT status FROM contributions WHERE job_id = $1 AND round = $2 AND attempt = $3"
-            f" AND shard = $4 AND status IN {SETTLED}",
-            event.job_id, event.round, event.attempt, event.shard,
-        )
+        reported = state.settled.get(event.shard)
         if reported is not None:
             await self._record(event, DUPLICATE, f"shard {event.shard} already reported ({reported})")
             # A redelivered last report whose first handling failed after it was recorded: the round
             # is still open, so close it now rather than at the timeout.
-            await self._maybe_close(agg)
+            await self._maybe_close(state)
             return None
-        return agg
+        return state
 
     async def on_worker_failed(self, event: WorkerFailed, delivery: Delivery) -> None:
         """The user's code failed on a shard: that shard settles without weights."""
-        async with self._locks(event.job_id):
-            agg = await self._admit(event)
-            if agg is None:
+        async with self._locks(event.job_id), self._dropping_state_on_error(event):
+            state = await self._admit(event)
+            if state is None:
                 return
-            await self._record(event, FAILED, event.error)
-            await self._maybe_close(agg)
+            await self._record(event, FAILED, event.error, state)
+            await self._maybe_close(state)
 
     async def on_worker_done(self, event: WorkerDone, delivery: Delivery) -> None:
         """Validate a contribution and fold it in, once; close the round when every shard reported."""
@@ -156,56 +177,64 @@ class Aggregator(Component):
                 early = await self.storage.verified_bytes(event.result)
             except (ObjectNotFound, ValueError) as e:
                 early = e
-        async with self._locks(event.job_id):
-            agg = await self._admit(event)
-            if agg is None:
+        async with self._locks(event.job_id), self._dropping_state_on_error(event):
+            state = await self._admit(event)
+            if state is None:
                 return
-            key = (event.job_id, event.round, event.attempt)
-            state = await self._state(agg)
             try:
                 if isinstance(early, BaseException):
                     raise early
                 data = early if early is not None else await self.storage.verified_bytes(event.result)
                 weights = load_weights(data, copy=False)
-                validate(state.spec, weights, event.samples, partial=bool(agg["use_peft"]),
+                validate(state.spec, weights, event.samples, partial=bool(state.agg["use_peft"]),
                          expected_keys=state.keys)
             except (ObjectNotFound, InvalidContribution, WeightsError, ValueError) as e:
                 reason = f"object {event.result.key} is missing" if isinstance(e, ObjectNotFound) else str(e)
                 log.warning("job %s: round %d shard %d from %s rejected: %s", event.job_id, event.round,
                             event.shard, event.worker_id, reason)
-                await self._record(event, REJECTED, reason)
+                await self._record(event, REJECTED, reason, state)
             else:
-                try:
-                    state.fedavg.fold(weights, event.samples)
-                    state.keys = frozenset(weights)
-                    await self._record(event, ACCEPTED, None)
-                except BaseException:
-                    # The sum may now hold a contribution the database does not: rebuild it next time.
-                    self._rounds.pop(key, None)
-                    raise
-            await self._maybe_close(agg)
+                # Should recording fail, the sum holds a contribution the database does not: the
+                # state is dropped (below) and rebuilt from the stored rows next time.
+                state.fedavg.fold(weights, event.samples)
+                state.keys = frozenset(weights)
+                await self._record(event, ACCEPTED, None, state)
+            await self._maybe_close(state)
+
+    @contextlib.asynccontextmanager
+    async def _dropping_state_on_error(self, event: WorkerDone | WorkerFailed) -> AsyncIterator[None]:
+        try:
+            yield
+        except BaseException:
+            self._rounds.pop((event.job_id, event.round, event.attempt), None)
+            raise
 
     async def on_round_timeout(self, event: RoundTimeout, delivery: Delivery) -> None:
         """The round's time is up: aggregate what arrived if enough did, else fail the round."""
         async with self._locks(event.job_id):
-            agg = await self._aggregation(event.job_id, event.round, event.attempt)
-            if agg is None or agg["status"] != "open":
-                return
-            await self._close(agg, timed_out=True)
+            key = (event.job_id, event.round, event.attempt)
+            state = self._rounds.get(key)
+            if state is None:
+                agg = await self._aggregation(*key)
+                if agg is None or agg["status"] != "open":
+                    return
+                state = await self._load(agg)
+            try:
+                await self._close(state, timed_out=True)
+            except BaseException:
+                self._rounds.pop(key, None)
+                raise
 
-    async def _maybe_close(self, agg: dict[str, Any]) -> None:
-        count = await self.db.fetchval(
-            "SELECT COUNT(*) AS n FROM contributions WHERE job_id = $1 AND round = $2 AND attempt = $3"
-            f" AND status IN {SETTLED}",
-            agg["job_id"], agg["round"], agg["attempt"],
-        )
-        if int(count) >= len(loads(agg["shards"])):
+    async def _maybe_close(self, state: RoundState) -> None:
+        if len(state.settled) >= len(state.shards):
             # A last shard settled after the deadline (a straggler stopped there) ends a round that timed out.
-            await self._close(agg, timed_out=agg["deadline"] is not None and time.time() >= agg["deadline"])
+            deadline = state.agg["deadline"]
+            await self._close(state, timed_out=deadline is not None and time.time() >= deadline)
 
-    async def _close(self, agg: dict[str, Any], *, timed_out: bool) -> None:
+    async def _close(self, state: RoundState, *, timed_out: bool) -> None:
         """Aggregate or fail the round, inside one span: a child of the round, linked to every
         contribution folded in."""
+        agg = state.agg
         job_id, round_index, attempt = agg["job_id"], agg["round"], agg["attempt"]
         rows = await self._contributions(job_id, round_index, attempt)
         accepted = [r for r in rows if r["status"] == ACCEPTED]
@@ -223,13 +252,14 @@ class Aggregator(Component):
                     span.add_event(f"contribution.{r['status']}", {"apiary.shard": r["shard"],
                                                                     "apiary.worker_id": r["worker_id"],
                                                                     "reason": r["reason"] or ""})
-            await self._settle(agg, rows, accepted, span, timed_out=timed_out)
+            await self._settle(state, rows, accepted, span, timed_out=timed_out)
 
-    async def _settle(self, agg: dict[str, Any], rows: list[dict[str, Any]], accepted: list[dict[str, Any]],
+    async def _settle(self, state: RoundState, rows: list[dict[str, Any]], accepted: list[dict[str, Any]],
                       span: Any, *, timed_out: bool) -> None:
+        agg = state.agg
         job_id, round_index, attempt = agg["job_id"], agg["round"], agg["attempt"]
         rejected = {str(r["shard"]): r["reason"] or "" for r in rows if r["status"] in (REJECTED, FAILED)}
-        expected = len(loads(agg["shards"]))
+        expected = len(state.shards)
         if len(accepted) < agg["min_workers"]:
             why = "timeout" if timed_out else "too few valid contributions"
             reason = (f"{why}: {len(accepted)} of {expected} shards contributed valid weights, "
@@ -249,14 +279,15 @@ class Aggregator(Component):
             self._rounds.pop((job_id, round_index, attempt), None)
             await self.outbox.flush()
             return
-        state = await self._state(agg)
         # finish() consumes the sum: should closing fail after it, the retry re-folds from storage.
         self._rounds.pop((job_id, round_index, attempt), None)
         average = state.fedavg.finish()
         if agg["use_peft"]:
             base = load_weights(await self.storage.get_bytes(agg["weights_key"]))
             average = merge_partial(base, average)
-        ref = await self.storage.put_bytes(keys.global_weights(job_id, round_index), dump_weights(average))
+        data = dump_weights(average)
+        ref = await self.storage.put_bytes(keys.global_weights(job_id, round_index), data)
+        self._remember_spec(ref, spec_of(data))
         metrics = weighted_metrics([(r["samples"], loads(r["metrics"], {})) for r in accepted])
         done = RoundAggregated(
             job_id=job_id, round=round_index, attempt=attempt, weights=ref,
@@ -275,16 +306,24 @@ class Aggregator(Component):
                  len(accepted), done.total_samples, " at timeout" if timed_out else "")
         await self.outbox.flush()
 
-    async def _state(self, agg: dict[str, Any]) -> RoundState:
-        """The round's accumulator; after a restart, re-folded from the stored accepted contributions."""
-        key = (agg["job_id"], agg["round"], agg["attempt"])
-        state = self._rounds.get(key)
-        if state is not None:
-            return state
+    def _remember_spec(self, ref: ObjectRef, spec: WeightSpec) -> None:
+        self._specs[(ref.key, ref.sha256)] = spec
+        while len(self._specs) > SPEC_CACHE:
+            del self._specs[next(iter(self._specs))]
+
+    async def _load(self, agg: dict[str, Any]) -> RoundState:
+        """An open round's state from its rows: the shards settled so far, and the sum re-folded from
+        the stored accepted contributions (after a restart, or after a handler failed)."""
         base = ObjectRef(key=agg["weights_key"], size=agg["weights_size"], sha256=agg["weights_sha256"])
-        header = await self.storage.get_bytes(base.key)
-        state = RoundState(spec=spec_of(header))
+        spec = self._specs.get((base.key, base.sha256))
+        if spec is None:
+            spec = spec_of(await self.storage.get_bytes(base.key))
+            self._remember_spec(base, spec)
+        key = (agg["job_id"], agg["round"], agg["attempt"])
+        state = RoundState(agg=agg, spec=spec, shards=frozenset(loads(agg["shards"])))
         for row in await self._contributions(*key):
+            if row["status"] in SETTLED:
+                state.settled[row["shard"]] = row["status"]
             if row["status"] != ACCEPTED:
                 continue
             ref = ObjectRef(key=row["result_key"], size=row["size"], sha256=row["sha256"])
@@ -306,7 +345,8 @@ class Aggregator(Component):
             job_id, round_index, attempt,
         )
 
-    async def _record(self, event: WorkerDone | WorkerFailed, status: str, reason: str | None) -> None:
+    async def _record(self, event: WorkerDone | WorkerFailed, status: str, reason: str | None,
+                      state: RoundState | None = None) -> None:
         if isinstance(event, WorkerFailed):
             samples, result, metrics = 0, ObjectRef(key="", size=0, sha256=""), {}
         else:
@@ -319,3 +359,5 @@ class Aggregator(Component):
             samples, result.key, result.size, result.sha256, dumps(metrics), time.time(),
             telemetry.headers_for().get("traceparent"),
         )
+        if state is not None and status in SETTLED:
+            state.settled[event.shard] = status

@@ -145,9 +145,10 @@ def run(k: int, rounds: int, tmp: Path, endpoint: str, storage: str = "s3") -> l
         if BREAKDOWN:
             # CPU per round from round 2 on: round 1 pays imports and shard downloads.
             cluster.wait_for(lambda: cluster.query(
-                "SELECT 1 FROM rounds WHERE job_id = $1 AND round = 2", job_id), 300, "round 2", interval=0.05)
+                "SELECT 1 FROM rounds WHERE job_id = $1 AND round = 2", job_id), 300, "round 2", interval=0.1)
             before = cpu_snapshot({**cluster.processes, "moto": MOTO[0]} if MOTO else cluster.processes)
-        job = cluster.wait_job(job_id, timeout=600)
+        # Polled rarely: each poll is a new PostgreSQL connection, CPU the rounds would compete with.
+        job = cluster.wait_job(job_id, timeout=600, interval=3)
         if job["status"] != "completed":
             raise RuntimeError(f"benchmark job {job['status']}: {job['reason']}")
         starts = [r["started_at"] for r in cluster.query(

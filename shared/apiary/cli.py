@@ -18,6 +18,7 @@ from rich.text import Text
 
 from apiary.jobfile import JobFileError, load_job_file
 from apiary.settings import Settings
+from apiary.usercode import quiet_openmp
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Apiary: federated training of PyTorch models.")
 console = Console(stderr=True)
@@ -100,6 +101,7 @@ def run(
     timeout: float = typer.Option(0, help="Give up after this many seconds (0: never)."),
 ) -> None:
     """Run a job on this machine: every service and N workers in one process tree."""
+    quiet_openmp()
     from apiary.runtime import Embedded, code_root_for
 
     settings = Settings()
@@ -175,6 +177,7 @@ def serve(
     """Run one service in this process, on the ports the APIARY_* settings name, until SIGTERM."""
     if service not in SERVICES:
         _fail(f"unknown service {service!r}: choose one of {', '.join(SERVICES)}")
+    quiet_openmp()
     settings = Settings()
     _setup_logging(settings, to_console=True)
     from apiary.runtime import serve_service
@@ -188,6 +191,7 @@ def worker(
     gpu: int = typer.Option(None, "--gpu", help="The GPU index this worker trains on."),
 ) -> None:
     """Run one worker: it takes pool assignments and those pinned to its id, until SIGTERM."""
+    quiet_openmp()
     overrides: dict[str, Any] = {}
     if worker_id:
         overrides["worker_id"] = worker_id

@@ -1,0 +1,59 @@
+"""Apiary's processes wait passively in OpenMP; the user's code gets the environment the user set."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from apiary import usercode
+from apiary.usercode import OPENMP_WAIT, UserCodeRunner, quiet_openmp
+
+PROBE = '''
+import os
+
+def fl_evaluate_model(weights, env):
+    value = os.environ.get("OMP_WAIT_POLICY")
+    return {"unset": float(value is None), "active": float(value == "ACTIVE")}
+'''
+
+
+@pytest.fixture
+def probe_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "omp_probe.py").write_text(PROBE)
+    weights = tmp_path / "w.safetensors"
+    from apiary.weights import dumps
+
+    weights.write_bytes(dumps({}))
+    monkeypatch.setattr(usercode, "_user_openmp_wait", [])
+    return tmp_path
+
+
+async def _child_sees(code_dir: Path) -> dict[str, float] | None:
+    runner = UserCodeRunner([str(code_dir)])
+    try:
+        return await runner.evaluate("omp_probe", {}, code_dir / "w.safetensors", timeout=60)
+    finally:
+        await runner.stop()
+
+
+async def test_the_service_waits_passively_and_user_code_sees_no_policy(
+    probe_module: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(OPENMP_WAIT, "unset below")  # so that the variable is restored after the test
+    monkeypatch.delenv(OPENMP_WAIT)
+
+    quiet_openmp()
+
+    assert os.environ[OPENMP_WAIT] == "PASSIVE"
+    assert await _child_sees(probe_module) == {"unset": 1.0, "active": 0.0}
+
+
+async def test_a_policy_the_user_set_is_kept_everywhere(probe_module: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(OPENMP_WAIT, "ACTIVE")
+
+    quiet_openmp()
+
+    assert os.environ[OPENMP_WAIT] == "ACTIVE"
+    assert await _child_sees(probe_module) == {"unset": 0.0, "active": 1.0}

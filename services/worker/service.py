@@ -28,7 +28,6 @@ from apiary.contracts import (
 )
 from apiary.dataset import extract_shard
 from apiary.settings import Settings
-from apiary.storage import sha256_file
 from apiary.usercode import TrainCall, UserCodeError, UserCodeRunner
 from services.worker.gpu import gpu_stats
 
@@ -174,7 +173,7 @@ class Worker:
         with tracer.start_as_current_span("upload", attributes=self._attributes(a)) as span:
             try:
                 await transfer.upload(a.upload_url, result_path)
-                moved = result_path.stat().st_size + await self._upload_files(a, Path(call.out_dir), work)
+                moved = result.size + await self._upload_files(a, Path(call.out_dir), work)
                 span.set_attribute("apiary.bytes", moved)
             except (transfer.TransferError, OSError) as e:
                 telemetry.fail(span, "upload.failed", str(e))
@@ -182,7 +181,7 @@ class Worker:
                 return
         duration = time.monotonic() - started
         self.samples_per_s = result.samples * max(1, int(a.env.get("EPOCHS") or 1)) / max(duration, 1e-6)
-        ref = ObjectRef(key=a.result_key, size=result_path.stat().st_size, sha256=sha256_file(result_path))
+        ref = ObjectRef(key=a.result_key, size=result.size, sha256=result.sha256)
         await publish_event(self.bus, WorkerDone(
             job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=self.worker_id, shard=a.shard,
             result=ref, samples=result.samples, metrics=result.metrics, duration_s=duration,

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import importlib
 import logging
 import multiprocessing
 import os
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -71,9 +71,12 @@ class TrainCall:
 
 @dataclass
 class TrainResult:
-    """What the training function returned, its weights already written to `result_path`."""
+    """What the training function returned, its weights already written to `result_path`
+    (`size` bytes with this `sha256`)."""
 
     samples: int
+    size: int
+    sha256: str
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -141,7 +144,9 @@ def _run_train(call: TrainCall, conn: Connection) -> dict[str, Any]:
 
     fn = _resolve(call.module, call.function)
     assert fn is not None
-    initial = w.loads(Path(call.weights_path).read_bytes())
+    # The tensors view a buffer of their own (writable, kept alive by them): no copy, and no torch
+    # operation that would wake its thread pool.
+    initial = w.loads(bytearray(Path(call.weights_path).read_bytes()), copy=False)
     payload = {
         "env": dict(call.env),
         "initial_weights": initial,
@@ -163,12 +168,13 @@ def _run_train(call: TrainCall, conn: Connection) -> dict[str, Any]:
     tmp = Path(call.result_path + ".part")
     tmp.write_bytes(data)
     tmp.replace(call.result_path)
+    digest = hashlib.sha256(data).hexdigest()
     samples = result["samples"]
     if isinstance(samples, bool) or not isinstance(samples, int):
         with contextlib.suppress(Exception):
             samples = int(samples) if float(samples) == int(samples) else samples
     metrics = {k: float(v) for k, v in (result.get("metrics") or {}).items() if _is_number(v)}
-    return {"samples": samples, "metrics": metrics}
+    return {"samples": samples, "metrics": metrics, "size": len(data), "sha256": digest}
 
 
 def _run_init(module: str, env: dict[str, Any], target: str) -> dict[str, Any]:
@@ -282,37 +288,41 @@ class UserCodeRunner:
         on_metrics: Callable[[dict[str, Any]], None] | None = None,
     ) -> Any:
         async with self._lock:
-            conn = await asyncio.to_thread(self._ensure)
+            alive = self._proc is not None and self._proc.is_alive() and self._conn is not None
+            conn = self._conn if alive and self._conn is not None else await asyncio.to_thread(self._ensure)
             loop = asyncio.get_running_loop()
             replies: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-            stop = threading.Event()
+            fd = conn.fileno()
+            watching = True
 
-            def pump() -> None:
-                # Reads the pipe off the event loop; EOF means the child died.
-                while not stop.is_set():
-                    try:
-                        if not conn.poll(0.2):
-                            continue
+            def on_readable() -> None:
+                # The event loop reads the pipe when the child wrote to it; EOF means the child died.
+                try:
+                    while conn.poll():
                         message = conn.recv()
-                    except (EOFError, OSError):
-                        loop.call_soon_threadsafe(replies.put_nowait, ("died", None))
-                        return
-                    loop.call_soon_threadsafe(replies.put_nowait, message)
-                    if message[0] in ("result", "error"):
-                        return
+                        replies.put_nowait(message)
+                        if message[0] in ("result", "error"):
+                            unwatch()
+                            return
+                except (EOFError, OSError):
+                    unwatch()
+                    replies.put_nowait(("died", None))
 
-            conn.send((kind, args))
-            reader = loop.run_in_executor(None, pump)
+            def unwatch() -> None:
+                nonlocal watching
+                if watching:
+                    watching = False
+                    loop.remove_reader(fd)
+
+            loop.add_reader(fd, on_readable)
             deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
             try:
+                conn.send((kind, args))
                 while True:
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         raise TimeoutError
-                    try:
-                        tag, value = await asyncio.wait_for(replies.get(), remaining)
-                    except TimeoutError:
-                        raise
+                    tag, value = await asyncio.wait_for(replies.get(), remaining)
                     if tag == "metrics" and on_metrics is not None:
                         on_metrics(value)
                     elif tag == "log":
@@ -328,15 +338,22 @@ class UserCodeRunner:
                         code = proc.exitcode if proc is not None else None
                         raise UserCodeError(f"user code exited the process (exit code {code})")
             except TimeoutError:
+                unwatch()
                 await asyncio.to_thread(self._kill)
                 raise UserCodeError(f"user code did not finish within {timeout:.0f}s and was stopped") from None
+            except (BrokenPipeError, ConnectionResetError):
+                # The child died before it read the call.
+                unwatch()
+                proc = self._proc
+                await asyncio.to_thread(self._kill)
+                code = proc.exitcode if proc is not None else None
+                raise UserCodeError(f"user code exited the process (exit code {code})") from None
             except asyncio.CancelledError:
+                unwatch()
                 await asyncio.to_thread(self._kill)
                 raise
             finally:
-                stop.set()
-                with contextlib.suppress(Exception):
-                    await reader
+                unwatch()
 
     async def train(
         self,
@@ -347,7 +364,7 @@ class UserCodeRunner:
     ) -> TrainResult:
         """Run the user's training function; raise UserCodeError with one clear line if it fails."""
         out = await self._call("train", call, timeout, on_metrics)
-        return TrainResult(samples=out["samples"], metrics=out["metrics"])
+        return TrainResult(samples=out["samples"], size=out["size"], sha256=out["sha256"], metrics=out["metrics"])
 
     async def init_weights(self, module: str, env: dict[str, Any], target: Path, *, timeout: float) -> bool:
         """Write the module's `fl_init_weights(env)` to `target`; False if the module has none."""

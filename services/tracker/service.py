@@ -122,14 +122,16 @@ class Tracker(Component):
         job_id = body.get("job_id") if isinstance(body.get("job_id"), str) else None
         round_index = body.get("round") if isinstance(body.get("round"), int) else None
         ts = time.time()
-        async with self.db.transaction() as tx:
-            if key != "worker.heartbeat":
-                await tx.execute(
-                    "INSERT INTO events (ts, routing_key, job_id, round, body) VALUES ($1, $2, $3, $4, $5)",
-                    ts, key, job_id, round_index, dumps(_summary(key, body)),
-                )
-            handler = _VIEWS.get(key) or (_assignment if key.startswith("assign.") else None)
-            if handler is not None:
+        record = ("INSERT INTO events (ts, routing_key, job_id, round, body) VALUES ($1, $2, $3, $4, $5)",
+                  ts, key, job_id, round_index, dumps(_summary(key, body)))
+        handler = _VIEWS.get(key)
+        if handler is None:
+            # Only logged (assignments, among others): one statement needs no transaction.
+            await self.db.execute(*record)
+        else:
+            async with self.db.transaction() as tx:
+                if key != "worker.heartbeat":
+                    await tx.execute(*record)
                 try:
                     await handler(tx, body, ts)
                 except (KeyError, TypeError, ValueError) as e:
@@ -147,6 +149,9 @@ class Tracker(Component):
                 )
                 if changed:
                     await self._notify()
+
+
+SHARD_ROWS_PER_INSERT = 500  # well under SQLite's and PostgreSQL's limits on parameters per statement
 
 
 def _summary(key: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -196,16 +201,15 @@ async def _round_start(tx: Any, b: dict[str, Any], ts: float) -> None:
         " ON CONFLICT DO NOTHING",
         b["job_id"], b["round"], b["attempt"], ts,
     )
-    for shard in b["shards"]:
+    shards = [int(shard) for shard in b["shards"]]
+    for start in range(0, len(shards), SHARD_ROWS_PER_INSERT):
+        chunk = shards[start : start + SHARD_ROWS_PER_INSERT]
+        rows = ", ".join(f"($1, $2, $3, ${i}, 'assigned', $4)" for i in range(5, 5 + len(chunk)))
         await tx.execute(
-            "INSERT INTO shard_views (job_id, round, attempt, shard, state, updated_at)"
-            " VALUES ($1, $2, $3, $4, 'assigned', $5) ON CONFLICT DO NOTHING",
-            b["job_id"], b["round"], b["attempt"], shard, ts,
+            f"INSERT INTO shard_views (job_id, round, attempt, shard, state, updated_at) VALUES {rows}"
+            " ON CONFLICT DO NOTHING",
+            b["job_id"], b["round"], b["attempt"], ts, *chunk,
         )
-
-
-async def _assignment(tx: Any, b: dict[str, Any], ts: float) -> None:
-    return None
 
 
 async def _shard_state(tx: Any, b: dict[str, Any], ts: float, state: str, error: str | None = None) -> None:

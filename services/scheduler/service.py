@@ -41,7 +41,7 @@ from apiary.contracts import (
 )
 from apiary.db import Executor
 from apiary.jobspec import JobSpec, describe_errors, field_errors
-from apiary.outbox import KeyedLocks, Outbox, outbox_migration
+from apiary.outbox import KeyedLocks, Outbox, Pending, outbox_migration
 from apiary.storage import ObjectNotFound
 from apiary.usercode import UserCodeError, UserCodeRunner
 from apiary.weights import WeightsError, read_header
@@ -300,11 +300,11 @@ class Scheduler(Component):
             "UPDATE jobs SET round = $2, attempt = $3, updated_at = $4 WHERE job_id = $1",
             job_id, round_index, attempt, now,
         )
-        await self.outbox.add(tx, RoundStart(
+        queued = [Pending(RoundStart(
             job_id=job_id, round=round_index, attempt=attempt, num_rounds=spec.distributed.num_rounds,
             shards=[s.index for s in chosen], min_workers=spec.distributed.min_workers, weights=weights,
             deadline=deadline, use_peft=spec.use_peft,
-        ), headers=trace)
+        ), headers=trace)]
         ttl = int(timeout + self.settings.presign_ttl)
         pinned = spec.worker_selection.workers if spec.worker_selection.mode == "pinned" else []
         for shard in chosen:
@@ -324,9 +324,10 @@ class Scheduler(Component):
             routing_key = f"assign.worker.{worker}" if worker else "assign.pool"
             if worker:
                 await self.bus.declare_queue(routing_key, [routing_key])
-            await self.outbox.add(tx, assignment, routing_key=routing_key, headers=trace)
-        await self.outbox.add(tx, RoundTimeout(job_id=job_id, round=round_index, attempt=attempt), delay=timeout,
-                              headers=trace)
+            queued.append(Pending(assignment, routing_key=routing_key, headers=trace))
+        queued.append(Pending(RoundTimeout(job_id=job_id, round=round_index, attempt=attempt), delay=timeout,
+                              headers=trace))
+        await self.outbox.add_all(tx, queued)
         log.info("job %s: round %d/%d (attempt %d) started on %d shards", job_id, round_index,
                  spec.distributed.num_rounds, attempt, len(chosen))
 

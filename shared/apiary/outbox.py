@@ -10,6 +10,8 @@ import base64
 import json
 import logging
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
@@ -20,6 +22,19 @@ from apiary.contracts import encode
 from apiary.db import Database, Executor
 
 log = logging.getLogger("apiary.outbox")
+
+ROWS_PER_INSERT = 100  # 500 parameters: well under SQLite's and PostgreSQL's limits
+
+
+@dataclass(frozen=True)
+class Pending:
+    """An event to queue: where it goes (its own routing key unless given), after how long, with
+    which headers (the current trace context unless given)."""
+
+    event: BaseModel
+    routing_key: str | None = None
+    delay: float | None = None
+    headers: dict[str, Any] | None = None
 
 
 def outbox_migration(table: str) -> str:
@@ -49,18 +64,33 @@ class Outbox:
     ) -> None:
         """Queue an event inside the caller's transaction (with the current trace context, unless
         `headers` are given)."""
+        await self.add_all(tx, [Pending(event, routing_key, delay, headers)])
+
+    async def add_all(self, tx: Executor, events: Sequence[Pending]) -> None:
+        """Queue several events in the caller's transaction, in this order, with few statements."""
         now = time.time()
-        if headers is None:
-            headers = telemetry.headers_for()
-        await tx.execute(
-            f"INSERT INTO {self._table} (routing_key, body, headers, deliver_at, created_at)"
-            " VALUES ($1, $2, $3, $4, $5)",
-            routing_key or getattr(event, "routing_key", ""),
-            base64.b64encode(encode(event)).decode(),
-            json.dumps(headers or {}),
-            now + delay if delay else None,
-            now,
-        )
+        current = None
+        rows: list[Any] = []
+        for item in events:
+            headers = item.headers
+            if headers is None:
+                current = telemetry.headers_for() if current is None else current
+                headers = current
+            rows.append((
+                item.routing_key or getattr(item.event, "routing_key", ""),
+                base64.b64encode(encode(item.event)).decode(),
+                json.dumps(headers or {}),
+                now + item.delay if item.delay else None,
+                now,
+            ))
+        for start in range(0, len(rows), ROWS_PER_INSERT):
+            chunk = rows[start : start + ROWS_PER_INSERT]
+            values = ", ".join(f"(${5 * i + 1}, ${5 * i + 2}, ${5 * i + 3}, ${5 * i + 4}, ${5 * i + 5})"
+                               for i in range(len(chunk)))
+            await tx.execute(
+                f"INSERT INTO {self._table} (routing_key, body, headers, deliver_at, created_at) VALUES {values}",
+                *[value for row in chunk for value in row],
+            )
 
     async def flush(self) -> int:
         """Publish every pending event, in the order added; return how many were published.

@@ -9,7 +9,10 @@ of one sample-set each and K workers, for R rounds; reports the median time betw
 Reference (from the issue, same machines): Flower 1.42's simulation engine, 0.10 s (K=4) and
 0.21 s (K=16) per round for this model; the goal is a quarter of that or less.
 
-Usage: python scripts/bench_round.py [--k 4 16] [--rounds 20]
+Usage: python scripts/bench_round.py [--k 4 16] [--rounds 20] [--storage s3|file] [--flower-python PY]
+
+With --flower-python (a Python that has flwr[simulation], see scripts/bench_flower.py), Flower's
+figures are measured in the same session, first, and are the reference; without it, the issue's.
 """
 
 from __future__ import annotations
@@ -180,14 +183,31 @@ def run(k: int, rounds: int, tmp: Path, endpoint: str, storage: str = "s3") -> l
         admin(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
 
 
+def measure_flower(python: str, ks: list[int], rounds: int) -> dict[int, float]:
+    """Median round time of Flower's simulation engine for each K, by scripts/bench_flower.py."""
+    out = subprocess.run([python, str(REPO / "scripts" / "bench_flower.py"), "--k", *map(str, ks),
+                          "--rounds", str(rounds)], capture_output=True, text=True, timeout=1800, check=False)
+    if out.returncode != 0 or not out.stdout.strip():
+        raise RuntimeError(f"bench_flower.py failed ({out.returncode}): {out.stderr.strip()[-2000:]}")
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    return {int(k): float(v["median_s"]) for k, v in figures.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--k", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--flower-python", help="a Python with flwr[simulation]: measure Flower's reference now")
     parser.add_argument("--storage", choices=["s3", "file"], default="s3",
                         help="s3: moto's S3 server (the benchmark); file: a shared local folder, to see what "
                              "the rest of the system costs without S3 requests")
     args = parser.parse_args()
+    reference, source = dict(FLOWER), "the issue's figure"
+    if args.flower_python:
+        reference.update(measure_flower(args.flower_python, args.k, args.rounds))
+        source = "measured just now"
+        print("Flower 1.42 (simulation engine): " + ", ".join(
+            f"K={k} {v * 1000:.1f} ms" for k, v in sorted(reference.items()) if k in args.k), flush=True)
     moto, endpoint = start_moto()
     MOTO.append(moto)
     results = {}
@@ -199,8 +219,11 @@ def main() -> None:
                 p90 = sorted(durations)[int(0.9 * len(durations))]
                 results[k] = {"median_s": round(median, 4), "p90_s": round(p90, 4),
                               "min_s": round(min(durations), 4), "rounds": len(durations)}
-                ref = FLOWER.get(k)
-                versus = f", {median / ref:.2f}x Flower's {ref} s (goal <= 0.25x)" if ref else ""
+                ref = reference.get(k)
+                versus = (f", {median / ref:.2f}x Flower's {ref * 1000:.0f} ms ({source}; goal <= 0.25x)"
+                          if ref else "")
+                if ref:
+                    results[k]["vs_flower"] = round(median / ref, 3)
                 print(f"K={k} ({args.storage}): median round {median * 1000:.1f} ms over {len(durations)} rounds "
                       f"(min {min(durations) * 1000:.1f}, p90 {results[k]['p90_s'] * 1000:.1f}){versus}", flush=True)
     finally:

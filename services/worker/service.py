@@ -129,9 +129,13 @@ class Worker:
     async def _train(self, a: Assignment) -> None:
         started = time.monotonic()
         job_dir = self.cache / "jobs" / a.job_id
-        work = job_dir / f"round-{a.round:04d}-{a.attempt}-shard-{a.shard:04d}"
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
+        # One working folder per job, reused round after round (this worker trains one shard at a
+        # time): its files are replaced whole, and the user's output folder starts empty every call.
+        work = job_dir / "work"
+        out_dir = work / "out"
+        if out_dir.is_dir() and any(out_dir.iterdir()):
+            shutil.rmtree(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
         tracer = telemetry.tracer()
         with tracer.start_as_current_span("download", attributes=self._attributes(a)) as span:
             try:
@@ -148,7 +152,7 @@ class Worker:
             module=a.entrypoint.split(":", 1)[0],
             function=a.entrypoint.split(":", 1)[1] if ":" in a.entrypoint else "fl_train_model",
             weights_path=str(weights), result_path=str(work / "result.safetensors"),
-            out_dir=str(work / "out"), env=a.env,
+            out_dir=str(out_dir), env=a.env,
             dataset={"data_root": str(data_root), "shard_index": a.shard, "num_samples": a.shard_num_samples,
                      "num_shards": a.num_shards},
             round={"index": a.round, "total": a.num_rounds, "attempt": a.attempt},
@@ -187,7 +191,6 @@ class Worker:
             result=ref, samples=result.samples, metrics=result.metrics, duration_s=duration,
         ))
         self.completed += 1
-        shutil.rmtree(work, ignore_errors=True)
         log.info("worker %s: job %s round %d shard %d done in %.2fs (%d samples)", self.worker_id,
                  a.job_id, a.round, a.shard, duration, result.samples)
 

@@ -73,10 +73,10 @@ def _cpu_seconds(pid: int) -> float:
     return total
 
 
-def _cpu_by_command(names: tuple[str, ...]) -> dict[str, float]:
-    """CPU seconds of every process whose command name is one of `names` (RabbitMQ, PostgreSQL)."""
+def _cpu_by_command(names: tuple[str, ...]) -> dict[str, dict[int, float]]:
+    """CPU seconds of each process whose command name is one of `names` (RabbitMQ, PostgreSQL), by pid."""
     tick = os.sysconf("SC_CLK_TCK")
-    out = dict.fromkeys(names, 0.0)
+    out: dict[str, dict[int, float]] = {name: {} for name in names}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             head, tail = stat.read_text().rsplit(")", 1)
@@ -85,7 +85,7 @@ def _cpu_by_command(names: tuple[str, ...]) -> dict[str, float]:
         name = head.split("(", 1)[1]
         if name in out:
             fields = tail.split()
-            out[name] += (int(fields[11]) + int(fields[12])) / tick
+            out[name][int(stat.parent.name)] = (int(fields[11]) + int(fields[12])) / tick
     return out
 
 
@@ -95,16 +95,24 @@ def _machine_busy_seconds() -> float:
     return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_snapshot(processes: dict[str, subprocess.Popen[bytes]]) -> dict[str, float]:
-    """CPU seconds so far by kind: each Apiary process kind, moto, RabbitMQ, PostgreSQL, the machine."""
-    cpu: dict[str, float] = {}
+def cpu_snapshot(processes: dict[str, subprocess.Popen[bytes]]) -> dict[str, dict[int, float]]:
+    """CPU seconds so far by kind and pid: each Apiary process kind, moto, RabbitMQ, PostgreSQL
+    (one process per connection), and the whole machine (pid 0)."""
+    cpu: dict[str, dict[int, float]] = {}
     for name, process in processes.items():
         kind = "worker" if name.startswith("worker") else name
-        cpu[kind] = cpu.get(kind, 0.0) + _cpu_seconds(process.pid)
+        cpu.setdefault(kind, {})[process.pid] = _cpu_seconds(process.pid)
     servers = _cpu_by_command(("beam.smp", "postgres"))
     cpu["rabbitmq"], cpu["postgresql"] = servers["beam.smp"], servers["postgres"]
-    cpu["machine"] = _machine_busy_seconds()
+    cpu["machine"] = {0: _machine_busy_seconds()}
     return cpu
+
+
+def cpu_spent(before: dict[str, dict[int, float]], after: dict[str, dict[int, float]]) -> dict[str, float]:
+    """CPU seconds spent between two snapshots, by kind (processes that exited in between are not
+    counted; those that started are, whole)."""
+    return {kind: sum(t - before.get(kind, {}).get(pid, 0.0) for pid, t in pids.items())
+            for kind, pids in after.items()}
 
 
 def start_moto() -> tuple[subprocess.Popen[bytes], str]:
@@ -144,7 +152,7 @@ def run(k: int, rounds: int, tmp: Path, endpoint: str, storage: str = "s3") -> l
             "dataset": str(dataset), "config": {"params": 100_000},
             "distributed": {"num_rounds": rounds, "min_workers": k, "max_workers": k, "aggregation_timeout": 600},
         })
-        before: dict[str, float] = {}
+        before: dict[str, dict[int, float]] = {}
         if BREAKDOWN:
             # CPU per round from round 2 on: round 1 pays imports and shard downloads.
             cluster.wait_for(lambda: cluster.query(
@@ -171,7 +179,7 @@ def run(k: int, rounds: int, tmp: Path, endpoint: str, storage: str = "s3") -> l
         end = cluster.query("SELECT updated_at FROM jobs WHERE job_id = $1", job_id)[0]["updated_at"]
         if BREAKDOWN:
             after = cpu_snapshot({**cluster.processes, "moto": MOTO[0]} if MOTO else cluster.processes)
-            per_round = {kind: (after[kind] - before.get(kind, 0.0)) / max(1, len(starts) - 1) for kind in after}
+            per_round = {kind: spent / max(1, len(starts) - 1) for kind, spent in cpu_spent(before, after).items()}
             print("  CPU ms per round (rounds 2..N; 2 cores give 2000 ms per wall second):",
                   ", ".join(f"{k} {v * 1000:.0f}" for k, v in sorted(per_round.items(), key=lambda kv: -kv[1])))
         return [b - a for a, b in zip(starts, [*starts[1:], end], strict=True)][1:]

@@ -144,7 +144,8 @@ def run(k: int, rounds: int, tmp: Path, endpoint: str, storage: str = "s3") -> l
     cluster = Cluster(tmp / f"k{k}", AMQP, exchange, POSTGRES.rsplit("/", 1)[0] + f"/{db}", storage_url, endpoint)
     os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"})
     try:
-        cluster.start(workers=k)
+        # The deployed defaults for heartbeats and progress reports (the test cluster beats every second).
+        cluster.start(workers=k, APIARY_HEARTBEAT_INTERVAL="5", APIARY_PROGRESS_INTERVAL="1")
         dataset = make_dataset(tmp / f"data-{k}", k * 4)
         job_id = f"bench-k{k}-{uuid.uuid4().hex[:6]}"
         cluster.publish_job({

@@ -56,6 +56,26 @@ def test_presigned_urls_match_botocore(monkeypatch: pytest.MonkeyPatch, url: str
             assert _parts(ours)[3]["X-Amz-Signature"] == _parts(theirs)[3]["X-Amz-Signature"]
 
 
+@pytest.mark.parametrize(("url", "endpoint", "region"), [
+    ("s3://bucket/runs", "http://127.0.0.1:9000", "us-east-1"),
+    ("s3://my-bucket/prefix", None, "eu-west-1"),
+])
+def test_a_put_with_signed_metadata_matches_botocore(monkeypatch: pytest.MonkeyPatch, url: str,
+                                                      endpoint: str | None, region: str) -> None:
+    storage = _storage(monkeypatch, url, endpoint, region, None)
+    digest = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+    with mock.patch("botocore.auth.get_current_datetime", return_value=NOW):
+        storage._presign("GET", "probe", 600)
+        for key in KEYS:
+            params = {"Bucket": storage.bucket, "Key": storage._key(key), "Metadata": {"sha256": digest}}
+            theirs = storage._client.generate_presigned_url("put_object", Params=params, ExpiresIn=300)
+            assert storage._presigner is not None
+            ours = storage._presigner.presign("PUT", storage._key(key), 300, now=NOW.timestamp(),
+                                              headers={"x-amz-meta-sha256": digest})
+            assert _parts(ours) == _parts(theirs), key
+            assert _parts(ours)[3]["X-Amz-SignedHeaders"] == "host;x-amz-meta-sha256"
+
+
 def test_signing_key_follows_the_date_and_the_secret() -> None:
     endpoint = sigv4.Endpoint("http", "h:1", "/b/", "us-east-1", "s3")
     creds = [sigv4.Credentials("A", "secret-1")]

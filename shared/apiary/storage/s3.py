@@ -30,6 +30,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 from apiary.contracts import ObjectRef
 from apiary.storage import sigv4
 from apiary.storage.base import ObjectNotFound, Storage, StorageUnavailable, check_key, sha256_file
+from apiary.transfer import OCTET_STREAM
 
 T = TypeVar("T")
 
@@ -129,13 +130,19 @@ class S3Storage(Storage):
         full = self._key(key)
         await self.ensure_bucket()
         digest = hashlib.sha256(data).hexdigest()
-        await self._call(
-            self._client.put_object,
-            Bucket=self.bucket,
-            Key=full,
-            Body=data,
-            Metadata={SHA256_METADATA: digest},
-        )
+        if len(data) <= MULTIPART_THRESHOLD:
+            # A plain PUT of a presigned URL, as for reads (the aggregator writes every round's average).
+            meta = {f"x-amz-meta-{SHA256_METADATA}": digest}
+            url = self._presign("PUT", key, PRESIGN_SECONDS, headers=meta)
+            await self._call(self._http, "PUT", url, key, data, {**meta, "Content-Type": OCTET_STREAM})
+        else:
+            await self._call(
+                self._client.put_object,
+                Bucket=self.bucket,
+                Key=full,
+                Body=data,
+                Metadata={SHA256_METADATA: digest},
+            )
         return ObjectRef(key=key, size=len(data), sha256=digest)
 
     async def put_file(self, key: str, path: Path) -> ObjectRef:
@@ -161,7 +168,7 @@ class S3Storage(Storage):
         # A plain GET of a presigned URL: a quarter of boto3's CPU per request, which counts when the
         # aggregator reads every contribution of every round.
         url = self._presign("GET", key, PRESIGN_SECONDS)
-        data, headers = await self._call(self._http_get, url, key)
+        data, headers = await self._call(self._http, "GET", url, key)
         expected = headers.get(f"x-amz-meta-{SHA256_METADATA}")
         if expected is not None:
             actual = hashlib.sha256(data).hexdigest()
@@ -169,20 +176,24 @@ class S3Storage(Storage):
                 raise self._mismatch(key, expected, actual)
         return data
 
-    def _http_get(self, url: str, key: str) -> tuple[bytes, Any]:
-        """GET a presigned URL: its body and headers; retried like boto3's standard mode (3 attempts)."""
+    def _http(self, method: str, url: str, key: str, data: bytes | None = None,
+              headers: dict[str, str] | None = None) -> tuple[bytes, Any]:
+        """One request to a presigned URL: the response's body and headers. Retried like boto3's
+        standard mode (3 attempts) when the endpoint is unreachable, busy or failing."""
         for attempt in range(HTTP_ATTEMPTS):
+            request = urllib.request.Request(url, data=data, method=method, headers=headers or {})
             try:
-                with urllib.request.urlopen(url, timeout=60) as response:
+                with urllib.request.urlopen(request, timeout=60) as response:
                     return response.read(), response.headers
             except urllib.error.HTTPError as e:
                 body = e.read(2048).decode("utf-8", "replace")
                 code = re.search(r"<Code>([^<]+)</Code>", body)
-                if e.code == 404:
+                if e.code == 404 and method == "GET":
                     raise ObjectNotFound(key) from None
                 if (e.code < 500 and e.code != 429) or attempt == HTTP_ATTEMPTS - 1:
+                    verb = "reading" if method == "GET" else "writing"
                     raise StorageUnavailable(
-                        f"reading {self.uri(key)} from {self._where()} failed: HTTP {e.code}"
+                        f"{verb} {self.uri(key)} at {self._where()} failed: HTTP {e.code}"
                         f" {code.group(1) if code else e.reason}; check the bucket and the credentials") from None
             except (urllib.error.URLError, OSError) as e:
                 if attempt == HTTP_ATTEMPTS - 1:
@@ -280,16 +291,14 @@ class S3Storage(Storage):
             raise NoCredentialsError()
         return sigv4.Credentials(frozen.access_key, frozen.secret_key, frozen.token)
 
-    def _presign(self, method: str, key: str, expires: int) -> str:
+    def _presign(self, method: str, key: str, expires: int, headers: dict[str, str] | None = None) -> str:
         full = self._key(key)
         if self._presigner is None:
-            # botocore decides the addressing and the credential scope once; every URL after it is
-            # signed here (a few HMACs rather than botocore's whole request pipeline).
-            probe = self._botocore_presign(method, full, expires)
-            endpoint = sigv4.Endpoint.from_presigned(probe, full)
+            # botocore decides the addressing and the credential scope once, from a URL it signs;
+            # every URL is then signed here (a few HMACs rather than botocore's request pipeline).
+            endpoint = sigv4.Endpoint.from_presigned(self._botocore_presign("GET", full, expires), full)
             self._presigner = sigv4.Presigner(endpoint, self._frozen_credentials)
-            return probe
-        return self._presigner.presign(method, full, expires)
+        return self._presigner.presign(method, full, expires, headers=headers)
 
     def presign_get(self, key: str, expires: int) -> str:
         return self._presign("GET", key, expires)

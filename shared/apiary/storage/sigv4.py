@@ -77,8 +77,12 @@ class Presigner:
         self._signing_key = (date, secret, key)
         return key
 
-    def presign(self, method: str, key: str, expires: int, now: float | None = None) -> str:
-        """A URL that lets its holder `method` (GET or PUT) the object `key` for `expires` seconds."""
+    def presign(self, method: str, key: str, expires: int, now: float | None = None,
+                headers: dict[str, str] | None = None) -> str:
+        """A URL that lets its holder `method` (GET or PUT) the object `key` for `expires` seconds;
+        `headers` (such as `x-amz-meta-sha256`) are signed too, and the request must send them."""
+        signed = {"host": self.endpoint.host, **{k.lower(): " ".join(v.split()) for k, v in (headers or {}).items()}}
+        names = ";".join(sorted(signed))
         creds = self._credentials()
         stamp = time.gmtime(time.time() if now is None else now)
         amz_date = time.strftime("%Y%m%dT%H%M%SZ", stamp)
@@ -90,13 +94,14 @@ class Presigner:
             "X-Amz-Credential": f"{creds.access_key}/{scope}",
             "X-Amz-Date": amz_date,
             "X-Amz-Expires": str(int(expires)),
-            "X-Amz-SignedHeaders": "host",
+            "X-Amz-SignedHeaders": names,
         }
         if creds.token:
             params["X-Amz-Security-Token"] = creds.token
         query = "&".join(f"{_quote(k)}={_quote(v)}" for k, v in sorted(params.items()))
         path = e.base_path + _quote_path(key)
-        canonical = f"{method}\n{path}\n{query}\nhost:{e.host}\n\nhost\n{UNSIGNED_PAYLOAD}"
+        canonical_headers = "".join(f"{name}:{signed[name]}\n" for name in sorted(signed))
+        canonical = f"{method}\n{path}\n{query}\n{canonical_headers}\n{names}\n{UNSIGNED_PAYLOAD}"
         to_sign = f"{ALGORITHM}\n{amz_date}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
         signature = hmac.new(self._key_for(date, creds.secret_key), to_sign.encode(), hashlib.sha256).hexdigest()
         return f"{e.scheme}://{e.host}{path}?{query}&X-Amz-Signature={signature}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+from pathlib import Path
 from unittest import mock
 from urllib.parse import parse_qsl, urlsplit
 
@@ -91,3 +92,29 @@ def test_signing_key_follows_the_date_and_the_secret() -> None:
 def test_endpoint_rejects_a_url_for_another_key() -> None:
     with pytest.raises(ValueError, match="does not end with the key"):
         sigv4.Endpoint.from_presigned("http://h/b/other?X-Amz-Credential=A/d/r/s3/aws4_request", "key")
+
+
+def test_the_adapter_trusts_aws_ca_bundle_like_boto3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Prepare: a private CA, as a MinIO behind an internal certificate authority would have.
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "Apiary test CA")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    bundle = tmp_path / "ca.pem"
+    bundle.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(bundle))
+
+    # Execute
+    storage = _storage(monkeypatch, "s3://bucket/runs", "https://minio.internal:9000", "us-east-1", None)
+
+    # Assert
+    subjects = [dict(part[0] for part in c["subject"]) for c in storage._tls.get_ca_certs()]
+    assert {"commonName": "Apiary test CA"} in subjects

@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import os
 import re
+import ssl
 import tempfile
 import time
 import urllib.error
@@ -70,6 +71,8 @@ class S3Storage(Storage):
             # S3-compatible servers (MinIO, moto) are addressed by path, AWS by virtual host.
             s3={"addressing_style": "path" if endpoint_url else "auto"},
         )
+        # Requests this adapter sends itself trust what boto3 would: AWS_CA_BUNDLE when it is set.
+        self._tls = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or None)
         self._session = boto3.session.Session()
         self._presigner: sigv4.Presigner | None = None
         self._client: Any = self._session.client(
@@ -183,7 +186,7 @@ class S3Storage(Storage):
         for attempt in range(HTTP_ATTEMPTS):
             request = urllib.request.Request(url, data=data, method=method, headers=headers or {})
             try:
-                with urllib.request.urlopen(request, timeout=60) as response:
+                with urllib.request.urlopen(request, timeout=60, context=self._tls) as response:
                     return response.read(), response.headers
             except urllib.error.HTTPError as e:
                 body = e.read(2048).decode("utf-8", "replace")

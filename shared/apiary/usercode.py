@@ -245,9 +245,24 @@ class UserCodeRunner:
         self._conn: Connection | None = None
         self._lock = asyncio.Lock()
 
-    def _ensure(self) -> Connection:
+    def _live(self) -> Connection | None:
+        """The pipe to the child, if one is running."""
         if self._proc is not None and self._proc.is_alive() and self._conn is not None:
             return self._conn
+        return None
+
+    async def _exited(self) -> UserCodeError:
+        """The error for a child that died: its exit code is known once it is reaped (the pipe can
+        close before that)."""
+        proc = self._proc
+        await asyncio.to_thread(self._kill)
+        code = proc.exitcode if proc is not None else None
+        return UserCodeError(f"user code exited the process (exit code {code})")
+
+    def _ensure(self) -> Connection:
+        conn = self._live()
+        if conn is not None:
+            return conn
         self._kill()
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
@@ -288,8 +303,9 @@ class UserCodeRunner:
         on_metrics: Callable[[dict[str, Any]], None] | None = None,
     ) -> Any:
         async with self._lock:
-            alive = self._proc is not None and self._proc.is_alive() and self._conn is not None
-            conn = self._conn if alive and self._conn is not None else await asyncio.to_thread(self._ensure)
+            # Starting a child blocks (spawn); a live one is used as it is.
+            live = self._live()
+            conn = live if live is not None else await asyncio.to_thread(self._ensure)
             loop = asyncio.get_running_loop()
             replies: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
             fd = conn.fileno()
@@ -332,11 +348,7 @@ class UserCodeRunner:
                     elif tag == "error":
                         raise UserCodeError(value)
                     elif tag == "died":
-                        # The pipe can close before the child is reaped: its exit code is known after the join.
-                        proc = self._proc
-                        await asyncio.to_thread(self._kill)
-                        code = proc.exitcode if proc is not None else None
-                        raise UserCodeError(f"user code exited the process (exit code {code})")
+                        raise await self._exited()
             except TimeoutError:
                 unwatch()
                 await asyncio.to_thread(self._kill)
@@ -344,10 +356,7 @@ class UserCodeRunner:
             except (BrokenPipeError, ConnectionResetError):
                 # The child died before it read the call.
                 unwatch()
-                proc = self._proc
-                await asyncio.to_thread(self._kill)
-                code = proc.exitcode if proc is not None else None
-                raise UserCodeError(f"user code exited the process (exit code {code})") from None
+                raise await self._exited() from None
             except asyncio.CancelledError:
                 unwatch()
                 await asyncio.to_thread(self._kill)

@@ -129,6 +129,14 @@ class Faults:
                 out.setdefault((row["round"], row["attempt"]), {})[row["shard"]] = row["samples"]
         return out
 
+    def check_exact(self, job_id: str, rounds: Rounds) -> tuple[str, int]:
+        """Assert the final weights are the closed-form FedAvg of `rounds` and that no contribution
+        was counted twice; return the weights line for the table and the double-count (0)."""
+        line = assert_weights(self.final_weights(job_id), expected_weights(rounds))
+        double = self.double_counted(job_id)
+        assert double == 0, f"{double} contribution(s) counted twice"
+        return line, double
+
     def double_counted(self, job_id: str) -> int:
         """Contributions counted more than once: extra accepted rows per (round, attempt, shard),
         plus extra aggregated attempts per round."""

@@ -13,7 +13,7 @@ import torch
 from apiary import keys
 from apiary.contracts import JSON, ObjectRef, WorkerDone
 from apiary.weights import dumps as dump_weights
-from tests.faults.support import Faults, assert_weights, expected_weights, msgpack_of, new_id, toy_job
+from tests.faults.support import Faults, msgpack_of, new_id, toy_job
 from tests.toyjobs.toy import fl_init_weights
 
 Record = Callable[[str, str, str, int], None]
@@ -60,9 +60,7 @@ def test_poison_messages_are_dead_lettered_with_their_reason_and_services_keep_r
 
     assert all(alive.values()), alive
     assert job["status"] == "completed", job["reason"]
-    weights = assert_weights(faults.final_weights(job_id), expected_weights([sizes]))
-    double = faults.double_counted(job_id)
-    assert double == 0
+    weights, double = faults.check_exact(job_id, [sizes])
     outcome(f"poison messages ({len(poison)}: garbage bytes, bad JSON, wrong schema/version, not a map)",
             "each dead-lettered with x-apiary-reason; no process exits; the next job is exact",
             f"{len(set(d['message_id'] for d in dead))} messages in {len(dead)} dead letters (one per consuming"
@@ -164,9 +162,7 @@ def test_corrupt_contributions_are_rejected_with_their_reason(
     assert len(rows) == 14 and len(faults.contributions(job_id)) == 14
     view, _ = faults.status_cli(job_id)
     assert sorted(s["shard"] for s in view["shards"] if s["state"] == "rejected") == list(cases)
-    weights_line = assert_weights(faults.final_weights(job_id), expected_weights([{0: sizes[0]}]))
-    double = faults.double_counted(job_id)
-    assert double == 0
+    weights_line, double = faults.check_exact(job_id, [{0: sizes[0]}])
     outcome("corrupt contributions (missing key, extra key, shape, dtype, NaN, inf, samples 0 and -4,"
             " sha256 and size mismatch, missing object, not safetensors, another object's key)",
             "each rejected with its reason; the round averages only the valid shard",

@@ -31,9 +31,7 @@ def test_pool_assignment_of_a_killed_worker_is_trained_by_another(
         (1, 0, "worker-1", "accepted"), (1, 1, "worker-1", "accepted"),
         (2, 0, "worker-1", "accepted"), (2, 1, "worker-1", "accepted"),
     ]
-    weights = assert_weights(faults.final_weights(job_id), expected_weights([sizes, sizes]))
-    double = faults.double_counted(job_id)
-    assert double == 0
+    weights, double = faults.check_exact(job_id, [sizes, sizes])
     outcome("worker kill -9 mid-training (pool)",
             "its shard retrained by another worker; completed; 2 full rounds",
             f"{job['status']}; round-1 shard {shard} accepted once, from worker-1; {weights}", double)
@@ -67,9 +65,7 @@ def test_pinned_shard_waits_for_its_killed_worker_to_come_back(
     ]
     first = faults.aggregations(job_id)[0]
     assert first["status"] == "aggregated" and first["closed_at"] < first["deadline"]
-    weights = assert_weights(faults.final_weights(job_id), expected_weights([sizes, sizes]))
-    double = faults.double_counted(job_id)
-    assert double == 0
+    weights, double = faults.check_exact(job_id, [sizes, sizes])
     outcome("pinned worker kill -9, restarted before the deadline",
             "its shard waits for it (no other worker takes it); round completes before the timeout",
             f"{job['status']}; round 1 shard 1 trained by the restarted site-b, closed before the deadline;"
@@ -99,9 +95,7 @@ def test_aggregator_killed_after_contributions_were_recorded_resumes_without_dou
     assert set(recorded) == {1, 2}
     assert faults.accepted(job_id) == {(1, 1): sizes, (2, 1): sizes}
     assert [(a["round"], a["status"]) for a in faults.aggregations(job_id)] == [(1, "aggregated"), (2, "aggregated")]
-    weights = assert_weights(faults.final_weights(job_id), expected_weights([sizes, sizes]))
-    double = faults.double_counted(job_id)
-    assert double == 0
+    weights, double = faults.check_exact(job_id, [sizes, sizes])
     outcome("aggregator kill -9 after 2 of 3 contributions recorded",
             "restarted aggregator rebuilds the sum from stored contributions; each round aggregated once",
             f"{job['status']}; rounds aggregated once each, 3 accepted rows per round; {weights}", double)
@@ -130,9 +124,7 @@ def test_scheduler_killed_between_rounds_and_mid_round_resumes_the_job(
     assert [(r["round"], r["attempt"], r["status"]) for r in faults.rounds(job_id)] == [
         (1, 1, "aggregated"), (2, 1, "aggregated"), (3, 1, "aggregated")]
     assert faults.accepted(job_id) == {(1, 1): sizes, (2, 1): sizes, (3, 1): sizes}
-    weights = assert_weights(faults.final_weights(job_id), expected_weights([sizes] * 3))
-    double = faults.double_counted(job_id)
-    assert double == 0
+    weights, double = faults.check_exact(job_id, [sizes] * 3)
     outcome("scheduler kill -9 between rounds 1 and 2, and mid-round 2",
             "restarted scheduler resumes from its tables; each round started and aggregated once",
             f"{job['status']}; rounds 1-3 each one attempt, aggregated; {weights}", double)
@@ -159,9 +151,7 @@ def test_sharder_and_tracker_killed_and_restarted_lose_nothing(
 
     assert job["status"] == "completed", job["reason"]
     assert [(r["round"], r["status"]) for r in view["rounds"]] == [(1, "aggregated"), (2, "aggregated")]
-    weights = assert_weights(faults.final_weights(job_id), expected_weights([sizes, sizes]))
-    double = faults.double_counted(job_id)
-    assert double == 0
+    weights, double = faults.check_exact(job_id, [sizes, sizes])
     outcome("sharder down at submission, tracker kill -9 mid-round",
             "sharding waits for the restarted sharder; the restarted tracker catches up",
             f"{job['status']}; `apiary status` shows both rounds aggregated; {weights}", double)
@@ -207,9 +197,7 @@ def test_aggregator_writes_failing_once_neither_lose_nor_double_count_a_contribu
     assert closing == [(1, "aggregated", True), (2, "aggregated", True), (3, "aggregated", True)]
     assert faults.accepted(job_id) == {(1, 1): sizes, (2, 1): sizes, (3, 1): sizes}
     assert_weights(faults.global_weights(job_id, 2), expected_weights([sizes, sizes]))
-    weights = assert_weights(faults.final_weights(job_id), expected_weights([sizes] * 3))
-    double = faults.double_counted(job_id)
-    assert double == 0
+    weights, double = faults.check_exact(job_id, [sizes] * 3)
     outcome("aggregator's database write fails once: recording a contribution, then closing a round",
             "the redelivered worker.done is folded once / closes the round at once, with the right average",
             f"{job['status']}; every round closed before its deadline; {weights}", double)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from apiary import keys
 from apiary.contracts import ObjectRef, WorkerDone
-from tests.faults.support import Faults, assert_weights, expected_weights, new_id, toy_job
+from tests.faults.support import Faults, new_id, toy_job
 
 Record = Callable[[str, str, str, int], None]
 Data = Callable[[int], Path]
@@ -60,9 +60,7 @@ def test_duplicated_and_late_worker_done_are_recorded_and_never_counted(
         (1, 1, "late", "round already aggregated"),
         (2, 0, "accepted", ""), (2, 1, "accepted", ""),
     ]
-    weights = assert_weights(faults.final_weights(job_id), expected_weights([sizes, sizes]))
-    double = faults.double_counted(job_id)
-    assert double == 0
+    weights, double = faults.check_exact(job_id, [sizes, sizes])
     outcome("duplicated worker.done (copy while the round is open)", "recorded 'duplicate', not counted",
             f"recorded duplicate: {statuses[3][3]!r}; {weights}", double)
     outcome("late worker.done for round 1 during round 2 (a copy, and a forged one with 1000 samples)",
@@ -126,9 +124,7 @@ def test_a_worker_that_leaves_mid_round_and_rejoins_gets_the_current_round_with_
     assert rows == [(1, 0, "site-a", "accepted"), (2, 0, "site-a", "accepted"), (2, 1, "site-b", "accepted"),
                     (3, 0, "site-a", "accepted"), (3, 1, "site-b", "accepted")]
     assert f"skipping stale assignment {job_id} round 1 shard 1" in cluster.log("site-b")
-    weights = assert_weights(faults.final_weights(job_id), expected_weights([{0: sizes[0]}, sizes, sizes]))
-    double = faults.double_counted(job_id)
-    assert double == 0
+    weights, double = faults.check_exact(job_id, [{0: sizes[0]}, sizes, sizes])
     outcome("worker stops mid-round 1 (SIGTERM) and rejoins during round 2 (pinned)",
             "round 1 aggregates the others at the timeout; on rejoin the stale round-1 assignment is skipped"
             " and round 2 is trained from round 1's weights",
@@ -153,9 +149,7 @@ def test_a_round_waits_for_min_workers_online_with_a_visible_reason(
     assert not faults.rounds(job_id) or faults.rounds(job_id)[0]["started_at"] > waiting["updated_at"]
     assert job["status"] == "completed", job["reason"]
     sizes = faults.shard_sizes(job_id)
-    line = assert_weights(faults.final_weights(job_id), expected_weights([sizes, sizes]))
-    double = faults.double_counted(job_id)
-    assert double == 0
+    line, double = faults.check_exact(job_id, [sizes, sizes])
     outcome("fewer than min_workers online when a round should start",
             "the job waits, saying why, and starts when enough workers are online",
             f"waited ({waiting['reason']!r}), completed after worker-2 joined; {line}", double)

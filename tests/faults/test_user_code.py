@@ -61,9 +61,7 @@ def test_user_code_that_raises_exits_or_hangs_fails_its_shard_and_the_worker_sta
             assert all(r["reason"].startswith(errors[mode]) for r in failed), (mode, [r["reason"] for r in failed])
         assert [r["status"] for r in rows if r["shard"] == 0] == ["accepted"] * rounds, (mode, rows)
         sizes = faults.shard_sizes(job_id)
-        line = assert_weights(faults.final_weights(job_id), expected_weights([{0: sizes[0]}] * rounds))
-        double = faults.double_counted(job_id)
-        assert double == 0
+        line, double = faults.check_exact(job_id, [{0: sizes[0]}] * rounds)
         outcome(f"user code {mode}s (shard 1, pinned)",
                 f"worker.failed '{errors[mode]}'; rounds aggregate shard 0; worker stays up",
                 f"{ended[mode]['status']}; shard 1 {failed[0]['status']} in all {rounds} round(s):"

@@ -121,8 +121,10 @@ def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) ->
     round_index = int(payload.get("round", {}).get("index", 0))
     shard_index = int(payload["dataset"].get("shard_index", 0))
 
+    device = torch.device(payload.get("device", "cpu"))  # the worker's GPU, or the CPU
     x, y = load_dataset(payload["dataset"]["data_root"])
-    model = build_model()
+    x, y = x.to(device), y.to(device)
+    model = build_model().to(device)
     model.load_state_dict(payload["initial_weights"])
     # Only weights travel between rounds, so the optimizer restarts each round; Adam copes well.
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
@@ -133,7 +135,7 @@ def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) ->
     step, epoch_losses, correct, seen = 0, [], 0, 0
     for _ in range(epochs):
         total, count = 0.0, 0
-        for batch in torch.randperm(len(y), generator=generator).split(batch_size):
+        for batch in torch.randperm(len(y), generator=generator).to(device).split(batch_size):
             if max_steps is not None and step >= max_steps:
                 break
             logits = model(x[batch])
@@ -156,6 +158,7 @@ def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) ->
     log = {
         "round": round_index,
         "shard": shard_index,
+        "device": str(device),
         "steps": step,
         "epoch_losses": epoch_losses,
         "seconds": time.monotonic() - started,

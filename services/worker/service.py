@@ -29,7 +29,7 @@ from apiary.contracts import (
 from apiary.dataset import extract_shard
 from apiary.settings import Settings
 from apiary.usercode import TrainCall, UserCodeError, UserCodeRunner
-from services.worker.gpu import gpu_stats
+from services.worker.gpu import choose_gpu, gpu_stats
 
 log = logging.getLogger("apiary.worker")
 
@@ -43,7 +43,9 @@ class Worker:
         self.settings = settings or Settings()
         self.worker_id = worker_id or self.settings.worker_id
         self.cache = Path(cache_dir or self.settings.home / "workers" / self.worker_id).resolve()
-        self.runner = runner or UserCodeRunner(self.settings.code_path, name=f"apiary-{self.worker_id}")
+        self.gpu = choose_gpu(self.settings.gpu)  # GpuChoiceError: one line for whoever started the worker
+        self.runner = runner or UserCodeRunner(self.settings.code_path, name=f"apiary-{self.worker_id}",
+                                               environment=self.gpu.child_environment() if self.gpu else None)
         self._subscriptions: list[Subscription] = []
         self._busy = asyncio.Lock()
         self._heartbeat: asyncio.Task[None] | None = None
@@ -63,7 +65,7 @@ class Worker:
         await self.runner.start()
         try:
             await publish_event(self.bus, WorkerOnline(worker_id=self.worker_id, hostname=socket.gethostname(),
-                                                       gpu=gpu_stats(self.settings.gpu)))
+                                                       gpu=gpu_stats(self.gpu)))
         except Unroutable:
             log.warning("worker %s: no service listens for worker.online yet; heartbeats will announce it",
                         self.worker_id)
@@ -101,7 +103,7 @@ class Worker:
         return WorkerHeartbeat(
             worker_id=self.worker_id, state=self.state, job_id=a.job_id if a else None,
             round=a.round if a else None, shard=a.shard if a else None,
-            gpu=gpu_stats(self.settings.gpu), samples_per_s=self.samples_per_s,
+            gpu=gpu_stats(self.gpu), samples_per_s=self.samples_per_s,
         )
 
     async def on_assignment(self, assignment: Assignment, delivery: Delivery) -> None:

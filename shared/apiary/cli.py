@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -93,18 +94,46 @@ def summary(view: dict[str, Any], duration: float) -> dict[str, Any]:
     }
 
 
+def _gpu_list(spec: str) -> list[int]:
+    """`--gpus`: the GPU indices workers take in turn (empty: the CPU)."""
+    from services.worker.gpu import GpuChoiceError, require_gpu, usable_gpus
+
+    spec = spec.strip().lower()
+    if spec == "auto":
+        return list(range(usable_gpus()))
+    if spec in ("none", "cpu", ""):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the training children inherit it: CUDA sees no GPU
+        return []
+    try:
+        indices = [int(part) for part in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"--gpus {spec!r}: expected auto, none or comma-separated GPU indices such as 0,1") from None
+    try:
+        for index in indices:
+            require_gpu(index)
+    except GpuChoiceError as e:
+        raise ValueError(str(e).replace("--gpu", "--gpus", 1)) from None
+    return indices
+
+
 @app.command()
 def run(
     job_file: Path = typer.Argument(..., help="The job: a YAML or JSON file."),
     workers: int = typer.Option(3, "--workers", "-w", min=1, max=64, help="How many workers to start."),
     as_json: bool = typer.Option(False, "--json", help="Print only the summary, as one JSON object."),
     timeout: float = typer.Option(0, help="Give up after this many seconds (0: never)."),
+    gpus: str = typer.Option("auto", "--gpus", help="GPUs the workers take in turn: 'auto' (every GPU this "
+                             "process may use), 'none' (train on the CPU) or indices such as 0,1."),
 ) -> None:
     """Run a job on this machine: every service and N workers in one process tree."""
     quiet_openmp()
     from apiary.runtime import Embedded, code_root_for
 
     settings = Settings()
+    try:
+        gpu_list = _gpu_list(gpus)
+    except ValueError as e:
+        _fail(str(e))
     try:
         request = load_job_file(job_file)
     except JobFileError as e:
@@ -122,7 +151,7 @@ def run(
 
     async def go() -> dict[str, Any]:
         started = time.time()
-        async with Embedded(settings, workers=workers, code_paths=code_paths) as stack:
+        async with Embedded(settings, workers=workers, code_paths=code_paths, gpus=gpu_list) as stack:
             dashboard = None
             try:
                 dashboard = await stack.tracker.start_http()
@@ -134,7 +163,8 @@ def run(
             if as_json:
                 view = await stack.wait(job_id, timeout=timeout or None)
             else:
-                console.print(f"[dim]job {job_id}: {workers} workers, logs in {log_path}[/dim]")
+                where = f"GPU {','.join(map(str, gpu_list))}" if gpu_list else "CPU"
+                console.print(f"[dim]job {job_id}: {workers} workers on {where}, logs in {log_path}[/dim]")
                 with Live(console=console, refresh_per_second=4, transient=False) as live:
                     view = await stack.wait(job_id, timeout=timeout or None,
                                             on_change=lambda v: live.update(render_job(v, started)))
@@ -188,9 +218,12 @@ def serve(
 @app.command()
 def worker(
     worker_id: str = typer.Option(None, "--id", help="This worker's id (default: APIARY_WORKER_ID or host name)."),
-    gpu: int = typer.Option(None, "--gpu", help="The GPU index this worker trains on."),
+    gpu: int = typer.Option(None, "--gpu", help="The GPU this worker trains on, counted as CUDA counts them "
+                            "(among CUDA_VISIBLE_DEVICES where that is set). Default: the first one, if any."),
 ) -> None:
     """Run one worker: it takes pool assignments and those pinned to its id, until SIGTERM."""
+    from services.worker.gpu import GpuChoiceError, require_gpu
+
     quiet_openmp()
     overrides: dict[str, Any] = {}
     if worker_id:
@@ -198,6 +231,11 @@ def worker(
     if gpu is not None:
         overrides["gpu"] = gpu
     settings = Settings(**overrides)
+    try:
+        if settings.gpu is not None:
+            require_gpu(settings.gpu)
+    except GpuChoiceError as e:
+        _fail(str(e))
     _setup_logging(settings, to_console=True)
     from apiary.runtime import serve_worker
 

@@ -47,7 +47,8 @@ class Ports:
 class Embedded:
     """Every service and N workers in one process, on the settings' ports (in-memory bus by default)."""
 
-    def __init__(self, settings: Settings, workers: int = 3, code_paths: list[str] | None = None) -> None:
+    def __init__(self, settings: Settings, workers: int = 3, code_paths: list[str] | None = None,
+                 gpus: list[int] | None = None) -> None:
         from services.aggregator import Aggregator
         from services.scheduler import Scheduler
         from services.sharder import Sharder
@@ -59,8 +60,11 @@ class Embedded:
         args = (self.ports.bus, self.ports.db, self.ports.storage, self.settings)
         self.tracker = Tracker(*args)
         self.services = [self.tracker, Sharder(*args), Aggregator(*args), Scheduler(*args)]
+        # Workers take the given GPUs in turn (several share one where there are more workers than GPUs).
         self.workers = [
-            Worker(self.ports.bus, self.settings, worker_id=f"worker-{i + 1}") for i in range(workers)
+            Worker(self.ports.bus, self.settings.model_copy(update={"gpu": gpus[i % len(gpus)]}) if gpus
+                   else self.settings, worker_id=f"worker-{i + 1}")
+            for i in range(workers)
         ]
 
     async def __aenter__(self) -> Embedded:

@@ -139,6 +139,18 @@ def _resolve(module: str, function: str, *, optional: bool = False) -> Callable[
     return fn
 
 
+_device: list[str] = []
+
+
+def _training_device() -> str:
+    """`cuda:0` where this child can use a GPU (the worker's, when it was given one), else `cpu`."""
+    if not _device:
+        import torch
+
+        _device.append("cuda:0" if torch.cuda.is_available() else "cpu")
+    return _device[0]
+
+
 def _run_train(call: TrainCall, conn: Connection) -> dict[str, Any]:
     from apiary import weights as w
 
@@ -153,6 +165,7 @@ def _run_train(call: TrainCall, conn: Connection) -> dict[str, Any]:
         "dataset": dict(call.dataset),
         "round": dict(call.round),
         "job": dict(call.job),
+        "device": _training_device(),
     }
     Path(call.out_dir).mkdir(parents=True, exist_ok=True)
     result = fn(payload, call.out_dir, _ChildLogger(conn))
@@ -238,9 +251,11 @@ def _child_main(conn: Connection, code_paths: list[str], environment: dict[str, 
 class UserCodeRunner:
     """A warm child process that runs one user call at a time."""
 
-    def __init__(self, code_paths: list[str] | None = None, name: str = "apiary-user-code") -> None:
+    def __init__(self, code_paths: list[str] | None = None, name: str = "apiary-user-code",
+                 environment: dict[str, str] | None = None) -> None:
         self._code_paths = [os.getcwd(), *(code_paths or [])]
         self._name = name
+        self._environment = dict(environment or {})  # set in the child, over the user's own
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
         self._lock = asyncio.Lock()
@@ -266,7 +281,8 @@ class UserCodeRunner:
         self._kill()
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        proc = ctx.Process(target=_child_main, args=(child, self._code_paths, _user_environment()),
+        environment = {**_user_environment(), **self._environment}
+        proc = ctx.Process(target=_child_main, args=(child, self._code_paths, environment),
                            name=self._name, daemon=True)
         proc.start()
         child.close()

@@ -1,0 +1,130 @@
+"""Which GPU a worker trains on: `--gpu N` counts as CUDA counts, the training child sees only that GPU
+as cuda:0, and readings come from the same physical GPU. Runs without a GPU; scripts/check_gpu.py runs
+the same on a real one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from apiary.bus.memory import MemoryBus
+from apiary.settings import Settings
+from apiary.usercode import TrainCall
+from apiary.weights import dumps
+from services.worker import Worker
+from services.worker.gpu import VISIBLE, GpuChoice, GpuChoiceError, choose_gpu, gpu_stats, usable_gpus
+
+PROBE = '''
+import json, os
+from pathlib import Path
+
+def fl_train_model(payload, out_dir, logger=None):
+    seen = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
+    Path(out_dir, "seen.json").write_text(json.dumps({**seen, "device": payload["device"]}))
+    return {"weights": payload["initial_weights"], "samples": 1}
+'''
+
+
+@pytest.mark.parametrize(
+    ("index", "visible", "expected"),
+    [
+        (None, None, None),
+        (0, None, "0"),
+        (3, None, "3"),
+        (1, "4,6", "6"),  # a batch system gave this process GPUs 4 and 6: --gpu 1 is physical GPU 6
+        (0, "GPU-8f2e, GPU-11aa", "GPU-8f2e"),
+        (1, "2,-1,3", None),  # CUDA stops at a negative entry: only GPU 2 is usable
+        (0, "", None),
+    ],
+)
+def test_gpu_index_counts_as_cuda_counts(index: int | None, visible: str | None, expected: str | None,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(VISIBLE, raising=False)
+    if visible is not None:
+        monkeypatch.setenv(VISIBLE, visible)
+    if index is not None and expected is None:
+        with pytest.raises(GpuChoiceError, match=f"--gpu {index}: "):
+            choose_gpu(index)
+        return
+    choice = choose_gpu(index)
+    assert (choice.visible if choice else None) == expected
+
+
+def test_the_child_sees_only_its_gpu_numbered_as_nvidia_smi_does() -> None:
+    assert GpuChoice(1, "6").child_environment() == {VISIBLE: "6", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+def test_a_negative_index_is_refused() -> None:
+    with pytest.raises(GpuChoiceError, match="0 or more"):
+        choose_gpu(-1)
+
+
+def test_without_a_gpu_there_are_no_readings_and_no_usable_gpus() -> None:
+    if gpu_stats(None) is not None:
+        pytest.skip("this machine has a GPU: scripts/check_gpu.py covers it")
+    assert usable_gpus() == 0
+    assert gpu_stats(choose_gpu(0)) is None
+
+
+@pytest.fixture
+def probe_call(tmp_path: Path) -> TrainCall:
+    (tmp_path / "gpu_probe.py").write_text(PROBE)
+    (tmp_path / "w.safetensors").write_bytes(dumps({}))
+    return TrainCall(module="gpu_probe", function="fl_train_model", weights_path=str(tmp_path / "w.safetensors"),
+                     result_path=str(tmp_path / "result.safetensors"), out_dir=str(tmp_path / "out"), env={},
+                     dataset={}, round={"index": 1, "total": 1}, job={"id": "j", "name": "gpu"})
+
+
+async def _seen(worker: Worker, call: TrainCall) -> dict[str, str | None]:
+    try:
+        await worker.runner.train(call, timeout=60)
+    finally:
+        await worker.runner.stop()
+    return json.loads(Path(call.out_dir, "seen.json").read_text())
+
+
+async def test_a_worker_given_a_gpu_trains_with_only_that_gpu_visible(
+    probe_call: TrainCall, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(VISIBLE, "4,6")
+    settings = Settings(home=tmp_path, gpu=1, code_path=[str(tmp_path)])
+
+    seen = await _seen(Worker(MemoryBus(), settings, worker_id="w"), probe_call)
+
+    # No CUDA here, so the device is the CPU; on a GPU machine it is cuda:0 (scripts/check_gpu.py).
+    assert seen == {VISIBLE: "6", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "device": "cpu"}
+
+
+async def test_a_worker_without_a_gpu_leaves_the_environment_alone(
+    probe_call: TrainCall, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(VISIBLE, raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    settings = Settings(home=tmp_path, code_path=[str(tmp_path)])
+
+    seen = await _seen(Worker(MemoryBus(), settings, worker_id="w"), probe_call)
+
+    import torch
+
+    assert seen == {VISIBLE: None, "CUDA_DEVICE_ORDER": None,
+                    "device": "cuda:0" if torch.cuda.is_available() else "cpu"}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "apiary.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_asking_for_a_gpu_the_machine_lacks_is_one_clear_line(tmp_path: Path) -> None:
+    if usable_gpus():
+        pytest.skip("this machine has a GPU")
+    worker = _cli("worker", "--gpu", "0")
+    run = _cli("run", "examples/digits/job.yaml", "--gpus", "0,1")
+
+    assert worker.returncode != 0 and run.returncode != 0
+    assert "--gpu 0: no such GPU here (NVML finds no NVIDIA driver or GPU)" in worker.stderr + worker.stdout
+    assert "--gpus 0: no such GPU here" in run.stderr + run.stdout
+    assert "Traceback" not in worker.stderr + run.stderr

@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -213,7 +214,25 @@ def _run_evaluate(module: str, env: dict[str, Any], weights_path: str) -> dict[s
     return {"found": True, "metrics": {k: float(v) for k, v in dict(metrics).items() if _is_number(v)}}
 
 
-def _child_main(conn: Connection, code_paths: list[str], environment: dict[str, str | None]) -> None:
+PARENT_CHECK_INTERVAL = 0.5  # seconds between the child's looks at whether its worker still runs
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this child soon after the process that started it is gone (killed with SIGKILL, say, where
+    nothing could stop the child): an orphan would train on for nobody, holding its GPU's memory."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_INTERVAL)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="apiary-parent-watch", daemon=True).start()
+
+
+def _child_main(conn: Connection, code_paths: list[str], environment: dict[str, str | None],
+                parent: int | None = None) -> None:
+    if parent is not None:
+        _exit_with_parent(parent)
     for name, value in environment.items():  # before user code imports torch
         if value is None:
             os.environ.pop(name, None)
@@ -282,7 +301,7 @@ class UserCodeRunner:
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
         environment = {**_user_environment(), **self._environment}
-        proc = ctx.Process(target=_child_main, args=(child, self._code_paths, environment),
+        proc = ctx.Process(target=_child_main, args=(child, self._code_paths, environment, os.getpid()),
                            name=self._name, daemon=True)
         proc.start()
         child.close()

@@ -63,6 +63,15 @@ def new_id(case: str) -> str:
     return f"{case}-{uuid.uuid4().hex[:8]}"
 
 
+def process_alive(pid: int) -> bool:
+    """Whether a process runs (a zombie, dead but not yet reaped by whoever adopted it, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def expected_weights(rounds: Rounds) -> dict[str, torch.Tensor]:
     """The toy's global weights after these rounds, from its closed form (in float64)."""
     weights = {k: v.to(torch.float64) if v.is_floating_point() else v.clone()

@@ -7,7 +7,7 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.faults.support import Faults, assert_weights, expected_weights, new_id, toy_job
+from tests.faults.support import Faults, assert_weights, expected_weights, new_id, process_alive, toy_job
 
 Record = Callable[[str, str, str, int], None]
 Data = Callable[[int], Path]
@@ -21,8 +21,13 @@ def test_pool_assignment_of_a_killed_worker_is_trained_by_another(
     cluster.publish_job(toy_job(job_id, toy_data(12), rounds=2, config={"mode": "slow", "slow_seconds": 3}))
     sizes = faults.shard_sizes(job_id)
     shard = faults.wait_training("worker-2", job_id, 1)
+    child = cluster.training_child("worker-2")
+    assert child is not None
 
-    cluster.kill("worker-2", signal.SIGKILL)
+    # The worker alone, as `kill -9 PID` would: nothing can stop its training child, which must
+    # notice on its own and leave (an orphan would train on for nobody, holding its GPU's memory).
+    cluster.kill("worker-2", signal.SIGKILL, group=False)
+    cluster.wait_for(lambda: not process_alive(child), 10, f"the killed worker's training child {child} to exit")
     job = cluster.wait_job(job_id)
 
     assert job["status"] == "completed", job["reason"]
@@ -33,8 +38,9 @@ def test_pool_assignment_of_a_killed_worker_is_trained_by_another(
     ]
     weights, double = faults.check_exact(job_id, [sizes, sizes])
     outcome("worker kill -9 mid-training (pool)",
-            "its shard retrained by another worker; completed; 2 full rounds",
-            f"{job['status']}; round-1 shard {shard} accepted once, from worker-1; {weights}", double)
+            "its training child exits; its shard retrained by another worker; completed; 2 full rounds",
+            f"{job['status']}; orphaned child gone; round-1 shard {shard} accepted once, from worker-1; {weights}",
+            double)
 
 
 def test_pinned_shard_waits_for_its_killed_worker_to_come_back(

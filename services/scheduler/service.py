@@ -76,6 +76,12 @@ MIGRATIONS = [
     outbox_migration("scheduler_outbox"),
     # The round span's ids, chosen when the round starts and recorded when it ends.
     "ALTER TABLE rounds ADD COLUMN trace_id TEXT; ALTER TABLE rounds ADD COLUMN span_id TEXT",
+    # Cancels that arrived before their job's request (the two travel separately): the request, when it
+    # comes, ends the job at once instead of starting it.
+    """
+    CREATE TABLE IF NOT EXISTS early_cancels (
+      job_id TEXT PRIMARY KEY, reason TEXT NOT NULL, received_at DOUBLE PRECISION NOT NULL);
+    """,
 ]
 
 INIT_TIMEOUT = 600.0
@@ -136,6 +142,10 @@ class Scheduler(Component):
                 log.info("job %s: duplicate request ignored", job_id)
                 return
             now = time.time()
+            cancel = await self.db.fetchval("SELECT reason FROM early_cancels WHERE job_id = $1", job_id)
+            if cancel is not None:
+                await self._accept_cancelled(job_id, spec, cancel, now)
+                return
             async with self.db.transaction() as tx:
                 await tx.execute(
                     "INSERT INTO jobs (job_id, name, spec, status, created_at, updated_at)"
@@ -151,6 +161,22 @@ class Scheduler(Component):
                     alpha=spec.split.alpha, group_key=spec.split.key,
                 ))
         log.info("job %s (%s) accepted", job_id, spec.name)
+        await self.outbox.flush()
+
+    async def _accept_cancelled(self, job_id: str, spec: JobSpec, reason: str, now: float) -> None:
+        """A request whose cancel came first: recorded as a cancelled job that never ran."""
+        async with self.db.transaction() as tx:
+            await tx.execute(
+                "INSERT INTO jobs (job_id, name, spec, status, reason, created_at, updated_at)"
+                " VALUES ($1, $2, $3, $4, $5, $6, $6)",
+                job_id, spec.name, spec.model_dump_json(), JobStatus.CANCELLED, reason, now,
+            )
+            await tx.execute("DELETE FROM early_cancels WHERE job_id = $1", job_id)
+            await self.outbox.add(tx, JobAccepted(job_id=job_id, name=spec.name,
+                                                  num_rounds=spec.distributed.num_rounds,
+                                                  num_shards=spec.num_shards))
+            await self.outbox.add(tx, JobFailed(job_id=job_id, reason=reason, round=0))
+        log.info("job %s (%s) cancelled before it started", job_id, spec.name)
         await self.outbox.flush()
 
     # ------------------------------------------------------------ job.sharded
@@ -387,7 +413,14 @@ class Scheduler(Component):
         """Stop a job: no further round starts; results still in flight are ignored."""
         async with self._locks(event.job_id):
             job = await self._job(event.job_id)
-            if job is None or JobStatus(job["status"]).terminal:
+            if job is None:
+                # Its request has not arrived (or not been handled) yet: remembered for when it does.
+                await self.db.execute(
+                    "INSERT INTO early_cancels (job_id, reason, received_at) VALUES ($1, $2, $3)"
+                    " ON CONFLICT (job_id) DO NOTHING", event.job_id, event.reason, time.time())
+                log.info("job %s: cancel received before the job's request; it will not start", event.job_id)
+                return
+            if JobStatus(job["status"]).terminal:
                 return
             async with self.db.transaction() as tx:
                 await tx.execute(

@@ -174,7 +174,10 @@ async def _job_requested(tx: Any, b: dict[str, Any], ts: float) -> None:
 async def _job_accepted(tx: Any, b: dict[str, Any], ts: float) -> None:
     await _ensure_job(tx, b["job_id"], ts)
     await tx.execute(
-        "UPDATE job_views SET name = $2, status = 'sharding', num_rounds = $3, num_shards = $4, updated_at = $5"
+        "UPDATE job_views SET name = $2, num_rounds = $3, num_shards = $4, updated_at = $5,"
+        # A job can end before its acceptance is seen here (cancelled before it started, say).
+        " status = CASE WHEN status IN ('completed', 'failed', 'cancelled', 'rejected') THEN status"
+        " ELSE 'sharding' END"
         " WHERE job_id = $1",
         b["job_id"], b["name"], b["num_rounds"], b["num_shards"], ts,
     )

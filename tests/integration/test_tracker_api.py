@@ -15,7 +15,7 @@ import pytest
 
 from apiary.bus.memory import MemoryBus
 from apiary.bus.typed import publish_event
-from apiary.contracts import ObjectRef, RoundStart, WorkerHeartbeat, WorkerOffline, WorkerProgress
+from apiary.contracts import JobCancelRequested, ObjectRef, RoundStart, WorkerHeartbeat, WorkerOffline, WorkerProgress
 from apiary.db.sqlite import SqliteDatabase
 from apiary.runtime import Embedded
 from apiary.settings import Settings
@@ -303,6 +303,26 @@ async def test_a_running_job_can_be_cancelled_once(api: Api) -> None:
     assert view["reason"] == "cancelled by user" and view["round"] < 1000
     assert second.status_code == 409
     assert "already ended" in second.json()["detail"]
+
+
+async def test_a_cancel_that_arrives_before_its_job_request_stops_the_job_before_it_starts(api: Api) -> None:
+    # Another system cancels at once; its cancel overtakes the request (they travel separately).
+    job_id = "cancelled-early"
+    await publish_event(api.stack.ports.bus, JobCancelRequested(job_id=job_id, reason="cancelled by its owner"))
+    db = api.stack.ports.db
+    deadline = time.monotonic() + 30
+    while not await db.fetch("SELECT job_id FROM early_cancels WHERE job_id = $1", job_id):
+        assert time.monotonic() < deadline, "the scheduler never recorded the early cancel"
+        await asyncio.sleep(0.02)
+    await api.stack.submit({**api.request(), "job_id": job_id})
+
+    await api.wait_for(job_id, lambda v: v["status"] == "cancelled")
+    await asyncio.sleep(0.5)  # time for a wrongly started round to show
+    view = (await api.http.get(f"{API}/training-jobs/{job_id}")).json()
+
+    assert view["status"] == "cancelled" and view["reason"] == "cancelled by its owner"
+    assert view["round"] == 0 and view["rounds"] == []
+    assert await db.fetch("SELECT * FROM early_cancels") == []
 
 
 async def test_the_openapi_schema_documents_every_endpoint(api: Api) -> None:

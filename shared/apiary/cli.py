@@ -320,6 +320,34 @@ def status(
         console.print(f"[red]reason:[/red] {view['reason']}")
 
 
+@app.command()
+def cancel(
+    job_id: str = typer.Argument(..., help="The job's id."),
+    reason: str = typer.Option("cancelled by user", "--reason", help="Why; shown with the job's status."),
+) -> None:
+    """Stop a job on a deployed system: no further round starts and it ends cancelled (also when its
+    request has not been handled yet)."""
+    from apiary.bus.typed import publish_event
+    from apiary.contracts import JobCancelRequested
+    from apiary.runtime import Ports
+
+    _quiet_client_logs()
+    if "cancel" not in reason.lower():
+        reason = f"cancelled: {reason}"  # how the job's status tells a cancel from a failure
+    settings = Settings()
+
+    async def go() -> None:
+        ports = Ports(settings)
+        await ports.bus.connect()
+        try:
+            await publish_event(ports.bus, JobCancelRequested(job_id=job_id, reason=reason))
+        finally:
+            await ports.bus.close()
+
+    _guard(lambda: _run_async(go()))
+    print(f"cancel of job {job_id} sent")
+
+
 async def _watch(settings: Settings, job_id: str, *, live: bool) -> dict[str, Any]:
     """Poll the tracker's view of a job until it ends, drawing it live if asked."""
     from apiary.runtime import TERMINAL, Ports

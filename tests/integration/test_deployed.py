@@ -117,6 +117,39 @@ def test_cli_submit_and_status_work_against_the_deployment(cluster: Cluster, tmp
     assert [r["status"] for r in view["rounds"]] == ["aggregated", "aggregated"]
 
 
+def test_cli_cancel_stops_a_running_job_and_one_not_yet_requested(cluster: Cluster, tmp_path: Path) -> None:
+    dataset = make_dataset(tmp_path / "toy", 8)
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps({
+        "name": "cancel", "entrypoint": "tests.toyjobs.toy:fl_train_model", "dataset": str(dataset),
+        "config": {"mode": "slow", "slow_seconds": 0.5},
+        "distributed": {"num_rounds": 500, "min_workers": 1, "max_workers": 2},
+    }))
+    cluster.start(workers=2)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "apiary.cli", *args], cwd=REPO, env=cluster.env(),
+                              capture_output=True, text=True, timeout=120)
+
+    early = f"early-{uuid.uuid4().hex[:6]}"
+    cancelled_early = cli("cancel", early)
+    cluster.wait_for(lambda: cluster.query("SELECT 1 FROM early_cancels WHERE job_id = $1", early), 30,
+                     "the scheduler to keep the early cancel")
+    cli("submit", str(job_file), "--job-id", early)
+    running = cli("submit", str(job_file)).stdout.strip()
+    cluster.wait_for(lambda: cluster.query(
+        "SELECT 1 FROM rounds WHERE job_id = $1 AND round = 2", running), 60, "round 2 of the running job")
+    stopped = cli("cancel", running, "--reason", "enough")
+    late = cluster.wait_job(running, timeout=60)
+    never = cluster.wait_job(early, timeout=60)
+
+    assert cancelled_early.returncode == 0 and stopped.returncode == 0, cancelled_early.stderr + stopped.stderr
+    assert stopped.stdout.strip() == f"cancel of job {running} sent"
+    assert (late["status"], late["reason"]) == ("cancelled", "cancelled: enough") and late["round"] < 500
+    assert (never["status"], never["reason"]) == ("cancelled", "cancelled by user")
+    assert cluster.query("SELECT round FROM rounds WHERE job_id = $1", early) == []
+
+
 def test_a_dataset_uploaded_once_is_named_by_id_or_uri(cluster: Cluster, tmp_path: Path) -> None:
     dataset = make_dataset(tmp_path / "toy", 6)
     cluster.start(workers=2)

@@ -11,6 +11,7 @@ from typing import Any
 from apiary.bus import Delivery, Poison, Raw, subscribe
 from apiary.component import Component, dumps
 from apiary.contracts import DecodeError, decode_body
+from apiary.db.group import GroupCommit
 from services.tracker.http import HttpServer
 from services.tracker.views import TERMINAL, job_view
 
@@ -58,6 +59,7 @@ class Tracker(Component):
     def __init__(self, *args: Any, http: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._sweeper: asyncio.Task[None] | None = None
+        self._commits = GroupCommit(self.db, self._apply, after=self._notify)
         self.changed = asyncio.Condition()
         # Bumped with every notification, so a waiter can tell whether it missed one.
         self.version = 0
@@ -113,30 +115,26 @@ class Tracker(Component):
             self.changed.notify_all()
 
     async def on_event(self, delivery: Delivery) -> None:
-        """Record one event and update the views it touches."""
+        """Record one event and update the views it touches (stored before the bus acknowledges it)."""
         try:
             body = decode_body(delivery.body, delivery.content_type)
         except DecodeError as e:
             raise Poison(str(e)) from e
-        key = delivery.routing_key
+        await self._commits.submit((delivery.routing_key, body, time.time()))
+
+    async def _apply(self, tx: Any, event: tuple[str, dict[str, Any], float]) -> None:
+        key, body, ts = event
         job_id = body.get("job_id") if isinstance(body.get("job_id"), str) else None
         round_index = body.get("round") if isinstance(body.get("round"), int) else None
-        ts = time.time()
-        record = ("INSERT INTO events (ts, routing_key, job_id, round, body) VALUES ($1, $2, $3, $4, $5)",
-                  ts, key, job_id, round_index, dumps(_summary(key, body)))
+        if key != "worker.heartbeat":
+            await tx.execute("INSERT INTO events (ts, routing_key, job_id, round, body) VALUES ($1, $2, $3, $4, $5)",
+                             ts, key, job_id, round_index, dumps(_summary(key, body)))
         handler = _VIEWS.get(key)
-        if handler is None:
-            # Only logged (assignments, among others): one statement needs no transaction.
-            await self.db.execute(*record)
-        else:
-            async with self.db.transaction() as tx:
-                if key != "worker.heartbeat":
-                    await tx.execute(*record)
-                try:
-                    await handler(tx, body, ts)
-                except (KeyError, TypeError, ValueError) as e:
-                    raise Poison(f"{key} message lacks what the tracker needs: {e}") from e
-        await self._notify()
+        if handler is not None:
+            try:
+                await handler(tx, body, ts)
+            except (KeyError, TypeError, ValueError) as e:
+                raise Poison(f"{key} message lacks what the tracker needs: {e}") from e
 
     async def _sweep_offline(self) -> None:
         """Mark workers offline when their heartbeats stop."""

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from contextlib import AbstractAsyncContextManager
 
 import asyncpg
 import pytest
 
-from apiary.db.base import Database, DatabaseUnavailable
+from apiary.db.base import Database, DatabaseUnavailable, Executor
+from apiary.db.group import GroupCommit
 from apiary.db.postgres import PostgresDatabase
 
 ROUNDS = """
@@ -308,3 +310,78 @@ async def test_a_missing_postgres_database_raises_database_unavailable(postgres_
     # Execute / Assert
     with pytest.raises(DatabaseUnavailable, match="apiary_no_such_database"):
         await database.connect()
+
+
+# ---------------------------------------------------------------- group commit
+
+
+async def test_writes_waiting_together_share_a_transaction_in_arrival_order(database: Database) -> None:
+    # Prepare: count the transactions opened.
+    await database.migrate("tracker", [ROUNDS])
+    opened = []
+    real = database.transaction
+
+    def counted() -> AbstractAsyncContextManager[Executor]:
+        opened.append(1)
+        return real()
+
+    database.transaction = counted  # type: ignore[method-assign]
+
+    async def apply(tx: Executor, n: int) -> None:
+        await tx.execute("INSERT INTO rounds (job_id, round, state) VALUES ($1, $2, $3)", "j", n, "open")
+
+    commits = GroupCommit(database, apply)
+
+    # Execute: 40 handlers at once, as a consumer with a prefetch of 40 would run them.
+    await asyncio.gather(*(commits.submit(n) for n in range(40)))
+
+    # Assert: all stored, in order, in far fewer transactions than writes (the first alone, then the rest).
+    assert [r["round"] for r in await database.fetch("SELECT round FROM rounds ORDER BY round")] == list(range(40))
+    assert len(opened) <= 3, opened
+
+
+async def test_a_write_that_fails_fails_alone_and_the_others_are_stored(database: Database) -> None:
+    # Prepare
+    await database.migrate("tracker", [ROUNDS])
+
+    async def apply(tx: Executor, n: int) -> None:
+        await tx.execute("INSERT INTO rounds (job_id, round, state) VALUES ($1, $2, $3)", "j", n, "open")
+        if n == 7:
+            raise ValueError("event 7 lacks what the tracker needs")
+
+    commits = GroupCommit(database, apply)
+
+    # Execute
+    results = await asyncio.gather(*(commits.submit(n) for n in range(12)), return_exceptions=True)
+
+    # Assert: only 7's waiter gets its error; 7's row was rolled back, every other row is stored.
+    assert [type(r).__name__ if r else None for r in results] == [None] * 7 + ["ValueError"] + [None] * 4
+    rounds = [r["round"] for r in await database.fetch("SELECT round FROM rounds ORDER BY round")]
+    assert rounds == [n for n in range(12) if n != 7]
+
+
+async def test_a_waiter_cancelled_mid_batch_leaves_the_others_to_commit(database: Database) -> None:
+    # Prepare: the first transaction is slow, so that more writes queue behind it.
+    await database.migrate("tracker", [ROUNDS])
+    release = asyncio.Event()
+
+    async def apply(tx: Executor, n: int) -> None:
+        if n == 0:
+            await release.wait()
+        await tx.execute("INSERT INTO rounds (job_id, round, state) VALUES ($1, $2, $3)", "j", n, "open")
+
+    commits = GroupCommit(database, apply)
+    first = asyncio.create_task(commits.submit(0))
+    await asyncio.sleep(0.05)
+    queued = [asyncio.create_task(commits.submit(n)) for n in (1, 2, 3)]
+    await asyncio.sleep(0.05)
+
+    # Execute: one queued waiter gives up (its service stops handling that message).
+    queued[1].cancel()
+    release.set()
+    await asyncio.gather(first, queued[0], queued[2])
+
+    # Assert: the others are committed; the cancelled one's write may or may not be (its message stays
+    # unacknowledged and comes again, which the tracker tolerates).
+    stored = {r["round"] for r in await database.fetch("SELECT round FROM rounds")}
+    assert {0, 1, 3} <= stored

@@ -317,10 +317,11 @@ async def test_a_cancel_that_arrives_before_its_job_request_stops_the_job_before
     await api.stack.submit({**api.request(), "job_id": job_id})
 
     await api.wait_for(job_id, lambda v: v["status"] == "cancelled")
-    await asyncio.sleep(0.5)  # time for a wrongly started round to show
     view = (await api.http.get(f"{API}/training-jobs/{job_id}")).json()
 
     assert view["status"] == "cancelled" and view["reason"] == "cancelled by its owner"
+    # The scheduler stored the job as cancelled before it told anyone: no round was or will be started.
+    assert await db.fetch("SELECT round FROM rounds WHERE job_id = $1", job_id) == []
     assert view["round"] == 0 and view["rounds"] == []
     assert await db.fetch("SELECT * FROM early_cancels") == []
 

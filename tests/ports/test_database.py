@@ -361,20 +361,21 @@ async def test_a_write_that_fails_fails_alone_and_the_others_are_stored(database
 
 
 async def test_a_waiter_cancelled_mid_batch_leaves_the_others_to_commit(database: Database) -> None:
-    # Prepare: the first transaction is slow, so that more writes queue behind it.
+    # Prepare: the first transaction is held open, so that more writes queue behind it.
     await database.migrate("tracker", [ROUNDS])
-    release = asyncio.Event()
+    entered, release = asyncio.Event(), asyncio.Event()
 
     async def apply(tx: Executor, n: int) -> None:
         if n == 0:
+            entered.set()
             await release.wait()
         await tx.execute("INSERT INTO rounds (job_id, round, state) VALUES ($1, $2, $3)", "j", n, "open")
 
     commits = GroupCommit(database, apply)
     first = asyncio.create_task(commits.submit(0))
-    await asyncio.sleep(0.05)
+    await entered.wait()
     queued = [asyncio.create_task(commits.submit(n)) for n in (1, 2, 3)]
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0)  # a turn of the loop: each queued task submits and waits
 
     # Execute: one queued waiter gives up (its service stops handling that message).
     queued[1].cancel()

@@ -143,12 +143,16 @@ def _resolve(module: str, function: str, *, optional: bool = False) -> Callable[
 _device: list[str] = []
 
 
-def _training_device() -> str:
+def _training_device(conn: Connection) -> str:
     """`cuda:0` where this child can use a GPU (the worker's, when it was given one), else `cpu`."""
     if not _device:
         import torch
 
         _device.append("cuda:0" if torch.cuda.is_available() else "cpu")
+        pinned = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if _device[0] == "cpu" and pinned:
+            why = "this torch is a CPU build" if torch.version.cuda is None else "CUDA cannot use it here"
+            conn.send(("warning", f"worker was given GPU {pinned}, but {why}: training runs on the CPU"))
     return _device[0]
 
 
@@ -166,7 +170,7 @@ def _run_train(call: TrainCall, conn: Connection) -> dict[str, Any]:
         "dataset": dict(call.dataset),
         "round": dict(call.round),
         "job": dict(call.job),
-        "device": _training_device(),
+        "device": _training_device(conn),
     }
     Path(call.out_dir).mkdir(parents=True, exist_ok=True)
     result = fn(payload, call.out_dir, _ChildLogger(conn))
@@ -378,6 +382,8 @@ class UserCodeRunner:
                         on_metrics(value)
                     elif tag == "log":
                         log.info("user code: %s", value)
+                    elif tag == "warning":
+                        log.warning("%s", value)
                     elif tag == "result":
                         return value
                     elif tag == "error":

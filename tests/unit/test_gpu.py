@@ -88,15 +88,20 @@ async def _seen(worker: Worker, call: TrainCall) -> dict[str, str | None]:
 
 
 async def test_a_worker_given_a_gpu_trains_with_only_that_gpu_visible(
-    probe_call: TrainCall, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    probe_call: TrainCall, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # Prepare: this process may use physical GPUs 4 and 6; the worker is given the second.
     monkeypatch.setenv(VISIBLE, "4,6")
     settings = Settings(home=tmp_path, gpu=1, code_path=[str(tmp_path)])
 
+    # Execute
     seen = await _seen(Worker(MemoryBus(), settings, worker_id="w"), probe_call)
 
-    # No CUDA here, so the device is the CPU; on a GPU machine it is cuda:0 (scripts/check_gpu.py).
+    # Assert: GPU 6 alone is visible to the child. There is no GPU 6 here (nor CUDA), so the child
+    # trains on the CPU and says so; on a GPU machine it is cuda:0 (scripts/check_gpu.py).
     assert seen == {VISIBLE: "6", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "device": "cpu"}
+    assert any(r.levelname == "WARNING" and "worker was given GPU 6, but" in r.getMessage()
+               and r.getMessage().endswith("training runs on the CPU") for r in caplog.records)
 
 
 async def test_a_worker_without_a_gpu_leaves_the_environment_alone(

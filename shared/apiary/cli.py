@@ -329,23 +329,41 @@ def cancel(
     request has not been handled yet)."""
     from apiary.bus.typed import publish_event
     from apiary.contracts import JobCancelRequested
-    from apiary.runtime import Ports
+    from apiary.runtime import TERMINAL, Ports
+    from services.tracker.views import job_view
 
     _quiet_client_logs()
     if "cancel" not in reason.lower():
         reason = f"cancelled: {reason}"  # how the job's status tells a cancel from a failure
     settings = Settings()
 
-    async def go() -> None:
+    async def go() -> str | None:
         ports = Ports(settings)
+        await ports.db.connect()
+        try:
+            view = await job_view(ports.db, job_id)
+        except Exception as e:
+            if not _no_tracker_tables(e):
+                raise
+            view = None
+        finally:
+            await ports.db.close()
+        if view is not None and view["status"] in TERMINAL:
+            return str(view["status"])
         await ports.bus.connect()
         try:
             await publish_event(ports.bus, JobCancelRequested(job_id=job_id, reason=reason))
         finally:
             await ports.bus.close()
+        return None if view is not None else "unknown"
 
-    _guard(lambda: _run_async(go()))
-    print(f"cancel of job {job_id} sent")
+    ended = _guard(lambda: _run_async(go()))
+    if ended == "unknown":
+        print(f"cancel of job {job_id} sent; no such job is known yet: if its request comes, it will not start")
+    elif ended is not None:
+        _fail(f"job {job_id} already ended ({ended}): there is nothing to cancel")
+    else:
+        print(f"cancel of job {job_id} sent")
 
 
 async def _watch(settings: Settings, job_id: str, *, live: bool) -> dict[str, Any]:

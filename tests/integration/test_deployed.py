@@ -143,8 +143,15 @@ def test_cli_cancel_stops_a_running_job_and_one_not_yet_requested(cluster: Clust
     late = cluster.wait_job(running, timeout=60)
     never = cluster.wait_job(early, timeout=60)
 
+    cluster.wait_for(lambda: cluster.query(
+        "SELECT 1 FROM job_views WHERE job_id = $1 AND status = 'cancelled'", running), 30, "the tracker's view")
+    again = cli("cancel", running)
+
     assert cancelled_early.returncode == 0 and stopped.returncode == 0, cancelled_early.stderr + stopped.stderr
+    assert "no such job is known yet: if its request comes, it will not start" in cancelled_early.stdout
     assert stopped.stdout.strip() == f"cancel of job {running} sent"
+    assert again.returncode != 0 and again.stderr.strip() == (
+        f"error: job {running} already ended (cancelled): there is nothing to cancel")
     assert (late["status"], late["reason"]) == ("cancelled", "cancelled: enough") and late["round"] < 500
     assert (never["status"], never["reason"]) == ("cancelled", "cancelled by user")
     assert cluster.query("SELECT round FROM rounds WHERE job_id = $1", early) == []

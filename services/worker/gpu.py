@@ -37,7 +37,7 @@ def choose_gpu(index: int | None, visible: str | None = None) -> GpuChoice | Non
         return None
     if index < 0:
         raise GpuChoiceError(f"--gpu {index}: a GPU index is 0 or more")
-    entries = _visible_entries() if visible is None else _visible_entries(visible)
+    entries = _visible_entries(visible)
     if entries is None:
         return GpuChoice(index, str(index))
     if index >= len(entries):

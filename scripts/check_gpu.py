@@ -7,7 +7,7 @@
 3. The digits job on the embedded stack with the workers spread over the GPUs (`apiary run --gpus auto`):
    it completes with held-out accuracy >= 0.9, every shard trained on `cuda:0` of its worker's child with
    only that worker's GPU visible, and the workers' live GPU readings reached the tracker while the job
-   ran (memory in use above zero on the GPU each worker was given).
+   ran (on the GPU each worker was given, with the memory its own training process holds).
 4. The same job on the CPU (`--gpus none`), for the wall-time ratio.
 5. `apiary worker --gpu N` for a GPU that is not there: one clear line, no traceback.
 
@@ -107,8 +107,11 @@ async def run_digits(home: Path, workers: int, gpus: list[int]) -> dict[str, Any
                 for view in await workers_view(stack.ports.db):
                     g = view["gpu"]
                     if g is not None:
-                        best = seen.setdefault(view["worker_id"], {**g, "max_memory_used": 0, "max_util": 0.0})
+                        best = seen.setdefault(view["worker_id"], {**g, "max_memory_used": 0, "max_util": 0.0,
+                                                                   "max_process_memory_used": 0})
                         best["max_memory_used"] = max(best["max_memory_used"], g["memory_used"])
+                        best["max_process_memory_used"] = max(best["max_process_memory_used"],
+                                                              g.get("process_memory_used") or 0)
                         best["max_util"] = max(best["max_util"], g["utilization"])
                 await asyncio.sleep(0.1)
 
@@ -154,7 +157,8 @@ async def main() -> int:
         gpu["status"] == "completed" and (gpu["metrics"] or {}).get("accuracy", 0) >= 0.9
         and gpu["devices"] == ["cuda:0"] and gpu["shards"] > 0
         and set(gpu["gpu_readings"]) == set(assigned)
-        and all(r["index"] == assigned[w] and r["max_memory_used"] > 0 for w, r in gpu["gpu_readings"].items())
+        and all(r["index"] == assigned[w] and 0 < r["max_process_memory_used"] <= r["max_memory_used"]
+                for w, r in gpu["gpu_readings"].items())
     )
     report["digits_gpu"] = gpu
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # as `apiary run --gpus none`

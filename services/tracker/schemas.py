@@ -162,6 +162,8 @@ class GpuReading(BaseModel):
     utilization: float | None = None
     memory_used: int | None = None
     memory_total: int | None = None
+    process_memory_used: int | None = Field(
+        default=None, description="bytes the worker's training process holds on this GPU (None: unknown)")
 
 
 class WorkerView(BaseModel):

@@ -114,9 +114,28 @@ def require_gpu(index: int) -> GpuChoice:
     return choice
 
 
-def gpu_stats(choice: GpuChoice | None) -> dict[str, Any] | None:
-    """Utilisation and memory of the worker's GPU (the first visible one where none was chosen), or
-    None where NVML or the GPU is missing."""
+def _process_memory(pynvml: Any, handle: Any, pid: int | None) -> int | None:
+    """GPU memory one process holds on this GPU: 0 if it holds none, None where NVML cannot tell (no
+    pid given, or a container whose pids NVML does not see)."""
+    if pid is None:
+        return None
+    try:
+        processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except Exception:  # NVML's own error types: not supported here
+        return None
+    used = [p.usedGpuMemory for p in processes if p.pid == pid]
+    if used:
+        return int(used[0]) if isinstance(used[0], int) else None  # None: NVML withholds it here
+    # Not listed: it holds none, unless NVML lists another pid namespace's processes (a container's
+    # view of the host), where no listed process is one of ours and absence says nothing.
+    seen_here = not processes or any(os.path.exists(f"/proc/{p.pid}") for p in processes)
+    return 0 if seen_here else None
+
+
+def gpu_stats(choice: GpuChoice | None, pid: int | None = None) -> dict[str, Any] | None:
+    """Utilisation and memory of the worker's GPU (the first visible one where none was chosen), and
+    the memory the process `pid` (the worker's training child) holds on it; None where NVML or the GPU
+    is missing."""
     pynvml = _started_nvml()
     if pynvml is None:
         return None
@@ -133,6 +152,7 @@ def gpu_stats(choice: GpuChoice | None) -> dict[str, Any] | None:
             "utilization": float(util.gpu),
             "memory_used": int(memory.used),
             "memory_total": int(memory.total),
+            "process_memory_used": _process_memory(pynvml, handle, pid),
         }
     except Exception:  # NVML raises its own error types when no driver or device is present
         return None

@@ -65,7 +65,7 @@ class Worker:
         await self.runner.start()
         try:
             await publish_event(self.bus, WorkerOnline(worker_id=self.worker_id, hostname=socket.gethostname(),
-                                                       gpu=gpu_stats(self.gpu)))
+                                                       gpu=gpu_stats(self.gpu, self.runner.pid)))
         except Unroutable:
             log.warning("worker %s: no service listens for worker.online yet; heartbeats will announce it",
                         self.worker_id)
@@ -103,7 +103,7 @@ class Worker:
         return WorkerHeartbeat(
             worker_id=self.worker_id, state=self.state, job_id=a.job_id if a else None,
             round=a.round if a else None, shard=a.shard if a else None,
-            gpu=gpu_stats(self.gpu), samples_per_s=self.samples_per_s,
+            gpu=gpu_stats(self.gpu, self.runner.pid), samples_per_s=self.samples_per_s,
         )
 
     async def on_assignment(self, assignment: Assignment, delivery: Delivery) -> None:

@@ -257,7 +257,7 @@ async def test_workers_report_presence_assignment_and_throughput(api: Api) -> No
 
 async def test_a_gpu_reading_in_a_heartbeat_reaches_the_workers_endpoint(api: Api) -> None:
     gpu = {"index": 0, "name": "NVIDIA H200", "utilization": 87.0, "memory_used": 40 * 2**30,
-           "memory_total": 141 * 2**30}
+           "memory_total": 141 * 2**30, "process_memory_used": 12 * 2**30}
     await publish_event(api.stack.ports.bus, WorkerHeartbeat(worker_id="gpu-box", state="idle", gpu=gpu,
                                                              samples_per_s=1234.5))
 

@@ -133,3 +133,35 @@ def test_asking_for_a_gpu_the_machine_lacks_is_one_clear_line(tmp_path: Path) ->
     assert "--gpu 0: no such GPU here (NVML finds no NVIDIA driver or GPU)" in worker.stderr + worker.stdout
     assert "--gpus 0: no such GPU here" in run.stderr + run.stdout
     assert "Traceback" not in worker.stderr + run.stderr
+
+
+class _Proc:
+    def __init__(self, pid: int, used: int | None) -> None:
+        self.pid, self.usedGpuMemory = pid, used
+
+
+class _Nvml:
+    """NVML's process list, as a GPU shared by several workers' training processes shows it."""
+
+    def __init__(self, processes: list[_Proc]) -> None:
+        self.processes = processes
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: object) -> list[_Proc]:
+        return self.processes
+
+
+def test_a_workers_own_gpu_memory_is_that_of_its_training_process() -> None:
+    import os
+
+    from services.worker.gpu import _process_memory
+
+    mine, other = os.getpid(), 1  # pids that exist here: this process stands for the training child
+    shared = _Nvml([_Proc(other, 3 * 2**30), _Proc(mine, 2**30)])
+
+    assert _process_memory(shared, None, mine) == 2**30
+    assert _process_memory(_Nvml([_Proc(other, 3 * 2**30)]), None, mine) == 0  # not on the GPU (yet)
+    assert _process_memory(_Nvml([]), None, mine) == 0
+    assert _process_memory(_Nvml([_Proc(mine, None)]), None, mine) is None  # NVML withholds the figure
+    assert _process_memory(shared, None, None) is None  # no training process
+    # NVML lists another pid namespace's processes (a container seeing the host's): unknown, not 0.
+    assert _process_memory(_Nvml([_Proc(4_000_000, 2**30)]), None, mine) is None

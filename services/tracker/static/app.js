@@ -118,7 +118,10 @@ function workersTable(workers, receivedAt) {
             h("span", { class: "num" }, `${gpu.utilization.toFixed(0)} %`))
           : h("span", { class: "muted", title: "no GPU on this worker" }, "no GPU")),
         h("td", { class: "num" }, gpu && gpu.memory_total
-          ? [bar(gpu.memory_used / gpu.memory_total, "b-mem"), ` ${bytes(gpu.memory_used)} / ${bytes(gpu.memory_total)}`]
+          ? [bar(gpu.memory_used / gpu.memory_total, "b-mem"), ` ${bytes(gpu.memory_used)} / ${bytes(gpu.memory_total)}`,
+            typeof gpu.process_memory_used === "number"
+              ? h("div", { class: "muted small", title: "held by this worker's training process" },
+                `this worker: ${bytes(gpu.process_memory_used)}`) : null]
           : h("span", { class: "muted" }, "—")),
         h("td", { class: "num" }, typeof w.samples_per_s === "number"
           ? `${w.samples_per_s.toFixed(w.samples_per_s < 100 ? 1 : 0)} samples/s` : h("span", { class: "muted" }, "—")),

@@ -175,7 +175,7 @@ class Scheduler(Component):
             await self.outbox.add(tx, JobAccepted(job_id=job_id, name=spec.name,
                                                   num_rounds=spec.distributed.num_rounds,
                                                   num_shards=spec.num_shards))
-            await self.outbox.add(tx, JobFailed(job_id=job_id, reason=reason, round=0))
+            await self.outbox.add(tx, JobFailed(job_id=job_id, reason=reason, round=0, cancelled=True))
         log.info("job %s (%s) cancelled before it started", job_id, spec.name)
         await self.outbox.flush()
 
@@ -427,7 +427,8 @@ class Scheduler(Component):
                     "UPDATE jobs SET status = $2, reason = $3, updated_at = $4 WHERE job_id = $1",
                     event.job_id, JobStatus.CANCELLED, event.reason, time.time(),
                 )
-                await self.outbox.add(tx, JobFailed(job_id=event.job_id, reason=event.reason, round=job["round"]))
+                await self.outbox.add(tx, JobFailed(job_id=event.job_id, reason=event.reason, round=job["round"],
+                                                     cancelled=True))
         await self.outbox.flush()
 
     async def _finish(self, job: dict[str, Any], spec: JobSpec, event: RoundAggregated) -> None:

@@ -290,7 +290,7 @@ async def _job_waiting(tx: Any, b: dict[str, Any], ts: float) -> None:
 
 async def _job_failed(tx: Any, b: dict[str, Any], ts: float) -> None:
     await _ensure_job(tx, b["job_id"], ts)
-    status = "cancelled" if "cancel" in str(b.get("reason", "")) else "failed"
+    status = "cancelled" if b.get("cancelled") is True else "failed"
     await tx.execute(
         "UPDATE job_views SET status = $2, reason = $3, updated_at = $4 WHERE job_id = $1",
         b["job_id"], status, b["reason"], ts,

@@ -333,8 +333,6 @@ def cancel(
     from services.tracker.views import job_view
 
     _quiet_client_logs()
-    if "cancel" not in reason.lower():
-        reason = f"cancelled: {reason}"  # how the job's status tells a cancel from a failure
     settings = Settings()
 
     async def go() -> str | None:

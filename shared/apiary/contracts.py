@@ -184,6 +184,7 @@ class JobFailed(Event):
     routing_key: ClassVar[str] = "job.failed"
     reason: str
     round: int | None = None
+    cancelled: bool = False  # it ended because someone cancelled it, not because something failed
 
 
 class JobWaiting(Event):

@@ -152,7 +152,7 @@ def test_cli_cancel_stops_a_running_job_and_one_not_yet_requested(cluster: Clust
     assert stopped.stdout.strip() == f"cancel of job {running} sent"
     assert again.returncode != 0 and again.stderr.strip() == (
         f"error: job {running} already ended (cancelled): there is nothing to cancel")
-    assert (late["status"], late["reason"]) == ("cancelled", "cancelled: enough") and late["round"] < 500
+    assert (late["status"], late["reason"]) == ("cancelled", "enough") and late["round"] < 500
     assert (never["status"], never["reason"]) == ("cancelled", "cancelled by user")
     assert cluster.query("SELECT round FROM rounds WHERE job_id = $1", early) == []
 

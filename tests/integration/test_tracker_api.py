@@ -15,14 +15,22 @@ import pytest
 
 from apiary.bus.memory import MemoryBus
 from apiary.bus.typed import publish_event
-from apiary.contracts import JobCancelRequested, ObjectRef, RoundStart, WorkerHeartbeat, WorkerOffline, WorkerProgress
+from apiary.contracts import (
+    JobCancelRequested,
+    JobFailed,
+    ObjectRef,
+    RoundStart,
+    WorkerHeartbeat,
+    WorkerOffline,
+    WorkerProgress,
+)
 from apiary.db.sqlite import SqliteDatabase
 from apiary.runtime import Embedded
 from apiary.settings import Settings
 from apiary.storage.local import LocalStorage
 from services.tracker import Tracker
 from services.tracker.client import watch_job
-from services.tracker.views import job_view
+from services.tracker.views import TERMINAL, job_view
 from services.worker.gpu import gpu_stats
 from tests.toyjobs.toy import make_dataset
 
@@ -324,6 +332,20 @@ async def test_a_cancel_that_arrives_before_its_job_request_stops_the_job_before
     assert await db.fetch("SELECT round FROM rounds WHERE job_id = $1", job_id) == []
     assert view["round"] == 0 and view["rounds"] == []
     assert await db.fetch("SELECT * FROM early_cancels") == []
+
+
+async def test_a_failure_whose_reason_mentions_cancelling_is_still_a_failure(api: Api) -> None:
+    # Prepare: a job that failed (its user code raised, saying "cancelled"), and one that was cancelled.
+    bus = api.stack.ports.bus
+
+    # Execute
+    await publish_event(bus, JobFailed(job_id="crashed", reason="RuntimeError: download cancelled by the data server", round=2))
+    await publish_event(bus, JobFailed(job_id="stopped", reason="budget spent", round=3, cancelled=True))
+
+    # Assert: the flag decides, not the words of the reason.
+    crashed = await api.wait_for("crashed", lambda v: v["status"] in TERMINAL)
+    stopped = await api.wait_for("stopped", lambda v: v["status"] in TERMINAL)
+    assert (crashed["status"], stopped["status"]) == ("failed", "cancelled")
 
 
 async def test_the_openapi_schema_documents_every_endpoint(api: Api) -> None:

@@ -31,18 +31,19 @@ class GpuChoice:
         return {VISIBLE: self.visible, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
-def choose_gpu(index: int | None, visible: str | None = None) -> GpuChoice | None:
-    """The GPU `--gpu index` means under this CUDA_VISIBLE_DEVICES (None: the process's own)."""
+def choose_gpu(index: int | None, visible: str | None = None, option: str = "--gpu") -> GpuChoice | None:
+    """The GPU `--gpu index` means under this CUDA_VISIBLE_DEVICES (None: the process's own); errors
+    name the command-line `option` that gave the index."""
     if index is None:
         return None
     if index < 0:
-        raise GpuChoiceError(f"--gpu {index}: a GPU index is 0 or more")
+        raise GpuChoiceError(f"{option} {index}: a GPU index is 0 or more")
     entries = _visible_entries(visible)
     if entries is None:
         return GpuChoice(index, str(index))
     if index >= len(entries):
         shown = os.environ.get(VISIBLE) if visible is None else visible
-        raise GpuChoiceError(f"--gpu {index}: {VISIBLE}={shown!r} lets this process use {len(entries)} GPU(s)")
+        raise GpuChoiceError(f"{option} {index}: {VISIBLE}={shown!r} lets this process use {len(entries)} GPU(s)")
     return GpuChoice(index, entries[index])
 
 
@@ -103,15 +104,13 @@ def usable_gpus() -> int:
     return count if entries is None or count == 0 else len(entries)
 
 
-def require_gpu(index: int) -> GpuChoice:
-    """The GPU `--gpu index` means, checked against the GPUs this process can really use."""
-    choice = choose_gpu(index)
-    assert choice is not None
+def require_gpu(index: int, option: str = "--gpu") -> None:
+    """Refuse an index that names no GPU this process can really use."""
+    choose_gpu(index, option=option)
     count = usable_gpus()
     if index >= count:
         why = "NVML finds no NVIDIA driver or GPU" if count == 0 else f"it may use {count}"
-        raise GpuChoiceError(f"--gpu {index}: no such GPU here ({why})")
-    return choice
+        raise GpuChoiceError(f"{option} {index}: no such GPU here ({why})")
 
 
 def _process_memory(pynvml: Any, handle: Any, pid: int | None) -> int | None:

@@ -96,7 +96,7 @@ def summary(view: dict[str, Any], duration: float) -> dict[str, Any]:
 
 def _gpu_list(spec: str) -> list[int]:
     """`--gpus`: the GPU indices workers take in turn (empty: the CPU)."""
-    from services.worker.gpu import GpuChoiceError, require_gpu, usable_gpus
+    from services.worker.gpu import require_gpu, usable_gpus
 
     spec = spec.strip().lower()
     if spec == "auto":
@@ -108,11 +108,8 @@ def _gpu_list(spec: str) -> list[int]:
         indices = [int(part) for part in spec.split(",")]
     except ValueError:
         raise ValueError(f"--gpus {spec!r}: expected auto, none or comma-separated GPU indices such as 0,1") from None
-    try:
-        for index in indices:
-            require_gpu(index)
-    except GpuChoiceError as e:
-        raise ValueError(str(e).replace("--gpu", "--gpus", 1)) from None
+    for index in indices:
+        require_gpu(index, option="--gpus")  # GpuChoiceError is a ValueError
     return indices
 
 

@@ -339,7 +339,8 @@ async def test_a_failure_whose_reason_mentions_cancelling_is_still_a_failure(api
     bus = api.stack.ports.bus
 
     # Execute
-    await publish_event(bus, JobFailed(job_id="crashed", reason="RuntimeError: download cancelled by the data server", round=2))
+    crash = "RuntimeError: download cancelled by the data server"
+    await publish_event(bus, JobFailed(job_id="crashed", reason=crash, round=2))
     await publish_event(bus, JobFailed(job_id="stopped", reason="budget spent", round=3, cancelled=True))
 
     # Assert: the flag decides, not the words of the reason.

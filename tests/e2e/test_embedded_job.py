@@ -133,3 +133,40 @@ def test_apiary_run_trains_digits_to_90_percent(tmp_path: Path) -> None:
     assert summary["rounds_completed"] == 5
     assert summary["metrics"]["accuracy"] >= 0.90
     assert Path(summary["final_model"].removeprefix("file://")).is_file()
+
+
+async def test_jobs_running_at_once_on_the_same_workers_keep_to_their_own_weights(
+    embedded: StackFactory, toy_dataset: Path
+) -> None:
+    # Prepare: two jobs with different rounds and shard counts, sharing two workers.
+    three_rounds = toy_request(toy_dataset, num_rounds=3, max_workers=3)
+    two_rounds = {**toy_request(toy_dataset, num_rounds=2, min_workers=1, max_workers=2), "name": "toy-b"}
+
+    async with embedded(workers=2) as stack:
+        # Execute
+        first, second = await stack.submit(three_rounds), await stack.submit(two_rounds)
+        views = {job: await stack.wait(job, timeout=120) for job in (first, second)}
+        finals, rounds = {}, {}
+        for job in (first, second):
+            finals[job] = loads(await stack.ports.storage.get_bytes(keys.final_model(job)))
+            rows = await stack.ports.db.fetch(
+                "SELECT round, shard, samples FROM contributions WHERE job_id = $1 AND status = 'accepted'"
+                " ORDER BY round, shard", job,
+            )
+            rounds[job] = [[(r["shard"], r["samples"]) for r in rows if r["round"] == n]
+                           for n in sorted({r["round"] for r in rows})]
+        span = {job: await stack.ports.db.fetchrow(
+            "SELECT min(started_at) AS started, max(ended_at) AS ended FROM rounds WHERE job_id = $1", job)
+            for job in (first, second)}
+
+    # Assert: the second job did not wait for the first to end; each job's model is its own rounds'
+    # FedAvg from its own start, with nothing of the other's.
+    assert span[second]["started"] < span[first]["ended"], span
+    for job, num_rounds, shards in ((first, 3, 3), (second, 2, 2)):
+        assert views[job]["status"] == "completed", views[job].get("reason")
+        assert len(rounds[job]) == num_rounds and all(len(r) == shards for r in rounds[job]), rounds[job]
+        # Shard s adds s + 1 each round: the final weight is the sum of each round's weighted mean.
+        added = sum(sum(n * (s + 1) for s, n in r) / sum(n for _, n in r) for r in rounds[job])
+        torch.testing.assert_close(finals[job]["layer.weight"], torch.full((2, 3), added))
+        torch.testing.assert_close(finals[job]["layer.bias"], torch.arange(2, dtype=torch.float32) + added)
+        assert int(finals[job]["steps"]) == num_rounds

@@ -423,6 +423,10 @@ class Scheduler(Component):
             if JobStatus(job["status"]).terminal:
                 return
             async with self.db.transaction() as tx:
+                for r in await tx.fetch("SELECT round, attempt FROM rounds WHERE job_id = $1 AND status = 'running'",
+                                        event.job_id):
+                    await self._close_round(tx, event.job_id, r["round"], r["attempt"], "cancelled",
+                                            reason=event.reason)
                 await tx.execute(
                     "UPDATE jobs SET status = $2, reason = $3, updated_at = $4 WHERE job_id = $1",
                     event.job_id, JobStatus.CANCELLED, event.reason, time.time(),
@@ -430,6 +434,30 @@ class Scheduler(Component):
                 await self.outbox.add(tx, JobFailed(job_id=event.job_id, reason=event.reason, round=job["round"],
                                                      cancelled=True))
         await self.outbox.flush()
+
+    async def fail_unfinished(self, reason: str) -> list[str]:
+        """End every job that has not ended as failed with `reason`; return their ids.
+
+        For a bus that lives in one process (the embedded default): the messages of jobs that an earlier
+        process left unfinished died with it, so nothing would ever move those jobs again.
+        """
+        rows = await self.db.fetch("SELECT job_id FROM jobs WHERE status NOT IN ($1, $2, $3) ORDER BY created_at",
+                                   JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
+        ended = []
+        for row in rows:
+            async with self._locks(row["job_id"]):
+                job = await self._job(row["job_id"])
+                if job is None or JobStatus(job["status"]).terminal:
+                    continue
+                async with self.db.transaction() as tx:
+                    running = await tx.fetch(
+                        "SELECT round, attempt FROM rounds WHERE job_id = $1 AND status = 'running'", job["job_id"])
+                    for r in running:
+                        await self._close_round(tx, job["job_id"], r["round"], r["attempt"], "failed", reason=reason)
+                    await self._fail_tx(tx, job["job_id"], reason, job["round"])
+                ended.append(job["job_id"])
+        await self.outbox.flush()
+        return ended
 
     async def _finish(self, job: dict[str, Any], spec: JobSpec, event: RoundAggregated) -> None:
         job_id = job["job_id"]

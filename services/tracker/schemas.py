@@ -55,7 +55,7 @@ class RoundView(BaseModel):
 
     round: int
     attempt: int
-    status: str = Field(description="running, aggregated or failed")
+    status: str = Field(description="running, aggregated, failed, or cancelled (its job was cancelled first)")
     metrics: dict[str, float]
     reason: str | None
     started_at: float | None
@@ -67,7 +67,8 @@ class ShardProgress(BaseModel):
 
     shard: int
     worker_id: str | None
-    state: str = Field(description="assigned, training, reported, failed, rejected or offline")
+    state: str = Field(
+        description="assigned, training, reported, failed, rejected, offline, or stopped (the job ended first)")
     step: int | None
     metrics: dict[str, float] = Field(description="the latest metrics the worker reported")
     error: str | None

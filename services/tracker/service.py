@@ -252,7 +252,7 @@ async def _worker_failed(tx: Any, b: dict[str, Any], ts: float) -> None:
 async def _round_aggregated(tx: Any, b: dict[str, Any], ts: float) -> None:
     await tx.execute(
         "UPDATE round_views SET status = 'aggregated', metrics = $4, ended_at = $5"
-        " WHERE job_id = $1 AND round = $2 AND attempt = $3",
+        " WHERE job_id = $1 AND round = $2 AND attempt = $3 AND status = 'running'",
         b["job_id"], b["round"], b["attempt"], dumps(b.get("metrics", {})), ts,
     )
     for shard, reason in (b.get("rejected") or {}).items():
@@ -266,7 +266,7 @@ async def _round_aggregated(tx: Any, b: dict[str, Any], ts: float) -> None:
 async def _round_failed(tx: Any, b: dict[str, Any], ts: float) -> None:
     await tx.execute(
         "UPDATE round_views SET status = 'failed', reason = $4, ended_at = $5"
-        " WHERE job_id = $1 AND round = $2 AND attempt = $3",
+        " WHERE job_id = $1 AND round = $2 AND attempt = $3 AND status = 'running'",
         b["job_id"], b["round"], b["attempt"], b["reason"], ts,
     )
 
@@ -293,6 +293,11 @@ async def _job_failed(tx: Any, b: dict[str, Any], ts: float) -> None:
     status = "cancelled" if b.get("cancelled") is True else "failed"
     await tx.execute(
         "UPDATE job_views SET status = $2, reason = $3, updated_at = $4 WHERE job_id = $1",
+        b["job_id"], status, b["reason"], ts,
+    )
+    # The round it was in ends with it (a result that still comes in is recorded as it arrives).
+    await tx.execute(
+        "UPDATE round_views SET status = $2, reason = $3, ended_at = $4 WHERE job_id = $1 AND status = 'running'",
         b["job_id"], status, b["reason"], ts,
     )
 

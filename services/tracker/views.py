@@ -11,7 +11,8 @@ from apiary.db import Executor
 
 TERMINAL = ("completed", "failed", "cancelled", "rejected")
 
-# A shard whose worker went offline mid-round shows as offline, not as still training.
+# A shard whose worker went offline mid-round shows as offline, not as still training; one that had not
+# reported when its job ended shows as stopped.
 _STALLED = ("assigned", "training")
 
 
@@ -43,14 +44,16 @@ async def job_view(db: Executor, job_id: str) -> dict[str, Any] | None:
 def _shard(row: dict[str, Any], job_status: str) -> dict[str, Any]:
     worker_status = row.pop("worker_status")
     shard = {**row, "metrics": loads(row["metrics"], {})}
-    if job_status not in TERMINAL and shard["state"] in _STALLED and worker_status == "offline":
+    if shard["state"] in _STALLED and job_status in TERMINAL:
+        shard["state"] = "stopped"
+    elif shard["state"] in _STALLED and worker_status == "offline":
         shard["state"] = "offline"
     return shard
 
 
 def progress_counts(shards: Iterable[dict[str, Any]]) -> dict[str, int]:
     """How many shards of a round are in each state, plus the total."""
-    counts = dict.fromkeys(("assigned", "training", "reported", "failed", "rejected", "offline"), 0)
+    counts = dict.fromkeys(("assigned", "training", "reported", "failed", "rejected", "offline", "stopped"), 0)
     total = 0
     for shard in shards:
         counts[shard["state"]] = counts.get(shard["state"], 0) + 1

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -22,9 +23,10 @@ from apiary.settings import Settings
 from apiary.usercode import quiet_openmp
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Apiary: federated training of PyTorch models.")
-console = Console(stderr=True)
+# Lines are never broken to fit the terminal: a path or a reason must stay one line to copy or grep.
+console = Console(stderr=True, soft_wrap=True)
 STATE_STYLE = {"training": "yellow", "reported": "green", "failed": "red", "rejected": "red",
-               "assigned": "dim", "offline": "red"}
+               "assigned": "dim", "offline": "red", "stopped": "dim"}
 
 
 @app.callback()
@@ -33,7 +35,7 @@ def _root() -> None:
 
 
 def _fail(message: str) -> None:
-    console.print(f"[red]error:[/red] {message}", soft_wrap=True)
+    console.print(f"[red]error:[/red] {message}")
     raise typer.Exit(2)
 
 
@@ -157,26 +159,51 @@ def run(
             job_id = await stack.submit(request)
             if dashboard and not as_json:
                 console.print(f"dashboard: {dashboard}/#/jobs/{job_id}")
-            if as_json:
-                view = await stack.wait(job_id, timeout=timeout or None)
-            else:
-                where = f"GPU {','.join(map(str, gpu_list))}" if gpu_list else "CPU"
-                console.print(f"[dim]job {job_id}: {workers} workers on {where}, logs in {log_path}[/dim]")
-                with Live(console=console, refresh_per_second=4, transient=False) as live:
-                    view = await stack.wait(job_id, timeout=timeout or None,
-                                            on_change=lambda v: live.update(render_job(v, started)))
-            return summary(view, time.time() - started)
+            # Stopping this process stops its job: cancelled, so that it does not stay "running".
+            main = asyncio.current_task()
+            assert main is not None
+            terminated: list[int] = []
+
+            def on_sigterm() -> None:
+                terminated.append(signal.SIGTERM)
+                main.cancel()
+
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
+            stopped: str | None = None
+            exit_code = 0
+            try:
+                if as_json:
+                    view = await stack.wait(job_id, timeout=timeout or None)
+                else:
+                    where = f"GPU {','.join(map(str, gpu_list))}" if gpu_list else "CPU"
+                    console.print(f"[dim]job {job_id}: {workers} workers on {where}, logs in {log_path}[/dim]")
+                    with Live(console=console, refresh_per_second=4, transient=False) as live:
+                        view = await stack.wait(job_id, timeout=timeout or None,
+                                                on_change=lambda v: live.update(render_job(v, started)))
+            except TimeoutError:
+                stopped = f"apiary run --timeout {timeout:g}: the job did not end in time"
+            except asyncio.CancelledError:  # Ctrl-C (asyncio's runner cancels this task) or SIGTERM
+                main.uncancel()
+                stopped = f"interrupted: apiary run got {'SIGTERM' if terminated else 'Ctrl-C'}"
+                exit_code = 128 + (signal.SIGTERM if terminated else signal.SIGINT)
+            if stopped is not None:
+                if not as_json:
+                    console.print(f"\n[yellow]{stopped}; cancelling job {job_id}[/yellow]")
+                view = await stack.cancel(job_id, stopped) or {"job_id": job_id, "status": "cancelled",
+                                                               "reason": stopped}
+            return {**summary(view, time.time() - started), "exit_code": exit_code}
 
     try:
         result = _run_async(go())
-    except TimeoutError as e:
-        _fail(str(e))
     finally:
         telemetry.shutdown()
+    exit_code = result.pop("exit_code")
     if as_json:
         print(json.dumps(result))
     else:
         _print_summary(result)
+    if exit_code:
+        raise typer.Exit(exit_code)
     if result["status"] != "completed":
         raise typer.Exit(1)
 

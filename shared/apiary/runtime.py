@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
+import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,8 @@ from apiary.storage import Storage, make_storage
 
 log = logging.getLogger("apiary.runtime")
 TERMINAL = ("completed", "failed", "cancelled", "rejected")
+ORPHANED = ("interrupted: the process that ran this job (apiary run) stopped before the job ended, and its"
+            " in-memory messages went with it; run the job again")
 
 
 class Ports:
@@ -59,20 +64,44 @@ class Embedded:
         self.ports = Ports(self.settings)
         args = (self.ports.bus, self.ports.db, self.ports.storage, self.settings)
         self.tracker = Tracker(*args)
-        self.services = [self.tracker, Sharder(*args), Aggregator(*args), Scheduler(*args)]
+        self.scheduler = Scheduler(*args)
+        self.services = [self.tracker, Sharder(*args), Aggregator(*args), self.scheduler]
         # Workers take the given GPUs in turn (several share one where there are more workers than GPUs).
         self.workers = [
             Worker(self.ports.bus, self.settings.model_copy(update={"gpu": gpus[i % len(gpus)]}) if gpus
                    else self.settings, worker_id=f"worker-{i + 1}")
             for i in range(workers)
         ]
+        self._lock_fd: int | None = None
 
     async def __aenter__(self) -> Embedded:
         await self.ports.open()
         for service in self.services:
             await service.start()
+        database = self.settings.resolved_database_url()
+        if self.settings.bus_url.startswith("memory:") and database.startswith("sqlite:"):
+            path = database.removeprefix("sqlite:").removeprefix("//")
+            if path and ":memory:" not in path:
+                await self._end_orphans(Path(f"{path}.lock"))
         await asyncio.gather(*(w.start() for w in self.workers))
         return self
+
+    async def _end_orphans(self, lock: Path) -> None:
+        """Fail the jobs an earlier process left unfinished in this database (their messages died with it).
+
+        Every embedded process holds a shared lock beside the database while it runs; one that gets the
+        lock alone knows no other is running, so the unfinished jobs it finds are orphans, not another's.
+        """
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)  # held until the stack stops
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another apiary process uses %s: its unfinished jobs are left alone", lock.with_suffix(""))
+        else:
+            for job_id in await self.scheduler.fail_unfinished(ORPHANED):
+                log.warning("job %s was left unfinished by an earlier process: marked failed", job_id)
+        await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_SH)
 
     async def __aexit__(self, *exc: object) -> None:
         for worker in self.workers:
@@ -82,14 +111,28 @@ class Embedded:
             with contextlib.suppress(Exception):
                 await service.stop()
         await self.ports.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     async def submit(self, request: dict[str, Any]) -> str:
         """Publish a job request as another system would; return its job id."""
         return await submit(self.ports.bus, request)
 
-    async def wait(self, job_id: str, *, timeout: float | None = None,
-                   on_change: Any = None) -> dict[str, Any]:
-        """Wait until the job ends; call `on_change(view)` whenever the tracker's view of it changes."""
+    async def cancel(self, job_id: str, reason: str, *, within: float = 10.0) -> dict[str, Any] | None:
+        """Cancel a job and wait up to `within` seconds for it to end; return its view."""
+        from apiary.contracts import JobCancelRequested
+        from services.tracker.service import job_view
+
+        await publish_event(self.ports.bus, JobCancelRequested(job_id=job_id, reason=reason))
+        with contextlib.suppress(TimeoutError):
+            return await self.wait(job_id, timeout=within)
+        return await job_view(self.ports.db, job_id)
+
+    async def wait(self, job_id: str, *, timeout: float | None = None, on_change: Any = None,
+                   until: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
+        """Wait until the job ends (or its view satisfies `until`); call `on_change(view)` whenever the
+        tracker's view of it changes."""
         from services.tracker.service import job_view
 
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -97,7 +140,7 @@ class Embedded:
             view = await job_view(self.ports.db, job_id)
             if view is not None and on_change is not None:
                 on_change(view)
-            if view is not None and view["status"] in TERMINAL:
+            if view is not None and (view["status"] in TERMINAL or (until is not None and until(view))):
                 return view
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} did not finish within {timeout}s")

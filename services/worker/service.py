@@ -9,6 +9,7 @@ import shutil
 import socket
 import time
 import zipfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from apiary import telemetry, transfer
 from apiary.bus import Bus, Delivery, Subscription, Unroutable, publish_event, subscribe
 from apiary.contracts import (
     Assignment,
+    JobFailed,
     ObjectRef,
     WorkerDone,
     WorkerFailed,
@@ -32,6 +34,11 @@ from apiary.usercode import TrainCall, UserCodeError, UserCodeRunner
 from services.worker.gpu import choose_gpu, gpu_stats
 
 log = logging.getLogger("apiary.worker")
+
+# A worker's control queue (jobs that ended) is its own: the broker drops it once the worker has been
+# gone this long, rather than keep filling it for a worker that may never come back.
+CONTROL_QUEUE_EXPIRES = 3600.0
+ENDED_JOBS_KEPT = 4096  # job ids remembered as ended, to skip their assignments still queued
 
 
 class Worker:
@@ -48,6 +55,8 @@ class Worker:
                                                environment=self.gpu.child_environment() if self.gpu else None)
         self._subscriptions: list[Subscription] = []
         self._busy = asyncio.Lock()
+        self._ended: OrderedDict[str, str] = OrderedDict()  # job id -> why it ended
+        self._training: asyncio.Task[None] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self.state = "idle"
         self.current: Assignment | None = None
@@ -58,6 +67,11 @@ class Worker:
     def own_queue(self) -> str:
         """The queue for shards pinned to this worker."""
         return f"assign.worker.{self.worker_id}"
+
+    @property
+    def control_queue(self) -> str:
+        """This worker's copy of the events that end jobs (it stops training a job that ended)."""
+        return f"control.worker.{self.worker_id}"
 
     async def start(self) -> None:
         """Announce the worker and start taking assignments."""
@@ -70,6 +84,10 @@ class Worker:
             log.warning("worker %s: no service listens for worker.online yet; heartbeats will announce it",
                         self.worker_id)
         prefetch = self.settings.worker_prefetch
+        self._subscriptions.append(
+            await subscribe(self.bus, self.control_queue, {"job.failed": self.on_job_ended},
+                            expires=CONTROL_QUEUE_EXPIRES)
+        )
         self._subscriptions.append(
             await subscribe(self.bus, self.own_queue, {self.own_queue: self.on_assignment}, prefetch=prefetch)
         )
@@ -106,6 +124,18 @@ class Worker:
             gpu=gpu_stats(self.gpu, self.runner.pid), samples_per_s=self.samples_per_s,
         )
 
+    async def on_job_ended(self, event: JobFailed, delivery: Delivery) -> None:
+        """A job was cancelled or failed: stop training its shard now, and skip its queued assignments."""
+        self._ended[event.job_id] = event.reason
+        self._ended.move_to_end(event.job_id)
+        while len(self._ended) > ENDED_JOBS_KEPT:
+            self._ended.popitem(last=False)
+        a, training = self.current, self._training
+        if a is not None and a.job_id == event.job_id and training is not None and not training.done():
+            log.info("worker %s: job %s ended (%s); stopping its round %d shard %d", self.worker_id, a.job_id,
+                     event.reason, a.round, a.shard)
+            training.cancel()
+
     async def on_assignment(self, assignment: Assignment, delivery: Delivery) -> None:
         """Train one shard for one round and report the outcome; user errors never crash the worker."""
         async with self._busy:
@@ -113,15 +143,29 @@ class Worker:
                 log.info("worker %s: skipping stale assignment %s round %d shard %d", self.worker_id,
                          assignment.job_id, assignment.round, assignment.shard)
                 return
+            if assignment.job_id in self._ended:
+                log.info("worker %s: skipping round %d shard %d of job %s, which ended (%s)", self.worker_id,
+                         assignment.round, assignment.shard, assignment.job_id, self._ended[assignment.job_id])
+                return
             self.current, self.state = assignment, "training"
             attributes = {**telemetry.messaging(delivery.routing_key, "process", self.settings.exchange),
                           **self._attributes(assignment)}
             try:
                 with telemetry.tracer().start_as_current_span(
                     f"{delivery.routing_key} process", kind=SpanKind.CONSUMER, attributes=attributes
-                ):
-                    await self._train(assignment)
+                ) as span:
+                    # Its own task, so that the job ending can stop it (its training child is killed).
+                    self._training = asyncio.create_task(self._train(assignment), name=f"train:{self.worker_id}")
+                    try:
+                        await self._training
+                    except asyncio.CancelledError:
+                        task = asyncio.current_task()
+                        if task is not None and task.cancelling():
+                            raise  # the worker is stopping: the assignment goes back to its queue
+                        span.add_event("job.ended", {"apiary.reason": self._ended.get(assignment.job_id, "")})
+                        # The job is over: nothing to report, and the assignment is done with (acked).
             finally:
+                self._training = None
                 self.current, self.state = None, "idle"
 
     def _attributes(self, a: Assignment) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import torch
 
 from apiary import keys
 from apiary.weights import loads
+from tests.faults.support import process_alive
 from tests.fixtures.embedded import REPO, StackFactory, toy_request
 
 
@@ -170,3 +171,34 @@ async def test_jobs_running_at_once_on_the_same_workers_keep_to_their_own_weight
         torch.testing.assert_close(finals[job]["layer.weight"], torch.full((2, 3), added))
         torch.testing.assert_close(finals[job]["layer.bias"], torch.arange(2, dtype=torch.float32) + added)
         assert int(finals[job]["steps"]) == num_rounds
+
+
+async def test_cancelling_a_job_stops_its_training_at_once_and_frees_the_worker(
+    embedded: StackFactory, toy_dataset: Path
+) -> None:
+    # Prepare: the only worker is 10 minutes into... a 10-minute shard.
+    slow = {**toy_request(toy_dataset, num_rounds=2, min_workers=1, max_workers=1),
+            "config": {"mode": "slow", "slow_seconds": 600}}
+    quick = toy_request(toy_dataset, num_rounds=1, min_workers=1, max_workers=1)
+    async with embedded(workers=1) as stack:
+        worker = stack.workers[0]
+        slow_id = await stack.submit(slow)
+        await stack.wait(slow_id, timeout=60, until=lambda v: [s["state"] for s in v["shards"]] == ["training"])
+        child = worker.runner.pid
+
+        # Execute
+        cancelled = await stack.cancel(slow_id, "cancelled by user")
+        quick_id = await stack.submit(quick)
+        done = await stack.wait(quick_id, timeout=120)
+        events = await stack.ports.db.fetch(
+            "SELECT routing_key FROM events WHERE job_id = $1 AND routing_key LIKE 'worker.%'", slow_id)
+        slow_view = await stack.wait(slow_id, timeout=1)
+
+    # Assert: the next job ran on that worker long before the shard would have ended; its training child
+    # was stopped; nothing was reported for the stopped shard, which shows as stopped.
+    assert cancelled is not None and cancelled["status"] == "cancelled"
+    assert done["status"] == "completed", done.get("reason")
+    assert child is not None and not process_alive(child)
+    assert {e["routing_key"] for e in events} <= {"worker.progress"}
+    assert [s["state"] for s in slow_view["shards"]] == ["stopped"]
+    assert [r["status"] for r in slow_view["rounds"]] == ["cancelled"]

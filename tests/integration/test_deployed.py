@@ -12,6 +12,7 @@ import boto3
 import torch
 
 from apiary.weights import loads
+from tests.faults.support import process_alive
 from tests.fixtures.cluster import REPO, Cluster
 from tests.toyjobs.toy import make_dataset
 
@@ -122,7 +123,7 @@ def test_cli_cancel_stops_a_running_job_and_one_not_yet_requested(cluster: Clust
     job_file = tmp_path / "job.json"
     job_file.write_text(json.dumps({
         "name": "cancel", "entrypoint": "tests.toyjobs.toy:fl_train_model", "dataset": str(dataset),
-        "config": {"mode": "slow", "slow_seconds": 0.5},
+        "config": {"mode": "slow", "slow_seconds": 600},
         "distributed": {"num_rounds": 500, "min_workers": 1, "max_workers": 2},
     }))
     cluster.start(workers=2)
@@ -137,11 +138,16 @@ def test_cli_cancel_stops_a_running_job_and_one_not_yet_requested(cluster: Clust
                      "the scheduler to keep the early cancel")
     cli("submit", str(job_file), "--job-id", early)
     running = cli("submit", str(job_file)).stdout.strip()
-    cluster.wait_for(lambda: cluster.query(
-        "SELECT 1 FROM rounds WHERE job_id = $1 AND round = 2", running), 60, "round 2 of the running job")
+    cluster.wait_for(lambda: len(cluster.query(
+        "SELECT 1 FROM shard_views WHERE job_id = $1 AND state = 'training'", running)) == 2, 60,
+        "both workers training the running job")
+    children = [cluster.training_child(worker) for worker in ("worker-1", "worker-2")]
     stopped = cli("cancel", running, "--reason", "enough")
     late = cluster.wait_job(running, timeout=60)
     never = cluster.wait_job(early, timeout=60)
+    # Its 10-minute shards are not trained on: each worker stops its training child.
+    cluster.wait_for(lambda: not any(process_alive(pid) for pid in children if pid), 30,
+                     "the workers to stop training the cancelled job")
 
     cluster.wait_for(lambda: cluster.query(
         "SELECT 1 FROM job_views WHERE job_id = $1 AND status = 'cancelled'", running), 30, "the tracker's view")
@@ -152,7 +158,8 @@ def test_cli_cancel_stops_a_running_job_and_one_not_yet_requested(cluster: Clust
     assert stopped.stdout.strip() == f"cancel of job {running} sent"
     assert again.returncode != 0 and again.stderr.strip() == (
         f"error: job {running} already ended (cancelled): there is nothing to cancel")
-    assert (late["status"], late["reason"]) == ("cancelled", "enough") and late["round"] < 500
+    assert (late["status"], late["reason"]) == ("cancelled", "enough") and late["round"] == 1
+    assert all(children), children
     assert (never["status"], never["reason"]) == ("cancelled", "cancelled by user")
     assert cluster.query("SELECT round FROM rounds WHERE job_id = $1", early) == []
 

@@ -134,6 +134,30 @@ async def test_publish_matching_no_queue_raises_unroutable(bus: Bus) -> None:
     assert await bus.queue_size("jobs") == 0
 
 
+async def test_a_queue_that_expires_goes_once_it_has_had_no_consumer_that_long(bus: Bus) -> None:
+    # Prepare: a process's own queue, consumed for longer than its expiry, then left.
+    await bus.declare_queue("mine", ["worker.control"], expires=0.5)
+    recorder = Recorder()
+    async with consuming(bus, "mine", recorder):
+        await asyncio.sleep(1.0)
+        await bus.publish("worker.control", b"while consumed")
+        await eventually(lambda: len(recorder.seen) == 1, "the message while consumed")
+
+    # Execute: nobody consumes it any more.
+    await bus.publish("worker.control", b"left behind")
+
+    async def gone() -> bool:
+        try:
+            await bus.publish("worker.control", b"probe")
+        except Unroutable:
+            return True
+        return False
+
+    # Assert: it was kept while consumed; then it went, with what it held.
+    await eventually(gone, "the unused queue to expire")
+    assert recorder.bodies == [b"while consumed"]
+
+
 async def test_headers_and_properties_round_trip(bus: Bus) -> None:
     # Prepare
     await bus.declare_queue("q", ["round.start"])

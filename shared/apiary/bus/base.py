@@ -94,8 +94,12 @@ class Bus(ABC):
         """Stop every consumer and close the connection."""
 
     @abstractmethod
-    async def declare_queue(self, name: str, bindings: Sequence[str]) -> None:
-        """Declare a durable queue bound to the exchange with these topic patterns."""
+    async def declare_queue(self, name: str, bindings: Sequence[str], *, expires: float | None = None) -> None:
+        """Declare a durable queue bound to the exchange with these topic patterns.
+
+        With `expires` (seconds) the queue is deleted, messages and all, once it has had no consumer for
+        that long: for a queue of one process, which may never come back to empty it.
+        """
 
     @abstractmethod
     async def publish(

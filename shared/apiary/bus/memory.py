@@ -36,6 +36,9 @@ class _Queue:
     ready: deque[Delivery] = field(default_factory=deque)
     unacked: int = 0
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    expires: float | None = None
+    consumers: int = 0
+    unused_since: float = 0.0
 
 
 class _MemorySubscription(Subscription):
@@ -90,6 +93,8 @@ class _MemorySubscription(Subscription):
                 await task
         self._inflight.clear()
         self._bus._subscriptions.discard(self)
+        self._queue.consumers -= 1
+        self._bus._unused(self._queue)
 
 
 class MemoryBus(Bus):
@@ -112,12 +117,31 @@ class MemoryBus(Bus):
             timer.cancel()
         self._timers.clear()
 
-    async def declare_queue(self, name: str, bindings: Sequence[str]) -> None:
+    async def declare_queue(self, name: str, bindings: Sequence[str], *, expires: float | None = None) -> None:
         queue = self._queues.get(name)
         if queue is None:
-            self._queues[name] = _Queue(name, list(bindings))
+            queue = self._queues[name] = _Queue(name, list(bindings), expires=expires)
         else:
             queue.bindings.extend(b for b in bindings if b not in queue.bindings)
+        self._unused(queue)
+
+    def _unused(self, queue: _Queue) -> None:
+        """A queue with `expires` that has no consumer now: delete it if it still has none by then."""
+        expires = queue.expires
+        if expires is None or queue.consumers:
+            return
+        loop = asyncio.get_running_loop()
+        queue.unused_since = loop.time()
+        timer: asyncio.TimerHandle
+
+        def expire() -> None:
+            self._timers.discard(timer)
+            unused = loop.time() - queue.unused_since
+            if self._queues.get(queue.name) is queue and not queue.consumers and unused >= expires - 1e-3:
+                del self._queues[queue.name]
+
+        timer = loop.call_later(expires, expire)
+        self._timers.add(timer)
 
     async def publish(
         self,
@@ -185,6 +209,7 @@ class MemoryBus(Bus):
             raise ValueError(f"queue {queue!r} is not declared")
         sub = _MemorySubscription(self, self._queues[queue], handler, prefetch)
         self._subscriptions.add(sub)
+        self._queues[queue].consumers += 1
         return sub
 
     async def purge(self, queue: str) -> int:

@@ -318,9 +318,10 @@ class RabbitBus(Bus):
             raise RuntimeError("RabbitBus is not connected: call connect() first")
         return self._channel, self._exchange
 
-    async def declare_queue(self, name: str, bindings: Sequence[str]) -> None:
+    async def declare_queue(self, name: str, bindings: Sequence[str], *, expires: float | None = None) -> None:
         channel, exchange = self._require()
-        queue = await channel.declare_queue(self.queue_name(name), durable=True)
+        arguments = {"x-expires": max(1, round(expires * 1000))} if expires is not None else None
+        queue = await channel.declare_queue(self.queue_name(name), durable=True, arguments=arguments)
         self._queues.add(queue.name)
         for pattern in bindings:
             await queue.bind(exchange, pattern)

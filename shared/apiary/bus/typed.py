@@ -40,9 +40,11 @@ async def subscribe(
     handlers: Mapping[str, EventHandler | Raw],
     *,
     prefetch: int = 16,
+    expires: float | None = None,
 ) -> Subscription:
-    """Declare `queue` bound to the handlers' patterns and dispatch each decoded event."""
-    await bus.declare_queue(queue, list(handlers))
+    """Declare `queue` bound to the handlers' patterns (see `Bus.declare_queue` for `expires`) and
+    dispatch each decoded event."""
+    await bus.declare_queue(queue, list(handlers), expires=expires)
 
     async def dispatch(delivery: Delivery) -> None:
         for pattern, handler in handlers.items():

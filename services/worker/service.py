@@ -53,7 +53,8 @@ class Worker:
         self.gpu = choose_gpu(self.settings.gpu)  # GpuChoiceError: one line for whoever started the worker
         self.runner = runner or UserCodeRunner(self.settings.code_path, name=f"apiary-{self.worker_id}",
                                                environment=self.gpu.child_environment() if self.gpu else None)
-        self._subscriptions: list[Subscription] = []
+        self._subscriptions: list[Subscription] = []  # assignments, pinned then pool
+        self._control: Subscription | None = None
         self._busy = asyncio.Lock()
         self._ended: OrderedDict[str, str] = OrderedDict()  # job id -> why it ended
         self._training: asyncio.Task[None] | None = None
@@ -84,10 +85,8 @@ class Worker:
             log.warning("worker %s: no service listens for worker.online yet; heartbeats will announce it",
                         self.worker_id)
         prefetch = self.settings.worker_prefetch
-        self._subscriptions.append(
-            await subscribe(self.bus, self.control_queue, {"job.failed": self.on_job_ended},
-                            expires=CONTROL_QUEUE_EXPIRES)
-        )
+        self._control = await subscribe(self.bus, self.control_queue, {"job.failed": self.on_job_ended},
+                                        prefetch=1, expires=CONTROL_QUEUE_EXPIRES)
         self._subscriptions.append(
             await subscribe(self.bus, self.own_queue, {self.own_queue: self.on_assignment}, prefetch=prefetch)
         )
@@ -102,6 +101,9 @@ class Worker:
         for sub in self._subscriptions:
             await sub.cancel()
         self._subscriptions.clear()
+        if self._control is not None:
+            await self._control.cancel()
+            self._control = None
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -126,7 +126,7 @@ def run(
 ) -> None:
     """Run a job on this machine: every service and N workers in one process tree."""
     quiet_openmp()
-    from apiary.runtime import Embedded, code_root_for
+    from apiary.runtime import DatabaseInUse, Embedded, code_root_for
 
     settings = Settings()
     try:
@@ -195,6 +195,8 @@ def run(
 
     try:
         result = _run_async(go())
+    except DatabaseInUse as e:
+        _fail(str(e))
     finally:
         telemetry.shutdown()
     exit_code = result.pop("exit_code")

@@ -17,12 +17,17 @@ from apiary import telemetry
 from apiary.bus import Bus, make_bus, publish_event
 from apiary.bus.base import Unroutable
 from apiary.contracts import JSON
-from apiary.db import Database, make_database
+from apiary.db import Database, make_database, sqlite_path
 from apiary.jobspec import ENTRYPOINT_RE
 from apiary.settings import Settings
 from apiary.storage import Storage, make_storage
 
 log = logging.getLogger("apiary.runtime")
+
+
+class DatabaseInUse(RuntimeError):
+    """Another embedded process runs on this database."""
+
 TERMINAL = ("completed", "failed", "cancelled", "rejected")
 ORPHANED = ("interrupted: the process that ran this job (apiary run) stopped before the job ended, and its"
             " in-memory messages went with it; run the job again")
@@ -75,33 +80,48 @@ class Embedded:
         self._lock_fd: int | None = None
 
     async def __aenter__(self) -> Embedded:
-        await self.ports.open()
-        for service in self.services:
-            await service.start()
-        database = self.settings.resolved_database_url()
-        if self.settings.bus_url.startswith("memory:") and database.startswith("sqlite:"):
-            path = database.removeprefix("sqlite:").removeprefix("//")
-            if path and ":memory:" not in path:
-                await self._end_orphans(Path(f"{path}.lock"))
-        await asyncio.gather(*(w.start() for w in self.workers))
+        owns_database = self._lock_database()
+        try:
+            await self.ports.open()
+            for service in self.services:
+                await service.start()
+            if owns_database:
+                # Jobs an earlier process left unfinished here: their messages died with it, so nothing
+                # would ever move them again.
+                for job_id in await self.scheduler.fail_unfinished(ORPHANED):
+                    log.warning("job %s was left unfinished by an earlier process: marked failed", job_id)
+            await asyncio.gather(*(w.start() for w in self.workers))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.__aexit__()
+            raise
         return self
 
-    async def _end_orphans(self, lock: Path) -> None:
-        """Fail the jobs an earlier process left unfinished in this database (their messages died with it).
+    def _lock_database(self) -> bool:
+        """With the in-memory bus on a SQLite file, hold that file alone while the stack runs.
 
-        Every embedded process holds a shared lock beside the database while it runs; one that gets the
-        lock alone knows no other is running, so the unfinished jobs it finds are orphans, not another's.
+        Two such processes on one database would each publish the other's stored events on its own bus
+        (the outboxes are tables) and resume the other's jobs; so the second one is refused. Returns
+        whether this stack holds the lock.
         """
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)  # held until the stack stops
+        database = self.settings.resolved_database_url()
+        if not (self.settings.bus_url.startswith("memory:") and database.startswith("sqlite:")):
+            return False
+        file = sqlite_path(database)
+        if not file or ":memory:" in file:
+            return False
+        path = Path(file).resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info("another apiary process uses %s: its unfinished jobs are left alone", lock.with_suffix(""))
-        else:
-            for job_id in await self.scheduler.fail_unfinished(ORPHANED):
-                log.warning("job %s was left unfinished by an earlier process: marked failed", job_id)
-        await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_SH)
+            os.close(fd)
+            raise DatabaseInUse(
+                f"another apiary process is running on {path}: wait for it to end, or give this run its"
+                " own APIARY_HOME") from None
+        self._lock_fd = fd
+        return True
 
     async def __aexit__(self, *exc: object) -> None:
         for worker in self.workers:

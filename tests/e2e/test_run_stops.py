@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from apiary.runtime import ORPHANED
+from apiary.runtime import ORPHANED, DatabaseInUse
 from tests.fixtures.embedded import REPO, StackFactory, toy_request
 
 SLOW = {"mode": "slow", "slow_seconds": 60}  # a shard that is still training when the run is stopped
@@ -91,16 +91,18 @@ def test_a_run_past_its_timeout_cancels_its_job(tmp_path: Path, toy_dataset: Pat
     assert _rows(home, "SELECT status FROM job_views") == [("cancelled",)]
 
 
-async def test_a_job_left_running_by_a_dead_run_is_failed_by_the_next_alone_on_its_home(
+async def test_a_job_left_running_by_a_dead_run_is_failed_by_the_next_run(
     embedded: StackFactory, toy_dataset: Path
 ) -> None:
-    # Prepare: a run whose job is training when a second run starts on the same home beside it.
+    # Prepare: a run whose job is training; a second run on the same home meanwhile is refused.
     request = {**toy_request(toy_dataset, num_rounds=3, min_workers=1, max_workers=1), "config": SLOW}
     async with embedded(workers=1) as first:
         job_id = await first.submit(request)
         await first.wait(job_id, timeout=30, until=lambda v: v["status"] == "running")
-        async with embedded(workers=1) as beside:
-            running_beside = await beside.ports.db.fetchval("SELECT status FROM jobs WHERE job_id = $1", job_id)
+        with pytest.raises(DatabaseInUse, match=r"^another apiary process is running on .*apiary\.db: wait for it"):
+            async with embedded(workers=1):
+                pass
+        running_beside = await first.ports.db.fetchval("SELECT status FROM jobs WHERE job_id = $1", job_id)
     # The first run ended without ending its job, as a killed process would.
 
     # Execute
@@ -108,8 +110,27 @@ async def test_a_job_left_running_by_a_dead_run_is_failed_by_the_next_alone_on_i
         view = await after.wait(job_id, timeout=30)
         rounds = await after.ports.db.fetch("SELECT status, reason FROM rounds WHERE job_id = $1", job_id)
 
-    # Assert: left alone while its run was alive; failed, saying why, once no run was.
+    # Assert: left alone while its run was alive; failed, saying why, once it was not.
     assert running_beside == "running"
     assert view["status"] == "failed" and view["reason"] == ORPHANED
     assert [r["status"] for r in view["rounds"]] == ["failed"]
     assert rounds == [{"status": "failed", "reason": ORPHANED}]
+
+
+def test_a_second_run_on_the_same_home_is_refused_in_one_line(tmp_path: Path, toy_dataset: Path) -> None:
+    home = tmp_path / ".apiary"
+    job = _job_file(tmp_path, toy_dataset, num_rounds=3, max_workers=2)
+    first = _start(job, home)
+    try:
+        _wait_until_training(home, first)
+
+        second = _start(job, home)
+        out, err = second.communicate(timeout=120)
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=60)
+
+    assert second.returncode == 2 and out == ""
+    assert err.strip() == (f"error: another apiary process is running on {home.resolve() / 'apiary.db'}: wait for"
+                           " it to end, or give this run its own APIARY_HOME")
+    assert first.returncode == 130

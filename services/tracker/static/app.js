@@ -262,7 +262,8 @@ function jobPage(jobId) {
     parts.reported.textContent = p.total ? `${p.reported} / ${p.total}` : "–";
     parts.reportedSub.textContent = p.total
       ? [p.training && `${p.training} training`, p.assigned && `${p.assigned} waiting`, p.failed && `${p.failed} failed`,
-         p.offline && `${p.offline} offline`].filter(Boolean).join(" · ") || "all reported" : "no round started yet";
+         p.offline && `${p.offline} offline`, p.stopped && `${p.stopped} stopped`].filter(Boolean).join(" · ")
+        || "all reported" : "no round started yet";
     const aggregated = state.rounds;
     const last = aggregated[aggregated.length - 1];
     const before = aggregated[aggregated.length - 2];

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from apiary.fedavg import FedAvg, InvalidContribution, merge_partial, validate, weighted_metrics
+from apiary.fedavg import FedAvg, InvalidContribution, all_finite, merge_partial, validate, weighted_metrics
 from apiary.weights import spec_of_tensors
 
 shapes = st.lists(st.integers(min_value=1, max_value=5), min_size=0, max_size=3).map(tuple)
@@ -95,6 +95,24 @@ def test_invalid_contribution_is_rejected_and_leaves_the_sum_unchanged(weights, 
     after = acc.result()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert acc.count == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_finiteness_is_judged_per_element_even_where_the_sum_overflows(dtype: torch.dtype) -> None:
+    huge = torch.finfo(dtype).max
+    overflowing = torch.full((1000,), huge, dtype=dtype)  # finite, but its sum is not
+    cancelling = torch.tensor([float("inf"), float("-inf")] + [0.0] * 6, dtype=dtype)
+
+    assert all_finite(overflowing) and all_finite(torch.zeros(5, dtype=dtype))
+    assert not all_finite(cancelling)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for place in (0, 500, 999):
+            tensor = overflowing.clone()
+            tensor[place] = bad
+            assert not all_finite(tensor), (bad, place)
+            tensor = torch.zeros(1000, dtype=dtype)
+            tensor[place] = bad
+            assert not all_finite(tensor), (bad, place)
 
 
 def test_partial_contributions_must_share_one_key_set() -> None:

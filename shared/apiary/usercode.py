@@ -14,6 +14,7 @@ import importlib
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
@@ -235,6 +236,11 @@ def _exit_with_parent(parent: int) -> None:
 
 def _child_main(conn: Connection, code_paths: list[str], environment: dict[str, str | None],
                 parent: int | None = None) -> None:
+    # Its parent decides when this process ends (it kills it). A Ctrl-C or SIGTERM sent to the whole
+    # process group (a terminal, systemd, a container runtime) is the parent's to handle: it stops
+    # gracefully and gives the assignment back, where the child dying first would report a failure.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if parent is not None:
         _exit_with_parent(parent)
     for name, value in environment.items():  # before user code imports torch

@@ -423,10 +423,7 @@ class Scheduler(Component):
             if JobStatus(job["status"]).terminal:
                 return
             async with self.db.transaction() as tx:
-                for r in await tx.fetch("SELECT round, attempt FROM rounds WHERE job_id = $1 AND status = 'running'",
-                                        event.job_id):
-                    await self._close_round(tx, event.job_id, r["round"], r["attempt"], "cancelled",
-                                            reason=event.reason)
+                await self._close_running_rounds(tx, event.job_id, "cancelled", event.reason)
                 await tx.execute(
                     "UPDATE jobs SET status = $2, reason = $3, updated_at = $4 WHERE job_id = $1",
                     event.job_id, JobStatus.CANCELLED, event.reason, time.time(),
@@ -450,10 +447,7 @@ class Scheduler(Component):
                 if job is None or JobStatus(job["status"]).terminal:
                     continue
                 async with self.db.transaction() as tx:
-                    running = await tx.fetch(
-                        "SELECT round, attempt FROM rounds WHERE job_id = $1 AND status = 'running'", job["job_id"])
-                    for r in running:
-                        await self._close_round(tx, job["job_id"], r["round"], r["attempt"], "failed", reason=reason)
+                    await self._close_running_rounds(tx, job["job_id"], "failed", reason)
                     await self._fail_tx(tx, job["job_id"], reason, job["round"])
                 ended.append(job["job_id"])
         await self.outbox.flush()
@@ -521,6 +515,11 @@ class Scheduler(Component):
             job_id, round_index, attempt, status, time.time(), reason, weights_key,
             dumps(metrics) if metrics is not None else None,
         )
+
+    async def _close_running_rounds(self, tx: Executor, job_id: str, status: str, reason: str) -> None:
+        """End the job's running round, if any, with `status`: the job ended before the round did."""
+        for r in await tx.fetch("SELECT round, attempt FROM rounds WHERE job_id = $1 AND status = 'running'", job_id):
+            await self._close_round(tx, job_id, r["round"], r["attempt"], status, reason=reason)
 
     async def _fail(self, job_id: str, reason: str, round_index: int | None = None) -> None:
         async with self.db.transaction() as tx:

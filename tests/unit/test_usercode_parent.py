@@ -43,16 +43,20 @@ def fl_train_model(payload, out_dir, logger=None):
 '''
 
 
+def _wait_started(tmp_path: Path) -> None:
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "out" / "started").exists():
+        assert time.monotonic() < deadline, "the user's function never started"
+        time.sleep(0.05)
+
+
 def test_the_child_of_a_worker_killed_with_sigkill_exits_on_its_own(tmp_path: Path) -> None:
     (tmp_path / "silent.py").write_text(SILENT)
     worker = subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     assert worker.stdout is not None
     child = int(worker.stdout.readline())
     try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "out" / "started").exists():
-            assert time.monotonic() < deadline, "the user's function never started"
-            time.sleep(0.05)
+        _wait_started(tmp_path)
 
         worker.send_signal(signal.SIGKILL)
         worker.wait(timeout=10)
@@ -93,10 +97,7 @@ def test_a_ctrl_c_or_sigterm_to_the_process_group_does_not_end_the_training(tmp_
     assert worker.stdout is not None
     child = int(worker.stdout.readline())
     try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "out" / "started").exists():
-            assert time.monotonic() < deadline, "the user's function never started"
-            time.sleep(0.05)
+        _wait_started(tmp_path)
 
         # Execute
         os.killpg(worker.pid, signal.SIGINT)

@@ -186,17 +186,23 @@ class Aggregator(Component):
                     raise early
                 data = early if early is not None else await self.storage.verified_bytes(event.result)
                 weights = load_weights(data, copy=False)
+                # Values are checked by the fold, tensor by tensor while each is in cache.
                 validate(state.spec, weights, event.samples, partial=bool(state.agg["use_peft"]),
-                         expected_keys=state.keys)
+                         expected_keys=state.keys, values=False)
+                state.fedavg.fold(weights, event.samples)
             except (ObjectNotFound, InvalidContribution, WeightsError, ValueError) as e:
                 reason = f"object {event.result.key} is missing" if isinstance(e, ObjectNotFound) else str(e)
                 log.warning("job %s: round %d shard %d from %s rejected: %s", event.job_id, event.round,
                             event.shard, event.worker_id, reason)
                 await self._record(event, REJECTED, reason, state)
+                if state.fedavg.spoiled:
+                    # Part of the refused contribution was added: the exact sum is re-folded from
+                    # the accepted contributions in storage.
+                    self._rounds.pop((event.job_id, event.round, event.attempt), None)
+                    state = await self._load(state.agg)
             else:
                 # Should recording fail, the sum holds a contribution the database does not: the
                 # state is dropped (below) and rebuilt from the stored rows next time.
-                state.fedavg.fold(weights, event.samples)
                 state.keys = frozenset(weights)
                 await self._record(event, ACCEPTED, None, state)
             await self._maybe_close(state)

@@ -23,11 +23,14 @@ def validate(
     *,
     partial: bool = False,
     expected_keys: frozenset[str] | None = None,
+    values: bool = True,
 ) -> None:
     """Check keys, shapes, dtypes, finiteness and sample count against the global model's spec.
 
     With `partial` (PEFT adapters) the keys may be a subset of the model's, but every contribution
     of a round must carry the same set (`expected_keys`, fixed by the first one accepted).
+    `values=False` leaves finiteness to `FedAvg.fold`, which checks each tensor while it is in cache
+    (one read of the contribution instead of two).
     """
     if isinstance(samples, bool) or not isinstance(samples, int) or samples <= 0:
         raise InvalidContribution(f"sample count must be a positive integer, got {samples!r}")
@@ -52,7 +55,7 @@ def validate(
         got = TensorSpec(tensor.dtype, tuple(tensor.shape))
         if got != want:
             raise InvalidContribution(f"tensor {name!r} is {got.describe()}, expected {want.describe()}")
-        if tensor.is_floating_point() and tensor.numel() and not all_finite(tensor):
+        if values and not all_finite(tensor):
             raise InvalidContribution(f"tensor {name!r} has NaN or infinite values")
 
 
@@ -62,7 +65,10 @@ def all_finite(tensor: torch.Tensor) -> bool:
     A NaN or an infinity makes the sum NaN or infinite, so a finite sum proves every element finite
     (the sum runs in the tensor's own dtype: a float64 sum of float32 is ~15x slower on CPU). A sum that
     is not finite may only have overflowed: the extremes then decide (NaN propagates through them).
+    Non-float tensors are always finite.
     """
+    if not tensor.is_floating_point() or not tensor.numel():
+        return True
     if bool(torch.isfinite(tensor.sum())):
         return True
     return bool(torch.isfinite(tensor.amax())) and bool(torch.isfinite(tensor.amin()))
@@ -82,35 +88,60 @@ class FedAvg:
         self._dtypes: dict[str, torch.dtype] = {}
         self.total_samples = 0
         self.count = 0
+        self.spoiled: str | None = None  # why the sum can no longer be used, if it cannot
 
     def fold(self, weights: Mapping[str, torch.Tensor], samples: int) -> None:
-        """Add `samples * weights` to the running sum (the contribution must be validated first)."""
+        """Add `samples * weights` to the running sum (names, shapes and dtypes must be validated first).
+
+        Each float tensor is checked for NaN and infinities just before it is added, while it is in
+        cache: a contribution is read from memory once. A bad tensor raises InvalidContribution after
+        the tensors before it were added; the first contribution is then undone (the sum starts
+        empty again), a later one spoils the sum (`spoiled` says why; fold and finish refuse it): an
+        exact sum must be rebuilt from the contributions accepted so far (subtracting the added
+        tensors back would not give the same bits).
+        """
         if samples <= 0:
             raise InvalidContribution(f"sample count must be positive, got {samples}")
-        if self.count < 0:
-            raise ValueError("this average is finished: start a new FedAvg")
+        self._usable()
         if self._sum and weights.keys() != self._sum.keys():
             raise InvalidContribution("contribution's tensor names differ from the accumulated ones")
-        for name, tensor in weights.items():
+        for added, (name, tensor) in enumerate(weights.items()):
+            if not all_finite(tensor):
+                error = InvalidContribution(f"tensor {name!r} has NaN or infinite values")
+                if self.count and added:
+                    self.spoiled = f"a contribution was refused after part of it was added ({error})"
+                elif not self.count:  # the refused contribution was the sum's first: start empty again
+                    self._sum.clear()
+                    self._dtypes.clear()
+                raise error
             acc = self._sum.get(name)
             if acc is None:
+                # The first contribution starts the sum (no zeroed accumulator to read). Floats
+                # accumulate in their own precision (memory: one model), half floats in float32,
+                # integers in float64.
                 self._dtypes[name] = tensor.dtype
-                # Floats accumulate in their own precision (memory: one model); integers in float64.
                 acc_dtype = tensor.dtype if tensor.is_floating_point() else torch.float64
                 if tensor.dtype in (torch.float16, torch.bfloat16):
                     acc_dtype = torch.float32
-                acc = torch.zeros(tensor.shape, dtype=acc_dtype)
-                self._sum[name] = acc
-            if tensor.dtype == acc.dtype:
+                start = tensor.to(acc_dtype)
+                self._sum[name] = torch.mul(tensor, samples) if start is tensor else start.mul_(samples)
+            elif tensor.dtype == acc.dtype:
                 acc.add_(tensor, alpha=samples)
             else:
                 acc.add_(tensor.to(acc.dtype), alpha=samples)
         self.total_samples += samples
         self.count += 1
 
+    def _usable(self) -> None:
+        if self.count < 0:
+            raise ValueError("this average is finished: start a new FedAvg")
+        if self.spoiled:
+            raise ValueError(f"this sum is spoiled: {self.spoiled}; rebuild it from the accepted contributions")
+
     def finish(self) -> dict[str, torch.Tensor]:
         """The weighted average, computed in place in the accumulator (no second model in memory);
         the accumulator cannot be folded into afterwards."""
+        self._usable()
         if not self.count:
             raise ValueError("no contribution was folded: nothing to average")
         out = {}
@@ -130,6 +161,7 @@ class FedAvg:
 
     def result(self) -> dict[str, torch.Tensor]:
         """The weighted average, in each tensor's original dtype."""
+        self._usable()
         if not self.count:
             raise ValueError("no contribution was folded: nothing to average")
         out = {}

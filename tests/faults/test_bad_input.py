@@ -101,6 +101,9 @@ def test_corrupt_contributions_are_rejected_with_their_reason(
     cluster.publish_job(toy_job(job_id, toy_data(28), rounds=1, max_workers=14, pinned=["site-a", *ghosts]))
     sizes = faults.shard_sizes(job_id)
     faults.wait_aggregation(job_id, 1, "open")
+    # The corrupt ones come after the valid one is in the sum: a NaN found in a tensor after others
+    # were added (shard 5: 'layer.weight' follows 'layer.bias') makes the aggregator rebuild the sum.
+    cluster.wait_for(lambda: faults.accepted(job_id), 120, "site-a's contribution to be accepted")
     base = fl_init_weights({})
 
     def weights(shard: int, change: Callable[[dict[str, torch.Tensor]], None]) -> bytes:

@@ -151,3 +151,57 @@ def test_finish_averages_in_place_and_closes_the_sum() -> None:
     assert torch.equal(finished["w"], expected["w"]) and torch.equal(finished["n"], expected["n"])
     with pytest.raises(ValueError, match="finished"):
         acc.fold({"w": torch.zeros(2), "n": torch.tensor(0)}, 1)
+
+
+def test_fold_checks_values_and_a_refused_first_contribution_leaves_an_empty_sum() -> None:
+    acc = FedAvg()
+
+    with pytest.raises(InvalidContribution, match="'b' has NaN or infinite values"):
+        acc.fold({"a": torch.ones(2), "b": torch.tensor([1.0, float("nan")])}, 3)
+    acc.fold({"a": torch.full((2,), 2.0), "b": torch.full((2,), 4.0)}, 1)
+
+    assert not acc.spoiled and acc.count == 1 and acc.total_samples == 1
+    assert torch.equal(acc.result()["a"], torch.full((2,), 2.0))
+
+
+def test_a_value_refused_before_anything_was_added_leaves_the_sum_exact() -> None:
+    acc = FedAvg()
+    acc.fold({"a": torch.full((2,), 1.0), "b": torch.full((2,), 3.0)}, 1)
+
+    with pytest.raises(InvalidContribution, match="'a'"):
+        acc.fold({"a": torch.tensor([float("inf"), 0.0]), "b": torch.ones(2)}, 5)
+    acc.fold({"a": torch.full((2,), 4.0), "b": torch.full((2,), 6.0)}, 2)
+
+    assert not acc.spoiled
+    assert torch.equal(acc.result()["a"], torch.full((2,), 3.0)) and acc.total_samples == 3
+
+
+def test_a_value_refused_after_part_was_added_spoils_the_sum_until_rebuilt() -> None:
+    acc = FedAvg()
+    acc.fold({"a": torch.ones(2), "b": torch.ones(2)}, 1)
+
+    with pytest.raises(InvalidContribution, match="'b' has NaN"):
+        acc.fold({"a": torch.ones(2), "b": torch.tensor([float("nan"), 0.0])}, 5)
+
+    assert acc.spoiled and "'b' has NaN" in acc.spoiled
+    for use in (lambda: acc.fold({"a": torch.ones(2), "b": torch.ones(2)}, 1), acc.result, acc.finish):
+        with pytest.raises(ValueError, match="spoiled"):
+            use()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int32, torch.bool])
+def test_the_first_contribution_starts_the_sum_in_the_accumulating_dtype(dtype: torch.dtype) -> None:
+    acc = FedAvg()
+    acc.fold({"w": torch.tensor([1, 0, 1], dtype=dtype)}, 3)
+    acc.fold({"w": torch.tensor([1, 1, 0], dtype=dtype)}, 1)
+
+    result = acc.result()["w"]
+
+    assert result.dtype == dtype
+    expected = torch.tensor([1.0, 0.25, 0.75])
+    if dtype == torch.bool:
+        assert torch.equal(result, expected >= 0.5)
+    elif dtype.is_floating_point:
+        assert torch.equal(result, expected.to(dtype))
+    else:
+        assert torch.equal(result, torch.round(expected).to(dtype))

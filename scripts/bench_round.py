@@ -25,8 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -35,6 +33,7 @@ import asyncpg
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tests.fixtures import s3server  # noqa: E402
 from tests.fixtures.cluster import Cluster  # noqa: E402
 from tests.toyjobs.toy import make_dataset  # noqa: E402
 
@@ -113,26 +112,6 @@ def cpu_spent(before: dict[str, dict[int, float]], after: dict[str, dict[int, fl
     counted; those that started are, whole)."""
     return {kind: sum(t - before.get(kind, {}).get(pid, 0.0) for pid, t in pids.items())
             for kind, pids in after.items()}
-
-
-def start_moto() -> tuple[subprocess.Popen[bytes], str]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1):
-                return process, endpoint
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError("moto server did not start") from None
-            time.sleep(0.1)
 
 
 def run(k: int, rounds: int, tmp: Path, endpoint: str, storage: str = "s3") -> list[float]:
@@ -217,7 +196,7 @@ def main() -> None:
         source = "measured just now"
         print("Flower 1.42 (simulation engine): " + ", ".join(
             f"K={k} {v * 1000:.1f} ms" for k, v in sorted(reference.items()) if k in args.k), flush=True)
-    moto, endpoint = start_moto()
+    moto, endpoint = s3server.launch()
     MOTO.append(moto)
     results = {}
     try:

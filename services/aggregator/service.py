@@ -1,4 +1,4 @@
-"""Aggregator handlers: round.start, worker.done, round.timeout -> round.aggregated / round.failed."""
+"""Aggregator handlers: round.start, worker.done, round.timeout, job.failed -> round.aggregated / round.failed."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from apiary import keys, telemetry
 from apiary.bus import Delivery, EventHandler, subscribe
 from apiary.component import Component, dumps, loads
 from apiary.contracts import (
+    JobFailed,
     ObjectRef,
     RoundAggregated,
     RoundFailed,
@@ -100,10 +101,15 @@ class Aggregator(Component):
             "worker.done": self.on_worker_done,
             "worker.failed": self.on_worker_failed,
             "round.timeout": self.on_round_timeout,
+            "job.failed": self.on_job_ended,
         }
         self._subscriptions.append(
             await subscribe(self.bus, "aggregator", handlers, prefetch=self.settings.prefetch)
         )
+
+    def rounds_in_memory(self) -> list[tuple[str, int, int]]:
+        """(job, round, attempt) of each round whose running sum this aggregator holds."""
+        return list(self._rounds)
 
     async def on_round_start(self, event: RoundStart, delivery: Delivery) -> None:
         """Remember which shards a round waits for and the weights it started from."""
@@ -230,6 +236,22 @@ class Aggregator(Component):
             except BaseException:
                 self._rounds.pop(key, None)
                 raise
+
+    async def on_job_ended(self, event: JobFailed, delivery: Delivery) -> None:
+        """A job was cancelled or failed: its open rounds close now and their sums are freed (a large
+        model's would otherwise be held until the round's timeout); reports still on their way are
+        recorded as late."""
+        status = "cancelled" if event.cancelled else "failed"
+        async with self._locks(event.job_id):
+            closed = await self.db.execute(
+                "UPDATE aggregations SET status = $2, reason = $3, closed_at = $4"
+                " WHERE job_id = $1 AND status = 'open'",
+                event.job_id, status, f"job {status}: {event.reason}", time.time(),
+            )
+            for key in [k for k in self._rounds if k[0] == event.job_id]:
+                del self._rounds[key]
+        if closed:
+            log.info("job %s %s: its open round closed", event.job_id, status)
 
     async def _maybe_close(self, state: RoundState) -> None:
         if len(state.settled) >= len(state.shards):

@@ -70,7 +70,8 @@ class Embedded:
         args = (self.ports.bus, self.ports.db, self.ports.storage, self.settings)
         self.tracker = Tracker(*args)
         self.scheduler = Scheduler(*args)
-        self.services = [self.tracker, Sharder(*args), Aggregator(*args), self.scheduler]
+        self.aggregator = Aggregator(*args)
+        self.services = [self.tracker, Sharder(*args), self.aggregator, self.scheduler]
         # Workers take the given GPUs in turn (several share one where there are more workers than GPUs).
         self.workers = [
             Worker(self.ports.bus, self.settings.model_copy(update={"gpu": gpus[i % len(gpus)]}) if gpus

@@ -193,6 +193,9 @@ async def test_cancelling_a_job_stops_its_training_at_once_and_frees_the_worker(
         events = await stack.ports.db.fetch(
             "SELECT routing_key FROM events WHERE job_id = $1 AND routing_key LIKE 'worker.%'", slow_id)
         slow_view = await stack.wait(slow_id, timeout=1)
+        aggregations = await stack.ports.db.fetch(
+            "SELECT status, reason FROM aggregations WHERE job_id = $1", slow_id)
+        held = stack.aggregator.rounds_in_memory()
 
     # Assert: the next job ran on that worker long before the shard would have ended; its training child
     # was stopped; nothing was reported for the stopped shard, which shows as stopped.
@@ -202,3 +205,6 @@ async def test_cancelling_a_job_stops_its_training_at_once_and_frees_the_worker(
     assert {e["routing_key"] for e in events} <= {"worker.progress"}
     assert [s["state"] for s in slow_view["shards"]] == ["stopped"]
     assert [r["status"] for r in slow_view["rounds"]] == ["cancelled"]
+    # The aggregator closed the round too, rather than hold its sum until the round's timeout.
+    assert [(a["status"], a["reason"]) for a in aggregations] == [("cancelled", "job cancelled: cancelled by user")]
+    assert not [r for r in held if r[0] == slow_id]

@@ -159,6 +159,9 @@ def test_cli_cancel_stops_a_running_job_and_one_not_yet_requested(cluster: Clust
     assert again.returncode != 0 and again.stderr.strip() == (
         f"error: job {running} already ended (cancelled): there is nothing to cancel")
     assert (late["status"], late["reason"]) == ("cancelled", "enough") and late["round"] == 1
+    # The aggregator closed the running round too, rather than hold its sum until the round's timeout.
+    cluster.wait_for(lambda: cluster.query(
+        "SELECT 1 FROM aggregations WHERE job_id = $1 AND status = 'cancelled'", running), 30, "the aggregator")
     assert all(children), children
     assert (never["status"], never["reason"]) == ("cancelled", "cancelled by user")
     assert cluster.query("SELECT round FROM rounds WHERE job_id = $1", early) == []

@@ -238,10 +238,14 @@ class Aggregator(Component):
                 raise
 
     async def on_job_ended(self, event: JobFailed, delivery: Delivery) -> None:
-        """A job was cancelled or failed: its open rounds close now and their sums are freed (a large
-        model's would otherwise be held until the round's timeout); reports still on their way are
-        recorded as late."""
+        """A job was cancelled or failed: its end marker is stored, its open rounds close now and their
+        sums are freed (a large model's would otherwise be held until the round's timeout); reports
+        still on their way are recorded as late."""
         status = "cancelled" if event.cancelled else "failed"
+        # The job's end marker, for workers that start after this event and would otherwise train
+        # its assignments still queued (they have only the bus and the URLs in those assignments).
+        await self.storage.put_bytes(keys.job_ended(event.job_id), dumps(
+            {"job_id": event.job_id, "status": status, "reason": event.reason}).encode())
         async with self._locks(event.job_id):
             closed = await self.db.execute(
                 "UPDATE aggregations SET status = $2, reason = $3, closed_at = $4"

@@ -333,6 +333,7 @@ class Scheduler(Component):
         ), headers=trace)]
         ttl = int(timeout + self.settings.presign_ttl)
         pinned = spec.worker_selection.workers if spec.worker_selection.mode == "pinned" else []
+        ended_url = self.storage.presign_get(keys.job_ended(job_id), ttl)
         for shard in chosen:
             result_key = keys.contribution(job_id, round_index, attempt, shard.index)
             files_key = keys.run_files(job_id, round_index, attempt, shard.index)
@@ -345,7 +346,7 @@ class Scheduler(Component):
                 weights_sha256=weights.sha256, upload_url=self.storage.presign_put(result_key, ttl),
                 result_key=result_key, files_upload_url=self.storage.presign_put(files_key, ttl),
                 entrypoint=spec.entrypoint, env=spec.env(round_index), deadline=deadline,
-                pinned_worker=worker,
+                pinned_worker=worker, issued_at=now, ended_url=ended_url,
             )
             routing_key = f"assign.worker.{worker}" if worker else "assign.pool"
             if worker:

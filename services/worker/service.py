@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import shutil
 import socket
@@ -39,6 +40,9 @@ log = logging.getLogger("apiary.worker")
 # gone this long, rather than keep filling it for a worker that may never come back.
 CONTROL_QUEUE_EXPIRES = 3600.0
 ENDED_JOBS_KEPT = 4096  # job ids remembered as ended, to skip their assignments still queued
+# An assignment issued less than this before the worker started listening for job ends (clocks of
+# different machines may differ) may belong to a job that ended unheard: its end marker is read first.
+CLOCK_SKEW = 300.0
 
 
 class Worker:
@@ -57,6 +61,7 @@ class Worker:
         self._control: Subscription | None = None
         self._busy = asyncio.Lock()
         self._ended: OrderedDict[str, str] = OrderedDict()  # job id -> why it ended
+        self._listening_since = float("inf")  # when job ends started to reach this worker
         self._training: asyncio.Task[None] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self.state = "idle"
@@ -87,6 +92,7 @@ class Worker:
         prefetch = self.settings.worker_prefetch
         self._control = await subscribe(self.bus, self.control_queue, {"job.failed": self.on_job_ended},
                                         prefetch=1, expires=CONTROL_QUEUE_EXPIRES)
+        self._listening_since = time.time()
         self._subscriptions.append(
             await subscribe(self.bus, self.own_queue, {self.own_queue: self.on_assignment}, prefetch=prefetch)
         )
@@ -126,12 +132,30 @@ class Worker:
             gpu=gpu_stats(self.gpu, self.runner.pid), samples_per_s=self.samples_per_s,
         )
 
-    async def on_job_ended(self, event: JobFailed, delivery: Delivery) -> None:
-        """A job was cancelled or failed: stop training its shard now, and skip its queued assignments."""
-        self._ended[event.job_id] = event.reason
-        self._ended.move_to_end(event.job_id)
+    def _remember_ended(self, job_id: str, reason: str) -> None:
+        self._ended[job_id] = reason
+        self._ended.move_to_end(job_id)
         while len(self._ended) > ENDED_JOBS_KEPT:
             self._ended.popitem(last=False)
+
+    async def _ended_unheard(self, a: Assignment) -> bool:
+        """Whether the assignment's job ended before this worker listened for job ends: read from the
+        job's end marker, for assignments issued about then or earlier (others cost nothing)."""
+        if a.ended_url is None or a.issued_at is None or a.issued_at > self._listening_since + CLOCK_SKEW:
+            return False
+        marker = await transfer.probe(a.ended_url)
+        if marker is None:
+            return False
+        try:
+            reason = str(json.loads(marker).get("reason") or "ended")
+        except (ValueError, AttributeError):
+            reason = "ended"
+        self._remember_ended(a.job_id, reason)
+        return True
+
+    async def on_job_ended(self, event: JobFailed, delivery: Delivery) -> None:
+        """A job was cancelled or failed: stop training its shard now, and skip its queued assignments."""
+        self._remember_ended(event.job_id, event.reason)
         a, training = self.current, self._training
         if a is not None and a.job_id == event.job_id and training is not None and not training.done():
             log.info("worker %s: job %s ended (%s); stopping its round %d shard %d", self.worker_id, a.job_id,
@@ -145,7 +169,7 @@ class Worker:
                 log.info("worker %s: skipping stale assignment %s round %d shard %d", self.worker_id,
                          assignment.job_id, assignment.round, assignment.shard)
                 return
-            if assignment.job_id in self._ended:
+            if assignment.job_id in self._ended or await self._ended_unheard(assignment):
                 log.info("worker %s: skipping round %d shard %d of job %s, which ended (%s)", self.worker_id,
                          assignment.round, assignment.shard, assignment.job_id, self._ended[assignment.job_id])
                 return

@@ -125,6 +125,9 @@ class Assignment(RoundEvent):
     env: dict[str, Any]
     deadline: float
     pinned_worker: str | None = None
+    issued_at: float | None = None  # when the round started (the scheduler's clock)
+    # The job's end marker (keys.job_ended), for a worker that may have missed the job's end.
+    ended_url: str | None = None
 
 
 class WorkerProgress(RoundEvent):

@@ -28,6 +28,12 @@ def run_files(job_id: str, round_index: int, attempt: int, shard_index: int) -> 
     return f"jobs/{job_id}/rounds/{round_index:04d}/attempt-{attempt}/files-shard-{shard_index:04d}.zip"
 
 
+def job_ended(job_id: str) -> str:
+    """Written once a job is cancelled or fails: a worker that started listening later reads it
+    before training one of the job's assignments still queued."""
+    return f"jobs/{job_id}/ended.json"
+
+
 def final_model(job_id: str) -> str:
     """The job's final model."""
     return f"jobs/{job_id}/final/model.safetensors"

@@ -67,6 +67,28 @@ def _upload(url: str, source: Path) -> None:
             raise TransferError(f"upload to {_where(url)} failed: {e}") from e
 
 
+def _probe(url: str, limit: int) -> bytes | None:
+    if url.startswith("file:"):
+        path = _local(url)
+        try:
+            with open(path, "rb") as f:
+                return f.read(limit)
+        except OSError:
+            return None
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return bytes(response.read(limit))
+    except (urllib.error.URLError, OSError):
+        # Missing (404; 403 where the signer may not list the bucket), or unreachable.
+        return None
+
+
+async def probe(url: str, limit: int = 64 * 1024) -> bytes | None:
+    """A small object's bytes (at most `limit`) if it can be read now, else None: missing, refused
+    or unreachable alike."""
+    return await asyncio.to_thread(_probe, url, limit)
+
+
 async def download(url: str, target: Path, sha256: str | None = None) -> None:
     """Fetch a URL to a file and check its sha256."""
     digest = await asyncio.to_thread(_download, url, target)

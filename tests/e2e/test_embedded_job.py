@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import torch
 
 from apiary import keys
 from apiary.weights import loads
+from services.worker import Worker
 from tests.faults.support import process_alive
 from tests.fixtures.embedded import REPO, StackFactory, toy_request
 
@@ -208,3 +210,38 @@ async def test_cancelling_a_job_stops_its_training_at_once_and_frees_the_worker(
     # The aggregator closed the round too, rather than hold its sum until the round's timeout.
     assert [(a["status"], a["reason"]) for a in aggregations] == [("cancelled", "job cancelled: cancelled by user")]
     assert not [r for r in held if r[0] == slow_id]
+async def test_a_worker_started_after_a_job_ended_skips_its_assignments_still_queued(
+    embedded: StackFactory, toy_dataset: Path
+) -> None:
+    # Prepare: two 10-minute shards of a job wait in the pool, nobody listening, when it is cancelled.
+    slow = {**toy_request(toy_dataset, num_rounds=2, min_workers=1, max_workers=2),
+            "config": {"mode": "slow", "slow_seconds": 600}}
+    quick = toy_request(toy_dataset, num_rounds=1, min_workers=1, max_workers=1)
+    async with embedded(workers=1) as stack:
+        slow_id = await stack.submit(slow)
+        await stack.wait(slow_id, timeout=60, until=lambda v: "training" in [s["state"] for s in v["shards"]])
+        await stack.workers[0].stop()  # its shard goes back to the pool
+        await stack.cancel(slow_id, "cancelled by user")
+        for _ in range(100):
+            if await stack.ports.storage.exists(keys.job_ended(slow_id)):
+                break
+            await asyncio.sleep(0.1)
+        late = Worker(stack.ports.bus, stack.settings, worker_id="late")
+
+        # Execute: a worker that never heard of the cancel starts, and a quick job follows.
+        await late.start()
+        try:
+            quick_id = await stack.submit(quick)
+            done = await stack.wait(quick_id, timeout=120)
+        finally:
+            await late.stop()
+        events = await stack.ports.db.fetch(
+            "SELECT routing_key FROM events WHERE job_id = $1 AND routing_key IN ('worker.done', 'worker.failed')",
+            slow_id)
+
+    # Assert: it read the job's end marker and skipped both shards, so the quick job ran at once.
+    assert done["status"] == "completed", done.get("reason")
+    assert late.completed == 1
+    assert events == []
+
+

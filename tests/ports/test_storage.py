@@ -14,7 +14,7 @@ import pytest
 from apiary.contracts import ObjectRef
 from apiary.storage.base import ObjectNotFound, Storage, StorageUnavailable
 from apiary.storage.s3 import MULTIPART_THRESHOLD, S3Storage
-from apiary.transfer import TransferError, download, upload
+from apiary.transfer import TransferError, download, probe, upload
 
 
 def sha256(data: bytes) -> str:
@@ -156,6 +156,17 @@ async def test_a_presigned_put_uploads_by_url(storage: Storage, tmp_path: Path) 
     # Assert
     ref = ObjectRef(key="jobs/j1/round-1/workers/w1", size=len(data), sha256=sha256(data))
     assert await storage.verified_bytes(ref) == data
+
+
+async def test_a_probe_by_presigned_url_reads_a_small_object_or_finds_none(storage: Storage) -> None:
+    await storage.put_bytes("jobs/j1/ended.json", b'{"reason": "cancelled by user"}')
+
+    present = await probe(storage.presign_get("jobs/j1/ended.json", expires=300))
+    missing = await probe(storage.presign_get("jobs/j2/ended.json", expires=300))
+    unreachable = await probe("http://127.0.0.1:9/jobs/j1/ended.json")
+
+    assert present == b'{"reason": "cancelled by user"}'
+    assert missing is None and unreachable is None
 
 
 async def test_uri_names_the_object_for_people(storage: Storage) -> None:

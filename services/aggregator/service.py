@@ -324,7 +324,7 @@ class Aggregator(Component):
         done = RoundAggregated(
             job_id=job_id, round=round_index, attempt=attempt, weights=ref,
             contributors=sorted(r["shard"] for r in accepted), total_samples=state.fedavg.total_samples,
-            metrics=metrics, rejected=rejected,
+            metrics=metrics, rejected=rejected, trained_by={r["shard"]: r["worker_id"] for r in accepted},
         )
         async with self.db.transaction() as tx:
             await tx.execute(

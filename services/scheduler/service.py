@@ -15,6 +15,7 @@ from urllib.parse import unquote, urlparse
 from pydantic import ValidationError
 
 from apiary import keys, telemetry
+from apiary.assignments import POOL, declare_preferred, pinned_queue
 from apiary.bus import Delivery, EventHandler, Raw, subscribe
 from apiary.component import Component, dumps, loads
 from apiary.contracts import (
@@ -248,10 +249,13 @@ class Scheduler(Component):
         weights: ObjectRef,
         round_index: int,
         attempt: int,
+        prefer: dict[int, str] | None = None,
     ) -> None:
-        """Start the round if enough workers are online; else park the job as waiting, with why."""
+        """Start the round if enough workers are online; else park the job as waiting, with why.
+        `prefer` names the worker that trained each shard last round: it is offered the shard again."""
         pinned = spec.worker_selection.workers if spec.worker_selection.mode == "pinned" else []
-        online, required = workers_needed(spec.distributed.min_workers, pinned, await self._online(tx))
+        present = await self._online(tx)
+        online, required = workers_needed(spec.distributed.min_workers, pinned, present)
         if online < required:
             which = f" of its pinned workers {pinned}" if pinned else ""
             reason = f"waiting for workers: {online}{which} online, min_workers is {required}"
@@ -268,7 +272,8 @@ class Scheduler(Component):
             "UPDATE jobs SET status = $2, reason = NULL WHERE job_id = $1 AND status = $3",
             job_id, JobStatus.RUNNING, JobStatus.WAITING,
         )
-        await self._launch_round(tx, job_id, spec, shards, weights, round_index, attempt)
+        prefer = {shard: worker for shard, worker in (prefer or {}).items() if worker in present}
+        await self._launch_round(tx, job_id, spec, shards, weights, round_index, attempt, prefer)
 
     async def _online(self, tx: Executor) -> set[str]:
         cutoff = time.time() - self.settings.worker_offline_after
@@ -308,6 +313,7 @@ class Scheduler(Component):
         weights: ObjectRef,
         round_index: int,
         attempt: int,
+        prefer: dict[int, str],
     ) -> None:
         """Store the round and queue round.start, one assignment per shard and the delayed timeout."""
         now = time.time()
@@ -348,9 +354,14 @@ class Scheduler(Component):
                 entrypoint=spec.entrypoint, env=spec.env(round_index), deadline=deadline,
                 pinned_worker=worker, issued_at=now, ended_url=ended_url,
             )
-            routing_key = f"assign.worker.{worker}" if worker else "assign.pool"
             if worker:
+                routing_key = pinned_queue(worker)
                 await self.bus.declare_queue(routing_key, [routing_key])
+            elif shard.index in prefer:
+                # Its data is cached there; the pool takes it if that worker is busy or gone.
+                routing_key = await declare_preferred(self.bus, prefer[shard.index])
+            else:
+                routing_key = POOL
             queued.append(Pending(assignment, routing_key=routing_key, headers=trace))
         queued.append(Pending(RoundTimeout(job_id=job_id, round=round_index, attempt=attempt), delay=timeout,
                               headers=trace))
@@ -380,7 +391,7 @@ class Scheduler(Component):
                     dumps(event.metrics),
                 )
                 await self._start_round(tx, event.job_id, spec, shards, event.weights, decision.round,
-                                        decision.attempt)
+                                        decision.attempt, prefer=event.trained_by)
         await self.outbox.flush()
 
     async def on_round_failed(self, event: RoundFailed, delivery: Delivery) -> None:

@@ -17,6 +17,14 @@ from typing import Any
 from opentelemetry.trace import SpanKind
 
 from apiary import telemetry, transfer
+from apiary.assignments import (
+    POOL,
+    PREFERRED,
+    PREFERRED_PREFETCH,
+    PREFERRED_QUEUE_EXPIRES,
+    pinned_queue,
+    preferred_queue,
+)
 from apiary.bus import Bus, Delivery, Subscription, Unroutable, publish_event, subscribe
 from apiary.contracts import (
     Assignment,
@@ -46,7 +54,8 @@ CLOCK_SKEW = 300.0
 
 
 class Worker:
-    """One training slot: takes pool assignments and those pinned to its id, one at a time."""
+    """One training slot: takes assignments pinned to its id, those it is preferred for (it trained
+    the shard last round) and pool ones, one at a time."""
 
     def __init__(self, bus: Bus, settings: Settings | None = None, *, worker_id: str | None = None,
                  cache_dir: Path | None = None, runner: UserCodeRunner | None = None) -> None:
@@ -57,7 +66,8 @@ class Worker:
         self.gpu = choose_gpu(self.settings.gpu)  # GpuChoiceError: one line for whoever started the worker
         self.runner = runner or UserCodeRunner(self.settings.code_path, name=f"apiary-{self.worker_id}",
                                                environment=self.gpu.child_environment() if self.gpu else None)
-        self._subscriptions: list[Subscription] = []  # assignments, pinned then pool
+        self._subscriptions: list[Subscription] = []  # assignments: pinned, preferred, pool
+        self._pool: Subscription | None = None
         self._control: Subscription | None = None
         self._busy = asyncio.Lock()
         self._ended: OrderedDict[str, str] = OrderedDict()  # job id -> why it ended
@@ -72,7 +82,7 @@ class Worker:
     @property
     def own_queue(self) -> str:
         """The queue for shards pinned to this worker."""
-        return f"assign.worker.{self.worker_id}"
+        return pinned_queue(self.worker_id)
 
     @property
     def control_queue(self) -> str:
@@ -96,14 +106,19 @@ class Worker:
         self._subscriptions.append(
             await subscribe(self.bus, self.own_queue, {self.own_queue: self.on_assignment}, prefetch=prefetch)
         )
+        preferred = preferred_queue(self.worker_id)
         self._subscriptions.append(
-            await subscribe(self.bus, "assign.pool", {"assign.pool": self.on_assignment}, prefetch=prefetch)
+            await subscribe(self.bus, preferred, {preferred: self.on_preferred}, prefetch=PREFERRED_PREFETCH,
+                            expires=PREFERRED_QUEUE_EXPIRES, reroute=PREFERRED)
         )
+        self._pool = await subscribe(self.bus, POOL, {POOL: self.on_assignment}, prefetch=prefetch)
+        self._subscriptions.append(self._pool)
         self._heartbeat = asyncio.create_task(self._beat(), name=f"heartbeat:{self.worker_id}")
         log.info("worker %s online", self.worker_id)
 
     async def stop(self, reason: str = "stopped") -> None:
         """Stop taking work; an assignment in progress goes back to its queue."""
+        self._pool = None
         for sub in self._subscriptions:
             await sub.cancel()
         self._subscriptions.clear()
@@ -162,37 +177,61 @@ class Worker:
                      event.reason, a.round, a.shard)
             training.cancel()
 
+    async def on_preferred(self, assignment: Assignment, delivery: Delivery) -> None:
+        """A shard this worker trained last round (its data is cached here): train it, unless busy;
+        then it goes to the pool at once, for any worker."""
+        if self._busy.locked():
+            await publish_event(self.bus, assignment, routing_key=POOL)
+            log.info("worker %s: busy, round %d shard %d of job %s passed to the pool", self.worker_id,
+                     assignment.round, assignment.shard, assignment.job_id)
+            return
+        async with self._busy:
+            # Meanwhile the pool's slot would take an assignment and hold it until this one is done,
+            # while another worker may be idle: it takes none.
+            pool = self._pool
+            if pool is not None:
+                await pool.pause()
+            try:
+                await self._handle(assignment, delivery)
+            finally:
+                if pool is not None and pool is self._pool:
+                    await pool.resume()
+
     async def on_assignment(self, assignment: Assignment, delivery: Delivery) -> None:
         """Train one shard for one round and report the outcome; user errors never crash the worker."""
         async with self._busy:
-            if assignment.deadline < time.time():
-                log.info("worker %s: skipping stale assignment %s round %d shard %d", self.worker_id,
-                         assignment.job_id, assignment.round, assignment.shard)
-                return
-            if assignment.job_id in self._ended or await self._ended_unheard(assignment):
-                log.info("worker %s: skipping round %d shard %d of job %s, which ended (%s)", self.worker_id,
-                         assignment.round, assignment.shard, assignment.job_id, self._ended[assignment.job_id])
-                return
-            self.current, self.state = assignment, "training"
-            attributes = {**telemetry.messaging(delivery.routing_key, "process", self.settings.exchange),
-                          **self._attributes(assignment)}
-            try:
-                with telemetry.tracer().start_as_current_span(
-                    f"{delivery.routing_key} process", kind=SpanKind.CONSUMER, attributes=attributes
-                ) as span:
-                    # Its own task, so that the job ending can stop it (its training child is killed).
-                    self._training = asyncio.create_task(self._train(assignment), name=f"train:{self.worker_id}")
-                    try:
-                        await self._training
-                    except asyncio.CancelledError:
-                        task = asyncio.current_task()
-                        if task is not None and task.cancelling():
-                            raise  # the worker is stopping: the assignment goes back to its queue
-                        span.add_event("job.ended", {"apiary.reason": self._ended.get(assignment.job_id, "")})
-                        # The job is over: nothing to report, and the assignment is done with (acked).
-            finally:
-                self._training = None
-                self.current, self.state = None, "idle"
+            await self._handle(assignment, delivery)
+
+    async def _handle(self, assignment: Assignment, delivery: Delivery) -> None:
+        """on_assignment's work, with `_busy` held."""
+        if assignment.deadline < time.time():
+            log.info("worker %s: skipping stale assignment %s round %d shard %d", self.worker_id,
+                     assignment.job_id, assignment.round, assignment.shard)
+            return
+        if assignment.job_id in self._ended or await self._ended_unheard(assignment):
+            log.info("worker %s: skipping round %d shard %d of job %s, which ended (%s)", self.worker_id,
+                     assignment.round, assignment.shard, assignment.job_id, self._ended[assignment.job_id])
+            return
+        self.current, self.state = assignment, "training"
+        attributes = {**telemetry.messaging(delivery.routing_key, "process", self.settings.exchange),
+                      **self._attributes(assignment)}
+        try:
+            with telemetry.tracer().start_as_current_span(
+                f"{delivery.routing_key} process", kind=SpanKind.CONSUMER, attributes=attributes
+            ) as span:
+                # Its own task, so that the job ending can stop it (its training child is killed).
+                self._training = asyncio.create_task(self._train(assignment), name=f"train:{self.worker_id}")
+                try:
+                    await self._training
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise  # the worker is stopping: the assignment goes back to its queue
+                    span.add_event("job.ended", {"apiary.reason": self._ended.get(assignment.job_id, "")})
+                    # The job is over: nothing to report, and the assignment is done with (acked).
+        finally:
+            self._training = None
+            self.current, self.state = None, "idle"
 
     def _attributes(self, a: Assignment) -> dict[str, Any]:
         return {"apiary.job_id": a.job_id, "apiary.round": a.round, "apiary.attempt": a.attempt,

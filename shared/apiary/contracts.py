@@ -106,7 +106,7 @@ class RoundStart(RoundEvent):
 
 
 class Assignment(RoundEvent):
-    """`assign.pool` or `assign.worker.<id>`: train one shard for one round."""
+    """`assign.pool`, `assign.worker.<id>` or `assign.prefer.<id>`: train one shard for one round."""
 
     routing_key: ClassVar[str] = "assign.pool"
     job_name: str
@@ -167,6 +167,8 @@ class RoundAggregated(RoundEvent):
     total_samples: int
     metrics: dict[str, float] = Field(default_factory=dict)
     rejected: dict[str, str] = Field(default_factory=dict)
+    # Which worker trained each accepted shard: the next round prefers it for that shard.
+    trained_by: dict[int, str] = Field(default_factory=dict)
 
 
 class RoundFailed(RoundEvent):

@@ -175,6 +175,26 @@ async def test_jobs_running_at_once_on_the_same_workers_keep_to_their_own_weight
         assert int(finals[job]["steps"]) == num_rounds
 
 
+async def test_each_shard_goes_back_to_the_worker_that_trained_it_last_round(
+    embedded: StackFactory, toy_dataset: Path
+) -> None:
+    request = toy_request(toy_dataset, num_rounds=4, min_workers=3, max_workers=3)
+    async with embedded(workers=3) as stack:
+        job_id = await stack.submit(request)
+        done = await stack.wait(job_id, timeout=120)
+        rows = await stack.ports.db.fetch(
+            "SELECT round, shard, worker_id FROM contributions WHERE job_id = $1 AND status = 'accepted'", job_id)
+
+    # Round 1 takes shards from the pool in any order; from round 2 each shard is offered first to the
+    # worker that has its data (all are idle when a round starts), so none downloads another shard.
+    assert done["status"] == "completed", done.get("reason")
+    by_shard: dict[int, list[str]] = {}
+    for row in sorted(rows, key=lambda r: r["round"]):
+        by_shard.setdefault(row["shard"], []).append(row["worker_id"])
+    assert len(by_shard) == 3 and all(len(workers) == 4 for workers in by_shard.values()), by_shard
+    assert all(len(set(workers)) == 1 for workers in by_shard.values()), by_shard
+
+
 async def test_cancelling_a_job_stops_its_training_at_once_and_frees_the_worker(
     embedded: StackFactory, toy_dataset: Path
 ) -> None:

@@ -47,12 +47,14 @@ def check_round_traces(spans: list[Span], job_id: str, rounds: int, shards: int)
     for root in round_spans:
         members = by_trace[root.trace_id]
         assert root.parent_id is None
-        assignments = [s for s in members if s.name == "assign.pool process"]
+        # From the pool, or (from round 2) from the queue of the worker that trained the shard before.
+        assignments = [s for s in members if s.name.startswith(("assign.pool ", "assign.prefer."))
+                       and s.name.endswith(" process")]
         assert len(assignments) == shards
         for a in assignments:
             assert a.parent_id == root.span_id
             assert a.attributes["messaging.system"] == "rabbitmq"
-            assert a.attributes["messaging.rabbitmq.destination.routing_key"] == "assign.pool"
+            assert f'{a.attributes["messaging.rabbitmq.destination.routing_key"]} process' == a.name
             assert a.attributes["apiary.round"] == root.attributes["apiary.round"]
             assert {"apiary.job_id", "apiary.worker_id", "apiary.shard"} <= set(a.attributes)
             children = {s.name: s for s in members if s.parent_id == a.span_id}

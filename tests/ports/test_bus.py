@@ -22,6 +22,7 @@ from apiary.bus.base import (
     Bus,
     Delivery,
     Poison,
+    Reroute,
     Retryable,
     Unroutable,
 )
@@ -156,6 +157,61 @@ async def test_a_queue_that_expires_goes_once_it_has_had_no_consumer_that_long(b
     # Assert: it was kept while consumed; then it went, with what it held.
     await eventually(gone, "the unused queue to expire")
     assert recorder.bodies == [b"while consumed"]
+
+
+async def test_a_message_not_taken_in_time_is_rerouted_and_one_taken_is_not(bus: Bus) -> None:
+    # Prepare: a worker's preferred queue that falls back to the pool, with nobody consuming it yet.
+    fallback = Reroute(after=0.5, to="assign.pool")
+    await bus.declare_queue("prefer.w1", ["assign.prefer.w1"], expires=60, reroute=fallback)
+    await bus.declare_queue("pool", ["assign.pool"])
+    pool, preferred = Recorder(), Recorder()
+
+    # Execute: one message waits with no consumer; then one is sent while the queue is consumed.
+    await bus.publish("assign.prefer.w1", b"left waiting", headers={"attempt": 1})
+    async with consuming(bus, "pool", pool):
+        await eventually(lambda: len(pool.seen) == 1, "the waiting message to reach the pool")
+        async with consuming(bus, "prefer.w1", preferred):
+            await bus.publish("assign.prefer.w1", b"taken")
+            await eventually(lambda: len(preferred.seen) == 1, "the preferred consumer to take it")
+        await asyncio.sleep(1.0)
+
+    # Assert: the waiting one went to the pool under the pool's key, with its headers; the taken one
+    # stayed where it was taken.
+    assert pool.bodies == [b"left waiting"] and pool.seen[0].routing_key == "assign.pool"
+    assert pool.seen[0].headers.get("attempt") == 1
+    assert preferred.bodies == [b"taken"]
+
+
+async def test_a_paused_subscription_takes_nothing_new_until_resumed(bus: Bus) -> None:
+    # Prepare: a consumer in the middle of handling one message.
+    await bus.declare_queue("jobs", ["job.*"])
+    release = asyncio.Event()
+    seen: list[bytes] = []
+
+    async def handler(delivery: Delivery) -> None:
+        seen.append(delivery.body)
+        if delivery.body == b"first":
+            await release.wait()
+
+    subscription = await bus.consume("jobs", handler, prefetch=1)
+    try:
+        await bus.publish("job.a", b"first")
+        await eventually(lambda: seen == [b"first"], "the first message to be handled")
+
+        # Execute: paused, the handler finishes; a message sent meanwhile waits in the queue.
+        await subscription.pause()
+        release.set()
+        await bus.publish("job.b", b"second")
+        await asyncio.sleep(0.8)
+        waiting = list(seen), await bus.queue_size("jobs")
+        await subscription.resume()
+        await eventually(lambda: seen == [b"first", b"second"], "the second message after resuming")
+    finally:
+        await subscription.cancel()
+
+    # Assert
+    assert waiting == ([b"first"], 1)
+    assert await observed(lambda: bus.queue_size("jobs"), 0) == 0
 
 
 async def test_headers_and_properties_round_trip(bus: Bus) -> None:

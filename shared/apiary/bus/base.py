@@ -55,6 +55,14 @@ def decide(error: BaseException | None, redelivered: bool) -> tuple[Outcome, str
     return Outcome.REQUEUE, f"{type(error).__name__}: {error}"
 
 
+@dataclass(frozen=True)
+class Reroute:
+    """Where a queue's messages go when no consumer takes them in time: published again under `to`."""
+
+    after: float
+    to: str
+
+
 @dataclass
 class Delivery:
     """One message as a consumer receives it."""
@@ -77,6 +85,15 @@ class Subscription(ABC):
     async def cancel(self) -> None:
         """Stop consuming; messages not yet acked go back to the queue."""
 
+    @abstractmethod
+    async def pause(self) -> None:
+        """Take no new message until `resume` (those being handled go on); the queue keeps the rest
+        for other consumers."""
+
+    @abstractmethod
+    async def resume(self) -> None:
+        """Take messages again after `pause`."""
+
 
 class Bus(ABC):
     """A topic exchange with durable queues, manual acks, dead letters and delayed publish.
@@ -94,11 +111,15 @@ class Bus(ABC):
         """Stop every consumer and close the connection."""
 
     @abstractmethod
-    async def declare_queue(self, name: str, bindings: Sequence[str], *, expires: float | None = None) -> None:
+    async def declare_queue(self, name: str, bindings: Sequence[str], *, expires: float | None = None,
+                            reroute: Reroute | None = None) -> None:
         """Declare a durable queue bound to the exchange with these topic patterns.
 
         With `expires` (seconds) the queue is deleted, messages and all, once it has had no consumer for
-        that long: for a queue of one process, which may never come back to empty it.
+        that long: for a queue of one process, which may never come back to empty it. With `reroute`, a
+        message no consumer has taken within `reroute.after` seconds is published again under
+        `reroute.to` (on RabbitMQ: a message TTL dead-lettering into the exchange). Whoever declares a
+        queue must declare it with the same `expires` and `reroute`.
         """
 
     @abstractmethod

@@ -19,6 +19,7 @@ from apiary.bus.base import (
     Delivery,
     Handler,
     Outcome,
+    Reroute,
     Subscription,
     Unroutable,
     decide,
@@ -37,6 +38,7 @@ class _Queue:
     unacked: int = 0
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     expires: float | None = None
+    reroute: Reroute | None = None
     consumers: int = 0
     unused_since: float = 0.0
 
@@ -46,6 +48,7 @@ class _MemorySubscription(Subscription):
         self._bus, self._queue, self._handler, self._prefetch = bus, queue, handler, prefetch
         self._inflight: dict[asyncio.Task[None], Delivery] = {}
         self._slots = asyncio.Semaphore(prefetch)
+        self._paused = False
         self._loop_task = asyncio.create_task(self._run(), name=f"consume:{queue.name}")
 
     async def _run(self) -> None:
@@ -53,7 +56,7 @@ class _MemorySubscription(Subscription):
         while True:
             await self._slots.acquire()
             async with queue.changed:
-                await queue.changed.wait_for(lambda: bool(queue.ready))
+                await queue.changed.wait_for(lambda: bool(queue.ready) and not self._paused)
                 delivery = queue.ready.popleft()
                 queue.unacked += 1
             task = asyncio.create_task(self._handle(delivery))
@@ -82,6 +85,13 @@ class _MemorySubscription(Subscription):
         await self._bus._settle(self._queue, delivery, outcome, reason)
         self._inflight.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
         self._slots.release()
+
+    async def pause(self) -> None:
+        self._paused = True
+
+    async def resume(self) -> None:
+        self._paused = False
+        await self._bus._notify(self._queue)
 
     async def cancel(self) -> None:
         self._loop_task.cancel()
@@ -117,10 +127,11 @@ class MemoryBus(Bus):
             timer.cancel()
         self._timers.clear()
 
-    async def declare_queue(self, name: str, bindings: Sequence[str], *, expires: float | None = None) -> None:
+    async def declare_queue(self, name: str, bindings: Sequence[str], *, expires: float | None = None,
+                            reroute: Reroute | None = None) -> None:
         queue = self._queues.get(name)
         if queue is None:
-            queue = self._queues[name] = _Queue(name, list(bindings), expires=expires)
+            queue = self._queues[name] = _Queue(name, list(bindings), expires=expires, reroute=reroute)
         else:
             queue.bindings.extend(b for b in bindings if b not in queue.bindings)
         self._unused(queue)
@@ -190,6 +201,23 @@ class MemoryBus(Bus):
         else:
             queue.ready.append(delivery)
         asyncio.get_running_loop().create_task(self._notify(queue))
+        if queue.reroute is not None:
+            loop, reroute = asyncio.get_running_loop(), queue.reroute
+            timer: asyncio.TimerHandle
+
+            def expire() -> None:
+                self._timers.discard(timer)
+                for i, waiting in enumerate(queue.ready):
+                    if waiting is delivery:  # not taken by a consumer in time
+                        del queue.ready[i]
+                        moved = replace(delivery, routing_key=reroute.to, redelivered=False)
+                        if not self._route(moved):
+                            log.error("%s from %s matched no queue under %s and was dropped",
+                                      delivery.routing_key, queue.name, reroute.to)
+                        return
+
+            timer = loop.call_later(reroute.after, expire)
+            self._timers.add(timer)
 
     async def _notify(self, queue: _Queue) -> None:
         async with queue.changed:

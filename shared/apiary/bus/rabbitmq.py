@@ -60,6 +60,7 @@ from apiary.bus.base import (
     Delivery,
     Handler,
     Outcome,
+    Reroute,
     Retryable,
     Subscription,
     Unroutable,
@@ -108,7 +109,9 @@ class _RabbitSubscription(Subscription):
         self._tags: dict[int, str | None] = {}
         self._held: set[_Held] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._busy_slots: set[int] = set()
         self._closing = False
+        self._paused = False
 
     async def start(self) -> None:
         for slot in range(self._prefetch):
@@ -128,6 +131,7 @@ class _RabbitSubscription(Subscription):
         delivery = self._bus._delivery(message)
         held = _Held(message)
         self._held.add(held)
+        self._busy_slots.add(slot)
         renewal = self._bus.lease_renewal
         keeper = asyncio.create_task(self._keep_held(slot, held, renewal)) if renewal else None
         try:
@@ -152,10 +156,11 @@ class _RabbitSubscription(Subscription):
             await self._settle(held, delivery, outcome, reason)
         finally:
             self._held.discard(held)
+            self._busy_slots.discard(slot)
             if keeper is not None:
                 keeper.cancel()
                 await asyncio.gather(keeper, return_exceptions=True)
-        if not self._closing and self._tags.get(slot) is None:
+        if not self._closing and not self._paused and self._tags.get(slot) is None:
             try:
                 await self._start_slot(slot)
             except Exception as e:
@@ -231,6 +236,26 @@ class _RabbitSubscription(Subscription):
         held.message = fresh
         await old.ack()
         log.debug("re-held %s on %s through %s", delivery.routing_key, self._queue.name, held.hold.name)
+
+    async def pause(self) -> None:
+        """Cancel the consumers (deliveries being handled stay unacked, to be settled as usual)."""
+        self._paused = True
+        for slot, tag in list(self._tags.items()):
+            if tag is not None:
+                self._tags[slot] = None
+                with contextlib.suppress(Exception):
+                    await self._queue.cancel(tag)
+
+    async def resume(self) -> None:
+        """Start a consumer again for each slot not handling a delivery (a busy one restarts its own)."""
+        if not self._paused:
+            return
+        self._paused = False
+        for slot in range(self._prefetch):
+            if self._closing:
+                return
+            if self._tags.get(slot) is None and slot not in self._busy_slots:
+                await self._start_slot(slot)
 
     async def cancel(self) -> None:
         if self._closing:
@@ -318,10 +343,18 @@ class RabbitBus(Bus):
             raise RuntimeError("RabbitBus is not connected: call connect() first")
         return self._channel, self._exchange
 
-    async def declare_queue(self, name: str, bindings: Sequence[str], *, expires: float | None = None) -> None:
+    async def declare_queue(self, name: str, bindings: Sequence[str], *, expires: float | None = None,
+                            reroute: Reroute | None = None) -> None:
         channel, exchange = self._require()
-        arguments = {"x-expires": max(1, round(expires * 1000))} if expires is not None else None
-        queue = await channel.declare_queue(self.queue_name(name), durable=True, arguments=arguments)
+        arguments: dict[str, Any] = {}
+        if expires is not None:
+            arguments["x-expires"] = max(1, round(expires * 1000))
+        if reroute is not None:
+            # RabbitMQ expires a message only at the head of its queue: fine for these queues, whose
+            # messages all wait the same time.
+            arguments.update({"x-message-ttl": max(1, round(reroute.after * 1000)),
+                              "x-dead-letter-exchange": self.exchange, "x-dead-letter-routing-key": reroute.to})
+        queue = await channel.declare_queue(self.queue_name(name), durable=True, arguments=arguments or None)
         self._queues.add(queue.name)
         for pattern in bindings:
             await queue.bind(exchange, pattern)

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from apiary import telemetry
-from apiary.bus.base import Bus, Delivery, Poison, Subscription, topic_matches
+from apiary.bus.base import Bus, Delivery, Poison, Reroute, Subscription, topic_matches
 from apiary.contracts import decode, encode
 
 EventHandler = Callable[[Any, Delivery], Awaitable[None]]
@@ -41,10 +41,11 @@ async def subscribe(
     *,
     prefetch: int = 16,
     expires: float | None = None,
+    reroute: Reroute | None = None,
 ) -> Subscription:
-    """Declare `queue` bound to the handlers' patterns (see `Bus.declare_queue` for `expires`) and
-    dispatch each decoded event."""
-    await bus.declare_queue(queue, list(handlers), expires=expires)
+    """Declare `queue` bound to the handlers' patterns (see `Bus.declare_queue` for `expires` and
+    `reroute`) and dispatch each decoded event."""
+    await bus.declare_queue(queue, list(handlers), expires=expires, reroute=reroute)
 
     async def dispatch(delivery: Delivery) -> None:
         for pattern, handler in handlers.items():

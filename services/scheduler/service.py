@@ -15,7 +15,7 @@ from urllib.parse import unquote, urlparse
 from pydantic import ValidationError
 
 from apiary import keys, telemetry
-from apiary.assignments import POOL, declare_preferred, pinned_queue
+from apiary.assignments import POOL, declare_preferred, pinned_queue, preferred_queue
 from apiary.bus import Delivery, EventHandler, Raw, subscribe
 from apiary.component import Component, dumps, loads
 from apiary.contracts import (
@@ -86,6 +86,7 @@ MIGRATIONS = [
 ]
 
 INIT_TIMEOUT = 600.0
+DECLARE_EVERY = 300.0  # seconds between declarations of one worker queue by this process
 
 
 class Scheduler(Component):
@@ -98,6 +99,7 @@ class Scheduler(Component):
         self.outbox = Outbox(self.db, self.bus, "scheduler_outbox")
         self.runner = runner or UserCodeRunner(self.settings.code_path, name="apiary-scheduler-user-code")
         self._locks = KeyedLocks()
+        self._declared: dict[str, float] = {}  # worker queue -> when this process last declared it
 
     async def start(self) -> None:
         await self.db.migrate(self.name, MIGRATIONS)
@@ -355,11 +357,10 @@ class Scheduler(Component):
                 pinned_worker=worker, issued_at=now, ended_url=ended_url,
             )
             if worker:
-                routing_key = pinned_queue(worker)
-                await self.bus.declare_queue(routing_key, [routing_key])
+                routing_key = await self._declare_worker_queue(pinned_queue(worker), preferred=False)
             elif shard.index in prefer:
                 # Its data is cached there; the pool takes it if that worker is busy or gone.
-                routing_key = await declare_preferred(self.bus, prefer[shard.index])
+                routing_key = await self._declare_worker_queue(prefer[shard.index], preferred=True)
             else:
                 routing_key = POOL
             queued.append(Pending(assignment, routing_key=routing_key, headers=trace))
@@ -368,6 +369,21 @@ class Scheduler(Component):
         await self.outbox.add_all(tx, queued)
         log.info("job %s: round %d/%d (attempt %d) started on %d shards", job_id, round_index,
                  spec.distributed.num_rounds, attempt, len(chosen))
+
+    async def _declare_worker_queue(self, name: str, *, preferred: bool) -> str:
+        """Make sure a worker's queue exists before an assignment is queued for it (the worker may not
+        have started yet); declared at most every few minutes, not every round. `name` is the pinned
+        queue, or with `preferred` the worker's id. A preferred queue is deleted only after an hour
+        without a consumer, and only online workers are preferred."""
+        queue = preferred_queue(name) if preferred else name
+        now = time.monotonic()
+        if now - self._declared.get(queue, -DECLARE_EVERY) >= DECLARE_EVERY:
+            if preferred:
+                await declare_preferred(self.bus, name)
+            else:
+                await self.bus.declare_queue(queue, [queue])
+            self._declared[queue] = now
+        return queue
 
     async def on_round_aggregated(self, event: RoundAggregated, delivery: Delivery) -> None:
         """A round's average is stored: start the next round, or finish the job."""

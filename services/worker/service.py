@@ -25,7 +25,7 @@ from apiary.assignments import (
     pinned_queue,
     preferred_queue,
 )
-from apiary.bus import Bus, Delivery, Subscription, Unroutable, publish_event, subscribe
+from apiary.bus import Bus, Decline, Delivery, Subscription, Unroutable, publish_event, subscribe
 from apiary.contracts import (
     Assignment,
     JobFailed,
@@ -68,6 +68,8 @@ class Worker:
                                                environment=self.gpu.child_environment() if self.gpu else None)
         self._subscriptions: list[Subscription] = []  # assignments: pinned, preferred, pool
         self._pool: Subscription | None = None
+        self._pool_paused = False
+        self._preferred_training = False
         self._control: Subscription | None = None
         self._busy = asyncio.Lock()
         self._ended: OrderedDict[str, str] = OrderedDict()  # job id -> why it ended
@@ -186,19 +188,24 @@ class Worker:
                      assignment.round, assignment.shard, assignment.job_id)
             return
         async with self._busy:
-            # Meanwhile the pool's slot would take an assignment and hold it until this one is done,
-            # while another worker may be idle: it takes none.
-            pool = self._pool
-            if pool is not None:
-                await pool.pause()
+            self._preferred_training = True
             try:
                 await self._handle(assignment, delivery)
             finally:
-                if pool is not None and pool is self._pool:
+                self._preferred_training = False
+                pool = self._pool
+                if self._pool_paused and pool is not None:
+                    self._pool_paused = False
                     await pool.resume()
 
     async def on_assignment(self, assignment: Assignment, delivery: Delivery) -> None:
         """Train one shard for one round and report the outcome; user errors never crash the worker."""
+        if self._preferred_training and delivery.routing_key == POOL and self._pool is not None:
+            # The pool's free slot took this while a preferred shard trains here: rather than hold it
+            # until then, while another worker may be idle, stop taking from the pool and give it back.
+            self._pool_paused = True
+            await self._pool.pause()
+            raise Decline(f"worker {self.worker_id} is training a shard it was preferred for")
         async with self._busy:
             await self._handle(assignment, delivery)
 

@@ -20,10 +20,12 @@ from apiary.bus.base import (
     ORIGINAL_KEY_HEADER,
     REASON_HEADER,
     Bus,
+    Decline,
     Delivery,
     Poison,
     Reroute,
     Retryable,
+    Subscription,
     Unroutable,
 )
 from apiary.bus.rabbitmq import RabbitBus
@@ -212,6 +214,35 @@ async def test_a_paused_subscription_takes_nothing_new_until_resumed(bus: Bus) -
     # Assert
     assert waiting == ([b"first"], 1)
     assert await observed(lambda: bus.queue_size("jobs"), 0) == 0
+
+
+async def test_a_declined_message_goes_to_another_consumer_and_is_never_dead_lettered(bus: Bus) -> None:
+    # Prepare: two consumers of one queue; the first pauses itself and declines what it gets.
+    await bus.declare_queue("pool", ["assign.pool"])
+    declined: list[bytes] = []
+    taken = Recorder()
+    first: list[Subscription] = []
+
+    async def busy(delivery: Delivery) -> None:
+        declined.append(delivery.body)
+        await first[0].pause()
+        raise Decline("busy")
+
+    first.append(await bus.consume("pool", busy, prefetch=1))
+    try:
+        for body in (b"one", b"two"):
+            await bus.publish("assign.pool", body)
+        await eventually(lambda: len(declined) >= 1, "the first consumer to decline one")
+
+        # Execute: a second consumer comes.
+        async with consuming(bus, "pool", taken):
+            await eventually(lambda: sorted(taken.bodies) == [b"one", b"two"], "both with the second consumer")
+    finally:
+        await first[0].cancel()
+
+    # Assert: nothing reached the dead-letter queue.
+    assert len(declined) == 1
+    assert await bus.queue_size("dead") == 0
 
 
 async def test_headers_and_properties_round_trip(bus: Bus) -> None:

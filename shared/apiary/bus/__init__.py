@@ -2,6 +2,7 @@
 
 from apiary.bus.base import (
     Bus,
+    Decline,
     Delivery,
     Handler,
     Outcome,
@@ -18,6 +19,7 @@ from apiary.bus.typed import EventHandler, Raw, publish_event, subscribe
 
 __all__ = [
     "Bus",
+    "Decline",
     "Delivery",
     "EventHandler",
     "Handler",

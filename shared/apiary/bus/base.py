@@ -27,6 +27,11 @@ class Poison(Exception):
     """The message can never be handled; dead-letter it with this reason."""
 
 
+class Decline(Exception):
+    """Not for this consumer now: the message goes back to its queue at once, for another consumer
+    (pause the subscription first, or it may come straight back)."""
+
+
 class Unroutable(Retryable):
     """A publish matched no queue (its consumer is not running): it would have been lost.
 
@@ -48,6 +53,8 @@ def decide(error: BaseException | None, redelivered: bool) -> tuple[Outcome, str
         return Outcome.ACK, None
     if isinstance(error, DecodeError | Poison):
         return Outcome.DEAD, str(error)
+    if isinstance(error, Decline):
+        return Outcome.REQUEUE, str(error)
     if isinstance(error, Retryable):
         return Outcome.REQUEUE, str(error)
     if redelivered:

@@ -16,6 +16,7 @@ from apiary.bus.base import (
     ORIGINAL_KEY_HEADER,
     REASON_HEADER,
     Bus,
+    Decline,
     Delivery,
     Handler,
     Outcome,
@@ -79,7 +80,9 @@ class _MemorySubscription(Subscription):
             error = e
         outcome, reason = decide(error, delivery.redelivered)
         if outcome is Outcome.REQUEUE:
-            log.warning("requeue %s on %s: %s", delivery.routing_key, self._queue.name, reason)
+            # A declined message is routine (a consumer handing it on), anything else is not.
+            (log.debug if isinstance(error, Decline) else log.warning)(
+                "requeue %s on %s: %s", delivery.routing_key, self._queue.name, reason)
         elif outcome is Outcome.DEAD:
             log.error("dead-letter %s from %s: %s", delivery.routing_key, self._queue.name, reason)
         await self._bus._settle(self._queue, delivery, outcome, reason)

@@ -57,6 +57,7 @@ from apiary.bus.base import (
     ORIGINAL_KEY_HEADER,
     REASON_HEADER,
     Bus,
+    Decline,
     Delivery,
     Handler,
     Outcome,
@@ -147,7 +148,9 @@ class _RabbitSubscription(Subscription):
                 held.active = False
             outcome, reason = decide(error, delivery.redelivered)
             if outcome is Outcome.REQUEUE:
-                log.warning("requeue %s on %s: %s", delivery.routing_key, self._queue.name, reason)
+                # A declined message is routine (a consumer handing it on), anything else is not.
+                (log.debug if isinstance(error, Decline) else log.warning)(
+                    "requeue %s on %s: %s", delivery.routing_key, self._queue.name, reason)
                 if isinstance(error, Retryable):
                     # A dependency is down: do not spin on it.
                     await asyncio.sleep(self._bus.retry_delay)

@@ -357,7 +357,7 @@ class Scheduler(Component):
                 pinned_worker=worker, issued_at=now, ended_url=ended_url,
             )
             if worker:
-                routing_key = await self._declare_worker_queue(pinned_queue(worker), preferred=False)
+                routing_key = await self._declare_worker_queue(worker, preferred=False)
             elif shard.index in prefer:
                 # Its data is cached there; the pool takes it if that worker is busy or gone.
                 routing_key = await self._declare_worker_queue(prefer[shard.index], preferred=True)
@@ -370,16 +370,16 @@ class Scheduler(Component):
         log.info("job %s: round %d/%d (attempt %d) started on %d shards", job_id, round_index,
                  spec.distributed.num_rounds, attempt, len(chosen))
 
-    async def _declare_worker_queue(self, name: str, *, preferred: bool) -> str:
-        """Make sure a worker's queue exists before an assignment is queued for it (the worker may not
-        have started yet); declared at most every few minutes, not every round. `name` is the pinned
-        queue, or with `preferred` the worker's id. A preferred queue is deleted only after an hour
-        without a consumer, and only online workers are preferred."""
-        queue = preferred_queue(name) if preferred else name
+    async def _declare_worker_queue(self, worker: str, *, preferred: bool) -> str:
+        """The worker's pinned (or preferred) queue, made sure to exist before an assignment is queued
+        there (the worker may not have started yet): declared at most every few minutes, not every
+        round. A preferred queue is deleted only after an hour without a consumer, and only online
+        workers are preferred."""
+        queue = preferred_queue(worker) if preferred else pinned_queue(worker)
         now = time.monotonic()
         if now - self._declared.get(queue, -DECLARE_EVERY) >= DECLARE_EVERY:
             if preferred:
-                await declare_preferred(self.bus, name)
+                await declare_preferred(self.bus, worker)
             else:
                 await self.bus.declare_queue(queue, [queue])
             self._declared[queue] = now

@@ -68,7 +68,6 @@ class Worker:
                                                environment=self.gpu.child_environment() if self.gpu else None)
         self._subscriptions: list[Subscription] = []  # assignments: pinned, preferred, pool
         self._pool: Subscription | None = None
-        self._pool_paused = False
         self._preferred_training = False
         self._control: Subscription | None = None
         self._busy = asyncio.Lock()
@@ -193,17 +192,14 @@ class Worker:
                 await self._handle(assignment, delivery)
             finally:
                 self._preferred_training = False
-                pool = self._pool
-                if self._pool_paused and pool is not None:
-                    self._pool_paused = False
-                    await pool.resume()
+                if self._pool is not None:
+                    await self._pool.resume()  # if a pool assignment paused it meanwhile
 
     async def on_assignment(self, assignment: Assignment, delivery: Delivery) -> None:
         """Train one shard for one round and report the outcome; user errors never crash the worker."""
         if self._preferred_training and delivery.routing_key == POOL and self._pool is not None:
             # The pool's free slot took this while a preferred shard trains here: rather than hold it
             # until then, while another worker may be idle, stop taking from the pool and give it back.
-            self._pool_paused = True
             await self._pool.pause()
             raise Decline(f"worker {self.worker_id} is training a shard it was preferred for")
         async with self._busy:

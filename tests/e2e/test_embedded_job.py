@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -195,13 +196,18 @@ async def test_each_shard_goes_back_to_the_worker_that_trained_it_last_round(
     assert all(len(set(workers)) == 1 for workers in by_shard.values()), by_shard
 
 
+def _slow_then_quick(dataset: Path, *, slow_shards: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A job of 10-minute shards, and a quick one-round job to run after it."""
+    slow = {**toy_request(dataset, num_rounds=2, min_workers=1, max_workers=slow_shards),
+            "config": {"mode": "slow", "slow_seconds": 600}}
+    return slow, toy_request(dataset, num_rounds=1, min_workers=1, max_workers=1)
+
+
 async def test_cancelling_a_job_stops_its_training_at_once_and_frees_the_worker(
     embedded: StackFactory, toy_dataset: Path
 ) -> None:
     # Prepare: the only worker is 10 minutes into... a 10-minute shard.
-    slow = {**toy_request(toy_dataset, num_rounds=2, min_workers=1, max_workers=1),
-            "config": {"mode": "slow", "slow_seconds": 600}}
-    quick = toy_request(toy_dataset, num_rounds=1, min_workers=1, max_workers=1)
+    slow, quick = _slow_then_quick(toy_dataset, slow_shards=1)
     async with embedded(workers=1) as stack:
         worker = stack.workers[0]
         slow_id = await stack.submit(slow)
@@ -230,13 +236,13 @@ async def test_cancelling_a_job_stops_its_training_at_once_and_frees_the_worker(
     # The aggregator closed the round too, rather than hold its sum until the round's timeout.
     assert [(a["status"], a["reason"]) for a in aggregations] == [("cancelled", "job cancelled: cancelled by user")]
     assert not [r for r in held if r[0] == slow_id]
+
+
 async def test_a_worker_started_after_a_job_ended_skips_its_assignments_still_queued(
     embedded: StackFactory, toy_dataset: Path
 ) -> None:
     # Prepare: two 10-minute shards of a job wait in the pool, nobody listening, when it is cancelled.
-    slow = {**toy_request(toy_dataset, num_rounds=2, min_workers=1, max_workers=2),
-            "config": {"mode": "slow", "slow_seconds": 600}}
-    quick = toy_request(toy_dataset, num_rounds=1, min_workers=1, max_workers=1)
+    slow, quick = _slow_then_quick(toy_dataset, slow_shards=2)
     async with embedded(workers=1) as stack:
         slow_id = await stack.submit(slow)
         await stack.wait(slow_id, timeout=60, until=lambda v: "training" in [s["state"] for s in v["shards"]])
@@ -246,6 +252,8 @@ async def test_a_worker_started_after_a_job_ended_skips_its_assignments_still_qu
             if await stack.ports.storage.exists(keys.job_ended(slow_id)):
                 break
             await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the aggregator stored no end marker for the cancelled job")
         late = Worker(stack.ports.bus, stack.settings, worker_id="late")
 
         # Execute: a worker that never heard of the cancel starts, and a quick job follows.

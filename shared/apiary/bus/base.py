@@ -53,9 +53,7 @@ def decide(error: BaseException | None, redelivered: bool) -> tuple[Outcome, str
         return Outcome.ACK, None
     if isinstance(error, DecodeError | Poison):
         return Outcome.DEAD, str(error)
-    if isinstance(error, Decline):
-        return Outcome.REQUEUE, str(error)
-    if isinstance(error, Retryable):
+    if isinstance(error, Decline | Retryable):
         return Outcome.REQUEUE, str(error)
     if redelivered:
         return Outcome.DEAD, f"handler failed twice: {type(error).__name__}: {error}"

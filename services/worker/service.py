@@ -11,6 +11,7 @@ import socket
 import time
 import zipfile
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,7 @@ class Worker:
                                                environment=self.gpu.child_environment() if self.gpu else None)
         self._subscriptions: list[Subscription] = []  # assignments: pinned, preferred, pool
         self._pool: Subscription | None = None
-        self._preferred_training = False
+        self._dedicated = 0  # pinned or preferred shards training or waiting to, here
         self._control: Subscription | None = None
         self._busy = asyncio.Lock()
         self._ended: OrderedDict[str, str] = OrderedDict()  # job id -> why it ended
@@ -186,24 +187,36 @@ class Worker:
             log.info("worker %s: busy, round %d shard %d of job %s passed to the pool", self.worker_id,
                      assignment.round, assignment.shard, assignment.job_id)
             return
-        async with self._busy:
-            self._preferred_training = True
-            try:
-                await self._handle(assignment, delivery)
-            finally:
-                self._preferred_training = False
-                if self._pool is not None:
-                    await self._pool.resume()  # if a pool assignment paused it meanwhile
+        async with self._dedicated_turn():
+            await self._handle(assignment, delivery)
 
     async def on_assignment(self, assignment: Assignment, delivery: Delivery) -> None:
         """Train one shard for one round and report the outcome; user errors never crash the worker."""
-        if self._preferred_training and delivery.routing_key == POOL and self._pool is not None:
-            # The pool's free slot took this while a preferred shard trains here: rather than hold it
-            # until then, while another worker may be idle, stop taking from the pool and give it back.
+        if delivery.routing_key != POOL:
+            async with self._dedicated_turn():  # pinned: only this worker may train it
+                await self._handle(assignment, delivery)
+            return
+        if self._dedicated and self._pool is not None:
+            # The pool's free slot took this while a pinned or preferred shard trains here (or waits to):
+            # rather than hold it until then, while another worker may be idle, stop taking from the
+            # pool and give it back.
             await self._pool.pause()
-            raise Decline(f"worker {self.worker_id} is training a shard it was preferred for")
+            raise Decline(f"worker {self.worker_id} is training a shard meant for it")
         async with self._busy:
             await self._handle(assignment, delivery)
+
+    @contextlib.asynccontextmanager
+    async def _dedicated_turn(self) -> AsyncIterator[None]:
+        """The training slot, for a pinned or preferred shard: until it is done, pool assignments
+        reaching this worker are declined; then the pool is read again."""
+        self._dedicated += 1
+        try:
+            async with self._busy:
+                yield
+        finally:
+            self._dedicated -= 1
+            if not self._dedicated and self._pool is not None:
+                await self._pool.resume()  # if a pool assignment paused it meanwhile
 
     async def _handle(self, assignment: Assignment, delivery: Delivery) -> None:
         """on_assignment's work, with `_busy` held."""

@@ -203,6 +203,29 @@ def _slow_then_quick(dataset: Path, *, slow_shards: int) -> tuple[dict[str, Any]
     return slow, toy_request(dataset, num_rounds=1, min_workers=1, max_workers=1)
 
 
+async def test_a_worker_training_a_pinned_shard_leaves_pool_shards_to_idle_workers(
+    embedded: StackFactory, toy_dataset: Path
+) -> None:
+    # Prepare: one of two workers trains a 10-minute shard pinned to it.
+    slow, quick = _slow_then_quick(toy_dataset, slow_shards=1)
+    async with embedded(workers=2) as stack:
+        busy, idle = (w.worker_id for w in stack.workers)
+        slow_id = await stack.submit({**slow, "worker_selection": {"mode": "pinned", "workers": [busy]}})
+        await stack.wait(slow_id, timeout=60, until=lambda v: [s["state"] for s in v["shards"]] == ["training"])
+
+        # Execute: a pool job of four one-shard rounds runs meanwhile.
+        quick_id = await stack.submit({**quick, "distributed": {**quick["distributed"], "num_rounds": 4}})
+        done = await stack.wait(quick_id, timeout=60)
+        trainers = await stack.ports.db.fetch(
+            "SELECT DISTINCT worker_id FROM contributions WHERE job_id = $1", quick_id)
+        await stack.cancel(slow_id, "test over")
+
+    # Assert: every round went to the idle worker; none waited behind the pinned shard (a pool
+    # assignment the busy worker's pool consumer took was given back at once).
+    assert done["status"] == "completed", done.get("reason")
+    assert [t["worker_id"] for t in trainers] == [idle]
+
+
 async def test_cancelling_a_job_stops_its_training_at_once_and_frees_the_worker(
     embedded: StackFactory, toy_dataset: Path
 ) -> None:

@@ -4,7 +4,9 @@
 Runs the deployed stack as separate processes (scheduler, sharder, aggregator, tracker and K workers)
 on the local RabbitMQ and PostgreSQL and a moto S3 server, with a ~100k-parameter model, K shards
 of one sample-set each and K workers, for R rounds; reports the median time between round starts
-(round 1, which pays the workers' first imports and shard downloads, is left out).
+(round 1, which pays the workers' first imports and shard downloads, is left out). With S3 it then
+measures the floor that the S3 server sets: the same round's 3K+1 requests alone, with no Apiary
+process running.
 
 Reference (from the issue, same machines): Flower 1.42's simulation engine, 0.10 s (K=4) and
 0.21 s (K=16) per round for this model; the goal is a quarter of that or less.
@@ -19,12 +21,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -171,6 +176,49 @@ def run(k: int, rounds: int, tmp: Path, endpoint: str, storage: str = "s3") -> l
         admin(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
 
 
+def storage_floor(endpoint: str, k: int, rounds: int, size: int = 400_000) -> tuple[float, float]:
+    """What a round's S3 traffic alone takes on this S3 server, with no Apiary process running: the
+    3K+1 requests of one round (K workers each GET the global weights and PUT their result, then the
+    K results are read and the new global weights written), from K threads of this process with
+    presigned URLs as the workers use them. Returns the median wall time per round and the server's
+    CPU per round (seconds)."""
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    bucket = f"floor-{uuid.uuid4().hex[:8]}"
+    s3.create_bucket(Bucket=bucket)
+    body = os.urandom(size)
+    s3.put_object(Bucket=bucket, Key="global", Body=body)
+
+    def url(method: str, key: str) -> str:
+        return str(s3.generate_presigned_url("get_object" if method == "GET" else "put_object",
+                                             Params={"Bucket": bucket, "Key": key}, ExpiresIn=3600))
+
+    def get(address: str) -> None:
+        with urllib.request.urlopen(address, timeout=60) as response:
+            response.read()
+
+    def put(address: str) -> None:
+        request = urllib.request.Request(address, data=body, method="PUT",
+                                         headers={"Content-Type": "application/octet-stream"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            response.read()
+
+    reads, writes = [url("GET", "global")] * k, [url("PUT", f"result-{i}") for i in range(k)]
+    results, new_global = [url("GET", f"result-{i}") for i in range(k)], url("PUT", "global-next")
+    times = []
+    cpu = _cpu_seconds(MOTO[0].pid)
+    with concurrent.futures.ThreadPoolExecutor(k) as pool:
+        for _ in range(rounds):
+            start = time.perf_counter()
+            list(pool.map(lambda i: (get(reads[i]), put(writes[i])), range(k)))
+            list(pool.map(get, results))
+            put(new_global)
+            times.append(time.perf_counter() - start)
+    cpu = _cpu_seconds(MOTO[0].pid) - cpu
+    return statistics.median(times), cpu / rounds
+
+
 def measure_flower(python: str, ks: list[int], rounds: int) -> dict[int, float]:
     """Median round time of Flower's simulation engine for each K, by scripts/bench_flower.py."""
     out = subprocess.run([python, str(REPO / "scripts" / "bench_flower.py"), "--k", *map(str, ks),
@@ -214,6 +262,12 @@ def main() -> None:
                     results[k]["vs_flower"] = round(median / ref, 3)
                 print(f"K={k} ({args.storage}): median round {median * 1000:.1f} ms over {len(durations)} rounds "
                       f"(min {min(durations) * 1000:.1f}, p90 {results[k]['p90_s'] * 1000:.1f}){versus}", flush=True)
+                if args.storage == "s3":
+                    floor, server_cpu = storage_floor(endpoint, k, args.rounds)
+                    results[k]["s3_floor_s"] = round(floor, 4)
+                    print(f"  the round's {3 * k + 1} S3 requests alone, no Apiary running: {floor * 1000:.1f} ms"
+                          + (f" ({floor / ref:.2f}x Flower's)" if ref else "")
+                          + f", S3 server CPU {server_cpu * 1000:.1f} ms per round", flush=True)
     finally:
         moto.terminate()
     print(json.dumps(results))

@@ -52,6 +52,10 @@ ENDED_JOBS_KEPT = 4096  # job ids remembered as ended, to skip their assignments
 # An assignment issued less than this before the worker started listening for job ends (clocks of
 # different machines may differ) may belong to a job that ended unheard: its end marker is read first.
 CLOCK_SKEW = 300.0
+# The aggregator stores a job's end marker when it hears the job end, normally within milliseconds; a
+# marker still missing this long after the worker started listening means the job had not ended then,
+# so the job's later assignments are not probed.
+MARKER_SETTLE = 30.0
 
 
 class Worker:
@@ -73,6 +77,7 @@ class Worker:
         self._control: Subscription | None = None
         self._busy = asyncio.Lock()
         self._ended: OrderedDict[str, str] = OrderedDict()  # job id -> why it ended
+        self._alive: OrderedDict[str, None] = OrderedDict()  # jobs known not to have ended unheard
         self._listening_since = float("inf")  # when job ends started to reach this worker
         self._training: asyncio.Task[None] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
@@ -150,24 +155,29 @@ class Worker:
         )
 
     def _remember_ended(self, job_id: str, reason: str) -> None:
-        self._ended[job_id] = reason
-        self._ended.move_to_end(job_id)
-        while len(self._ended) > ENDED_JOBS_KEPT:
-            self._ended.popitem(last=False)
+        _remember(self._ended, job_id, reason)
 
-    async def _ended_unheard(self, a: Assignment) -> bool:
-        """Whether the assignment's job ended before this worker listened for job ends: read from the
-        job's end marker, for assignments issued about then or earlier (others cost nothing)."""
-        if a.ended_url is None or a.issued_at is None or a.issued_at > self._listening_since + CLOCK_SKEW:
-            return False
-        marker = await transfer.probe(a.ended_url)
+    def _end_probe(self, a: Assignment) -> asyncio.Task[bool] | None:
+        """Whether the assignment's job ended before this worker listened for job ends, read from the
+        job's end marker (in the background, beside the downloads), for assignments issued about
+        then or earlier; None where no reading is needed (most: nothing to pay)."""
+        if (a.ended_url is None or a.issued_at is None or a.job_id in self._alive
+                or a.issued_at > self._listening_since + CLOCK_SKEW):
+            return None
+        return asyncio.create_task(self._ended_unheard(a.job_id, a.ended_url), name=f"ended?:{a.job_id}")
+
+    async def _ended_unheard(self, job_id: str, url: str) -> bool:
+        asked = time.time()
+        marker = await transfer.probe(url)
         if marker is None:
+            if asked > self._listening_since + MARKER_SETTLE:
+                _remember(self._alive, job_id, None)
             return False
         try:
             reason = str(json.loads(marker).get("reason") or "ended")
         except (ValueError, AttributeError):
             reason = "ended"
-        self._remember_ended(a.job_id, reason)
+        self._remember_ended(job_id, reason)
         return True
 
     async def on_job_ended(self, event: JobFailed, delivery: Delivery) -> None:
@@ -224,9 +234,8 @@ class Worker:
             log.info("worker %s: skipping stale assignment %s round %d shard %d", self.worker_id,
                      assignment.job_id, assignment.round, assignment.shard)
             return
-        if assignment.job_id in self._ended or await self._ended_unheard(assignment):
-            log.info("worker %s: skipping round %d shard %d of job %s, which ended (%s)", self.worker_id,
-                     assignment.round, assignment.shard, assignment.job_id, self._ended[assignment.job_id])
+        if assignment.job_id in self._ended:
+            self._skip_ended(assignment)
             return
         self.current, self.state = assignment, "training"
         attributes = {**telemetry.messaging(delivery.routing_key, "process", self.settings.exchange),
@@ -236,7 +245,8 @@ class Worker:
                 f"{delivery.routing_key} process", kind=SpanKind.CONSUMER, attributes=attributes
             ) as span:
                 # Its own task, so that the job ending can stop it (its training child is killed).
-                self._training = asyncio.create_task(self._train(assignment), name=f"train:{self.worker_id}")
+                self._training = asyncio.create_task(self._train(assignment, self._end_probe(assignment)),
+                                                     name=f"train:{self.worker_id}")
                 try:
                     await self._training
                 except asyncio.CancelledError:
@@ -249,11 +259,17 @@ class Worker:
             self._training = None
             self.current, self.state = None, "idle"
 
+    def _skip_ended(self, a: Assignment) -> None:
+        log.info("worker %s: skipping round %d shard %d of job %s, which ended (%s)", self.worker_id,
+                 a.round, a.shard, a.job_id, self._ended[a.job_id])
+
     def _attributes(self, a: Assignment) -> dict[str, Any]:
         return {"apiary.job_id": a.job_id, "apiary.round": a.round, "apiary.attempt": a.attempt,
                 "apiary.shard": a.shard, "apiary.worker_id": self.worker_id}
 
-    async def _train(self, a: Assignment) -> None:
+    async def _train(self, a: Assignment, ended: asyncio.Task[bool] | None = None) -> None:
+        """Download, train, upload, report; `ended` reads whether the job ended unheard (then the
+        assignment is skipped: it is read before a shard is downloaded, else beside the weights)."""
         started = time.monotonic()
         job_dir = self.cache / "jobs" / a.job_id
         # One working folder per job, reused round after round (this worker trains one shard at a
@@ -265,15 +281,31 @@ class Worker:
         out_dir.mkdir(parents=True, exist_ok=True)
         tracer = telemetry.tracer()
         with tracer.start_as_current_span("download", attributes=self._attributes(a)) as span:
+            weights = work / "global.safetensors"
             try:
-                data_root, moved = await self._shard(a, job_dir)
-                weights = work / "global.safetensors"
-                await transfer.download(a.weights_url, weights, a.weights_sha256)
+                if ended is not None and not self._shard_cached(a, job_dir) and await ended:
+                    span.add_event("job.ended")
+                    self._skip_ended(a)
+                    return
+                fetch_weights = asyncio.ensure_future(transfer.download(a.weights_url, weights, a.weights_sha256))
+                try:
+                    if ended is not None and await ended:
+                        span.add_event("job.ended")
+                        self._skip_ended(a)
+                        return
+                    data_root, moved = await self._shard(a, job_dir)
+                    await fetch_weights
+                finally:
+                    # Never left running: a later assignment downloads to the same file.
+                    await asyncio.gather(fetch_weights, return_exceptions=True)
                 span.set_attribute("apiary.bytes", moved + weights.stat().st_size)
             except (transfer.TransferError, zipfile.BadZipFile, OSError, ValueError) as e:
                 telemetry.fail(span, "download.failed", str(e))
                 await self._failed(a, f"inputs could not be fetched: {e}")
                 return
+            finally:
+                if ended is not None and not ended.done():
+                    ended.cancel()
         progress = _ProgressStream(self, a)
         call = TrainCall(
             module=a.entrypoint.split(":", 1)[0],
@@ -321,10 +353,17 @@ class Worker:
         log.info("worker %s: job %s round %d shard %d done in %.2fs (%d samples)", self.worker_id,
                  a.job_id, a.round, a.shard, duration, result.samples)
 
+    @staticmethod
+    def _shard_root(a: Assignment, job_dir: Path) -> Path:
+        return job_dir / f"shard-{a.shard:04d}-{a.shard_sha256[:16]}"
+
+    def _shard_cached(self, a: Assignment, job_dir: Path) -> bool:
+        return (self._shard_root(a, job_dir) / "manifest.json").is_file()
+
     async def _shard(self, a: Assignment, job_dir: Path) -> tuple[Path, int]:
         """The shard's folder, downloaded and unpacked once per job; and the bytes fetched for it."""
-        root = job_dir / f"shard-{a.shard:04d}-{a.shard_sha256[:16]}"
-        if (root / "manifest.json").is_file():
+        root = self._shard_root(a, job_dir)
+        if self._shard_cached(a, job_dir):
             return root, 0
         archive = job_dir / f"shard-{a.shard:04d}.zip"
         await transfer.download(a.shard_url, archive, a.shard_sha256)
@@ -353,6 +392,14 @@ class Worker:
                     a.shard, error)
         await publish_event(self.bus, WorkerFailed(job_id=a.job_id, round=a.round, attempt=a.attempt,
                                                    worker_id=self.worker_id, shard=a.shard, error=error))
+
+
+def _remember(kept: OrderedDict[str, Any], job_id: str, value: Any) -> None:
+    """Remember a job (most recent last), forgetting the oldest beyond ENDED_JOBS_KEPT."""
+    kept[job_id] = value
+    kept.move_to_end(job_id)
+    while len(kept) > ENDED_JOBS_KEPT:
+        kept.popitem(last=False)
 
 
 class _ProgressStream:

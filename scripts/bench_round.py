@@ -206,12 +206,17 @@ def storage_floor(endpoint: str, k: int, rounds: int, size: int = 400_000) -> tu
 
     reads, writes = [url("GET", "global")] * k, [url("PUT", f"result-{i}") for i in range(k)]
     results, new_global = [url("GET", f"result-{i}") for i in range(k)], url("PUT", "global-next")
+
+    def worker(i: int) -> None:
+        get(reads[i])
+        put(writes[i])
+
     times = []
     cpu = _cpu_seconds(MOTO[0].pid)
     with concurrent.futures.ThreadPoolExecutor(k) as pool:
         for _ in range(rounds):
             start = time.perf_counter()
-            list(pool.map(lambda i: (get(reads[i]), put(writes[i])), range(k)))
+            list(pool.map(worker, range(k)))
             list(pool.map(get, results))
             put(new_global)
             times.append(time.perf_counter() - start)

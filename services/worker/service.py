@@ -154,9 +154,6 @@ class Worker:
             gpu=gpu_stats(self.gpu, self.runner.pid), samples_per_s=self.samples_per_s,
         )
 
-    def _remember_ended(self, job_id: str, reason: str) -> None:
-        _remember(self._ended, job_id, reason)
-
     def _end_probe(self, a: Assignment) -> asyncio.Task[bool] | None:
         """Whether the assignment's job ended before this worker listened for job ends, read from the
         job's end marker (in the background, beside the downloads), for assignments issued about
@@ -177,12 +174,12 @@ class Worker:
             reason = str(json.loads(marker).get("reason") or "ended")
         except (ValueError, AttributeError):
             reason = "ended"
-        self._remember_ended(job_id, reason)
+        _remember(self._ended, job_id, reason)
         return True
 
     async def on_job_ended(self, event: JobFailed, delivery: Delivery) -> None:
         """A job was cancelled or failed: stop training its shard now, and skip its queued assignments."""
-        self._remember_ended(event.job_id, event.reason)
+        _remember(self._ended, event.job_id, event.reason)
         a, training = self.current, self._training
         if a is not None and a.job_id == event.job_id and training is not None and not training.done():
             log.info("worker %s: job %s ended (%s); stopping its round %d shard %d", self.worker_id, a.job_id,
@@ -245,8 +242,7 @@ class Worker:
                 f"{delivery.routing_key} process", kind=SpanKind.CONSUMER, attributes=attributes
             ) as span:
                 # Its own task, so that the job ending can stop it (its training child is killed).
-                self._training = asyncio.create_task(self._train(assignment, self._end_probe(assignment)),
-                                                     name=f"train:{self.worker_id}")
+                self._training = asyncio.create_task(self._train(assignment), name=f"train:{self.worker_id}")
                 try:
                     await self._training
                 except asyncio.CancelledError:
@@ -267,10 +263,11 @@ class Worker:
         return {"apiary.job_id": a.job_id, "apiary.round": a.round, "apiary.attempt": a.attempt,
                 "apiary.shard": a.shard, "apiary.worker_id": self.worker_id}
 
-    async def _train(self, a: Assignment, ended: asyncio.Task[bool] | None = None) -> None:
-        """Download, train, upload, report; `ended` reads whether the job ended unheard (then the
-        assignment is skipped: it is read before a shard is downloaded, else beside the weights)."""
+    async def _train(self, a: Assignment) -> None:
+        """Download, train, upload, report; skipped if the job's end marker says it ended unheard (read
+        beside the weights' download, or before it where the shard would be downloaded too)."""
         started = time.monotonic()
+        ended = self._end_probe(a)
         job_dir = self.cache / "jobs" / a.job_id
         # One working folder per job, reused round after round (this worker trains one shard at a
         # time): its files are replaced whole, and the user's output folder starts empty every call.
@@ -282,28 +279,30 @@ class Worker:
         tracer = telemetry.tracer()
         with tracer.start_as_current_span("download", attributes=self._attributes(a)) as span:
             weights = work / "global.safetensors"
+
+            def fetch() -> asyncio.Future[None]:
+                return asyncio.ensure_future(transfer.download(a.weights_url, weights, a.weights_sha256))
+
+            fetch_weights: asyncio.Future[None] | None = None
             try:
-                if ended is not None and not self._shard_cached(a, job_dir) and await ended:
+                if ended is None or self._shard_cached(a, job_dir):
+                    fetch_weights = fetch()  # beside the marker's reading; else after it, with the shard
+                if ended is not None and await ended:
                     span.add_event("job.ended")
                     self._skip_ended(a)
                     return
-                fetch_weights = asyncio.ensure_future(transfer.download(a.weights_url, weights, a.weights_sha256))
-                try:
-                    if ended is not None and await ended:
-                        span.add_event("job.ended")
-                        self._skip_ended(a)
-                        return
-                    data_root, moved = await self._shard(a, job_dir)
-                    await fetch_weights
-                finally:
-                    # Never left running: a later assignment downloads to the same file.
-                    await asyncio.gather(fetch_weights, return_exceptions=True)
+                fetch_weights = fetch_weights or fetch()
+                data_root, moved = await self._shard(a, job_dir)
+                await fetch_weights
                 span.set_attribute("apiary.bytes", moved + weights.stat().st_size)
             except (transfer.TransferError, zipfile.BadZipFile, OSError, ValueError) as e:
                 telemetry.fail(span, "download.failed", str(e))
                 await self._failed(a, f"inputs could not be fetched: {e}")
                 return
             finally:
+                if fetch_weights is not None:
+                    # Never left running: a later assignment downloads to the same file.
+                    await asyncio.gather(fetch_weights, return_exceptions=True)
                 if ended is not None and not ended.done():
                     ended.cancel()
         progress = _ProgressStream(self, a)

@@ -11,7 +11,7 @@ from typing import Any
 
 from apiary import keys, telemetry
 from apiary.bus import Delivery, EventHandler, subscribe
-from apiary.component import Component, dumps, loads
+from apiary.component import Component, from_json, to_json
 from apiary.contracts import (
     JobFailed,
     ObjectRef,
@@ -116,7 +116,7 @@ class Aggregator(Component):
         async with self._locks(event.job_id):
             row = {
                 "job_id": event.job_id, "round": event.round, "attempt": event.attempt,
-                "shards": dumps(event.shards), "min_workers": event.min_workers, "weights_key": event.weights.key,
+                "shards": to_json(event.shards), "min_workers": event.min_workers, "weights_key": event.weights.key,
                 "weights_size": event.weights.size, "weights_sha256": event.weights.sha256,
                 "use_peft": int(event.use_peft), "status": "open", "opened_at": time.time(),
                 "traceparent": telemetry.headers_for().get("traceparent"), "deadline": event.deadline,
@@ -244,7 +244,7 @@ class Aggregator(Component):
         status = "cancelled" if event.cancelled else "failed"
         # The job's end marker, for workers that start after this event and would otherwise train
         # its assignments still queued (they have only the bus and the URLs in those assignments).
-        await self.storage.put_bytes(keys.job_ended(event.job_id), dumps(
+        await self.storage.put_bytes(keys.job_ended(event.job_id), to_json(
             {"job_id": event.job_id, "status": status, "reason": event.reason}).encode())
         async with self._locks(event.job_id):
             closed = await self.db.execute(
@@ -320,7 +320,7 @@ class Aggregator(Component):
         data = dump_weights(average)
         ref = await self.storage.put_bytes(keys.global_weights(job_id, round_index), data)
         self._remember_spec(ref, spec_of(data))
-        metrics = weighted_metrics([(r["samples"], loads(r["metrics"], {})) for r in accepted])
+        metrics = weighted_metrics([(r["samples"], from_json(r["metrics"], {})) for r in accepted])
         done = RoundAggregated(
             job_id=job_id, round=round_index, attempt=attempt, weights=ref,
             contributors=sorted(r["shard"] for r in accepted), total_samples=state.fedavg.total_samples,
@@ -352,7 +352,7 @@ class Aggregator(Component):
             spec = spec_of(await self.storage.get_bytes(base.key))
             self._remember_spec(base, spec)
         key = (agg["job_id"], agg["round"], agg["attempt"])
-        state = RoundState(agg=agg, spec=spec, shards=frozenset(loads(agg["shards"])))
+        state = RoundState(agg=agg, spec=spec, shards=frozenset(from_json(agg["shards"])))
         for row in await self._contributions(*key):
             if row["status"] in SETTLED:
                 state.settled[row["shard"]] = row["status"]
@@ -388,7 +388,7 @@ class Aggregator(Component):
             " result_key, size, sha256, metrics, received_at, traceparent)"
             " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
             event.job_id, event.round, event.attempt, event.shard, event.worker_id, status, reason,
-            samples, result.key, result.size, result.sha256, dumps(metrics), time.time(),
+            samples, result.key, result.size, result.sha256, to_json(metrics), time.time(),
             telemetry.headers_for().get("traceparent"),
         )
         if state is not None and status in SETTLED:

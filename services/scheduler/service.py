@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from apiary import keys, telemetry
 from apiary.assignments import POOL, declare_preferred, pinned_queue, preferred_queue
 from apiary.bus import Delivery, EventHandler, Raw, subscribe
-from apiary.component import Component, dumps, loads
+from apiary.component import Component, from_json, to_json
 from apiary.contracts import (
     Assignment,
     JobAccepted,
@@ -43,11 +43,11 @@ from apiary.contracts import (
 from apiary.db import Executor
 from apiary.jobspec import JobSpec, describe_errors, field_errors
 from apiary.outbox import KeyedLocks, Outbox, Pending, outbox_migration
+from apiary.status import JobStatus
 from apiary.storage import ObjectNotFound
 from apiary.usercode import UserCodeError, UserCodeRunner
 from apiary.weights import WeightsError, read_header
 from services.scheduler.state import (
-    JobStatus,
     Next,
     after_aggregated,
     after_failed,
@@ -203,7 +203,7 @@ class Scheduler(Component):
                 await tx.execute(
                     "UPDATE jobs SET status = $2, shards = $3, dataset_id = $4, weights_key = $5,"
                     " weights_size = $6, weights_sha256 = $7, updated_at = $8 WHERE job_id = $1",
-                    event.job_id, JobStatus.RUNNING, dumps([s.model_dump() for s in event.shards]),
+                    event.job_id, JobStatus.RUNNING, to_json([s.model_dump() for s in event.shards]),
                     event.dataset_id, weights.key, weights.size, weights.sha256, time.time(),
                 )
                 await self._start_round(tx, event.job_id, spec, event.shards, weights, 1, 1)
@@ -255,7 +255,7 @@ class Scheduler(Component):
     ) -> None:
         """Start the round if enough workers are online; else park the job as waiting, with why.
         `prefer` names the worker that trained each shard last round: it is offered the shard again."""
-        pinned = spec.worker_selection.workers if spec.worker_selection.mode == "pinned" else []
+        pinned = spec.worker_selection.pinned
         present = await self._online(tx)
         online, required = workers_needed(spec.distributed.min_workers, pinned, present)
         if online < required:
@@ -327,7 +327,7 @@ class Scheduler(Component):
         await tx.execute(
             "INSERT INTO rounds (job_id, round, attempt, status, shards, started_at, deadline, trace_id, span_id)"
             " VALUES ($1, $2, $3, 'running', $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING",
-            job_id, round_index, attempt, dumps([s.index for s in chosen]), now, deadline,
+            job_id, round_index, attempt, to_json([s.index for s in chosen]), now, deadline,
             f"{trace_id:032x}", f"{span_id:016x}",
         )
         await tx.execute(
@@ -340,7 +340,7 @@ class Scheduler(Component):
             deadline=deadline, use_peft=spec.use_peft,
         ), headers=trace)]
         ttl = int(timeout + self.settings.presign_ttl)
-        pinned = spec.worker_selection.workers if spec.worker_selection.mode == "pinned" else []
+        pinned = spec.worker_selection.pinned
         ended_url = self.storage.presign_get(keys.job_ended(job_id), ttl)
         for shard in chosen:
             result_key = keys.contribution(job_id, round_index, attempt, shard.index)
@@ -404,7 +404,7 @@ class Scheduler(Component):
                     "UPDATE jobs SET weights_key = $2, weights_size = $3, weights_sha256 = $4, failures = 0,"
                     " metrics = $5 WHERE job_id = $1",
                     event.job_id, event.weights.key, event.weights.size, event.weights.sha256,
-                    dumps(event.metrics),
+                    to_json(event.metrics),
                 )
                 await self._start_round(tx, event.job_id, spec, shards, event.weights, decision.round,
                                         decision.attempt, prefer=event.trained_by)
@@ -502,7 +502,7 @@ class Scheduler(Component):
             "SELECT round, attempt, status, reason, metrics FROM rounds WHERE job_id = $1 ORDER BY round, attempt",
             job_id,
         )
-        history = [{**r, "metrics": loads(r["metrics"], {})} for r in rounds
+        history = [{**r, "metrics": from_json(r["metrics"], {})} for r in rounds
                    if (r["round"], r["attempt"]) != (event.round, event.attempt)]
         history.append({"round": event.round, "attempt": event.attempt, "status": "aggregated",
                         "metrics": event.metrics})
@@ -516,7 +516,7 @@ class Scheduler(Component):
             await tx.execute(
                 "UPDATE jobs SET status = $2, final_model = $3, metrics = $4, weights_key = $5,"
                 " weights_size = $6, weights_sha256 = $7, reason = $8, updated_at = $9 WHERE job_id = $1",
-                job_id, JobStatus.COMPLETED, final_uri, dumps(metrics), event.weights.key,
+                job_id, JobStatus.COMPLETED, final_uri, to_json(metrics), event.weights.key,
                 event.weights.size, event.weights.sha256, evaluation_error, time.time(),
             )
             await self.outbox.add(tx, JobCompleted(job_id=job_id, rounds_completed=event.round,
@@ -534,14 +534,14 @@ class Scheduler(Component):
         )
         if row is not None and row["trace_id"]:
             attributes = {"apiary.job_id": job_id, "apiary.round": round_index, "apiary.attempt": attempt,
-                          "apiary.shards": len(loads(row["shards"], [])), "apiary.round.status": status}
+                          "apiary.shards": len(from_json(row["shards"], [])), "apiary.round.status": status}
             telemetry.recorded_span(f"round {round_index}", int(row["trace_id"], 16), int(row["span_id"], 16),
                                     int(row["started_at"] * 1e9), attributes, error=reason)
         await tx.execute(
             "UPDATE rounds SET status = $4, ended_at = $5, reason = $6, weights_key = $7, metrics = $8"
             " WHERE job_id = $1 AND round = $2 AND attempt = $3",
             job_id, round_index, attempt, status, time.time(), reason, weights_key,
-            dumps(metrics) if metrics is not None else None,
+            to_json(metrics) if metrics is not None else None,
         )
 
     async def _close_running_rounds(self, tx: Executor, job_id: str, status: str, reason: str) -> None:
@@ -580,7 +580,7 @@ class Scheduler(Component):
 
 def _shards(job: dict[str, Any]) -> list[ShardInfo]:
     """A job row's shards."""
-    return [ShardInfo.model_validate(s) for s in loads(job["shards"], [])]
+    return [ShardInfo.model_validate(s) for s in from_json(job["shards"], [])]
 
 
 def _weights(job: dict[str, Any]) -> ObjectRef:

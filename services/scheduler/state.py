@@ -6,22 +6,6 @@ import enum
 from dataclasses import dataclass
 
 
-class JobStatus(enum.StrEnum):
-    """Where a job is in its life."""
-
-    SHARDING = "sharding"
-    WAITING = "waiting"
-    RUNNING = "running"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-    @property
-    def terminal(self) -> bool:
-        """No further event changes a job in this state."""
-        return self in (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
-
-
 class Next(enum.Enum):
     """The scheduler's move after a round ends."""
 

@@ -15,8 +15,8 @@ from apiary.bus import Delivery, subscribe
 from apiary.component import Component
 from apiary.contracts import JobSharded, ShardInfo, ShardRequested
 from apiary.dataset import DatasetError, DatasetSource, split, write_shard
-from apiary.datasets import dataset_info
 from apiary.outbox import KeyedLocks, Outbox, outbox_migration
+from apiary.registry import dataset_info
 from apiary.storage import ObjectNotFound
 
 log = logging.getLogger("apiary.sharder")

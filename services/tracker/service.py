@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from apiary.bus import Delivery, Poison, Raw, subscribe
-from apiary.component import Component, dumps
+from apiary.component import Component, to_json
 from apiary.contracts import DecodeError, decode_body
 from apiary.db.group import GroupCommit
 from services.tracker.http import HttpServer
@@ -128,7 +128,7 @@ class Tracker(Component):
         round_index = body.get("round") if isinstance(body.get("round"), int) else None
         if key != "worker.heartbeat":
             await tx.execute("INSERT INTO events (ts, routing_key, job_id, round, body) VALUES ($1, $2, $3, $4, $5)",
-                             ts, key, job_id, round_index, dumps(_summary(key, body)))
+                             ts, key, job_id, round_index, to_json(_summary(key, body)))
         handler = _VIEWS.get(key)
         if handler is not None:
             try:
@@ -185,7 +185,7 @@ async def _job_rejected(tx: Any, b: dict[str, Any], ts: float) -> None:
     await _ensure_job(tx, b["job_id"], ts)
     await tx.execute(
         "UPDATE job_views SET status = 'rejected', reason = $2, errors = $3, updated_at = $4 WHERE job_id = $1",
-        b["job_id"], b["reason"], dumps(b.get("errors", [])), ts,
+        b["job_id"], b["reason"], to_json(b.get("errors", [])), ts,
     )
 
 
@@ -221,7 +221,7 @@ async def _shard_state(tx: Any, b: dict[str, Any], ts: float, state: str, error:
         " error = $8, step = COALESCE($9, step), updated_at = $10"
         f" WHERE job_id = $1 AND round = $2 AND attempt = $3 AND shard = $4 {settled}",
         b["job_id"], b["round"], b.get("attempt", 1), b["shard"], b["worker_id"], state,
-        dumps(b["metrics"]) if b.get("metrics") else None, error,
+        to_json(b["metrics"]) if b.get("metrics") else None, error,
         b.get("step") if isinstance(b.get("step"), int) else None, ts,
     )
 
@@ -253,7 +253,7 @@ async def _round_aggregated(tx: Any, b: dict[str, Any], ts: float) -> None:
     await tx.execute(
         "UPDATE round_views SET status = 'aggregated', metrics = $4, ended_at = $5"
         " WHERE job_id = $1 AND round = $2 AND attempt = $3 AND status = 'running'",
-        b["job_id"], b["round"], b["attempt"], dumps(b.get("metrics", {})), ts,
+        b["job_id"], b["round"], b["attempt"], to_json(b.get("metrics", {})), ts,
     )
     for shard, reason in (b.get("rejected") or {}).items():
         await tx.execute(
@@ -276,7 +276,7 @@ async def _job_completed(tx: Any, b: dict[str, Any], ts: float) -> None:
     await tx.execute(
         "UPDATE job_views SET status = 'completed', round = $2, final_model = $3, metrics = $4, updated_at = $5"
         " WHERE job_id = $1",
-        b["job_id"], b["rounds_completed"], b["final_model"], dumps(b.get("metrics", {})), ts,
+        b["job_id"], b["rounds_completed"], b["final_model"], to_json(b.get("metrics", {})), ts,
     )
 
 
@@ -337,7 +337,7 @@ async def _touch_worker(tx: Any, worker_id: str, ts: float, *, state: str | None
         "UPDATE workers SET status = 'online', state = COALESCE($2, state), hostname = COALESCE($3, hostname),"
         " job_id = $4, round = $5, shard = $6, gpu = COALESCE($7, gpu),"
         " samples_per_s = COALESCE($8, samples_per_s), last_seen = $9 WHERE worker_id = $1",
-        worker_id, state, hostname, job_id, round_index, shard, dumps(gpu) if gpu else None,
+        worker_id, state, hostname, job_id, round_index, shard, to_json(gpu) if gpu else None,
         float(samples_per_s) if samples_per_s is not None else None, ts,
     )
 

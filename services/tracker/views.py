@@ -6,10 +6,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from apiary.component import loads
+from apiary.component import from_json
 from apiary.db import Executor
-
-TERMINAL = ("completed", "failed", "cancelled", "rejected")
+from apiary.status import TERMINAL
 
 # A shard whose worker went offline mid-round shows as offline, not as still training; one that had not
 # reported when its job ended shows as stopped.
@@ -21,13 +20,13 @@ async def job_view(db: Executor, job_id: str) -> dict[str, Any] | None:
     job = await db.fetchrow("SELECT * FROM job_views WHERE job_id = $1", job_id)
     if job is None:
         return None
-    job["metrics"] = loads(job["metrics"], {})
-    job["errors"] = loads(job["errors"], [])
+    job["metrics"] = from_json(job["metrics"], {})
+    job["errors"] = from_json(job["errors"], [])
     rounds = await db.fetch(
         "SELECT round, attempt, status, metrics, reason, started_at, ended_at FROM round_views"
         " WHERE job_id = $1 ORDER BY round, attempt", job_id,
     )
-    job["rounds"] = [{**r, "metrics": loads(r["metrics"], {})} for r in rounds]
+    job["rounds"] = [{**r, "metrics": from_json(r["metrics"], {})} for r in rounds]
     shards = await db.fetch(
         "SELECT s.shard, s.worker_id, s.state, s.step, s.metrics, s.error, s.updated_at, w.status AS worker_status"
         " FROM shard_views s LEFT JOIN workers w ON w.worker_id = s.worker_id"
@@ -43,7 +42,7 @@ async def job_view(db: Executor, job_id: str) -> dict[str, Any] | None:
 
 def _shard(row: dict[str, Any], job_status: str) -> dict[str, Any]:
     worker_status = row.pop("worker_status")
-    shard = {**row, "metrics": loads(row["metrics"], {})}
+    shard = {**row, "metrics": from_json(row["metrics"], {})}
     if shard["state"] in _STALLED and job_status in TERMINAL:
         shard["state"] = "stopped"
     elif shard["state"] in _STALLED and worker_status == "offline":
@@ -75,8 +74,8 @@ async def list_jobs(db: Executor, limit: int = 100) -> list[dict[str, Any]]:
             " ORDER BY round, attempt", *(j["job_id"] for j in jobs),
         )
         for r in rounds:
-            latest[r["job_id"]] = loads(r["metrics"], {})
-    return [{**j, "metrics": loads(j["metrics"], {}), "last_round_metrics": latest.get(j["job_id"], {})}
+            latest[r["job_id"]] = from_json(r["metrics"], {})
+    return [{**j, "metrics": from_json(j["metrics"], {}), "last_round_metrics": latest.get(j["job_id"], {})}
             for j in jobs]
 
 
@@ -124,7 +123,7 @@ def round_series(rounds: Iterable[dict[str, Any]], name: str) -> list[dict[str, 
     """The aggregated value of one metric after each round that aggregated (x = round)."""
     points = []
     for r in rounds:
-        value = loads(r["metrics"], {}).get(name) if r["status"] == "aggregated" else None
+        value = from_json(r["metrics"], {}).get(name) if r["status"] == "aggregated" else None
         if isinstance(value, int | float):
             points.append({"x": r["round"], "y": float(value), "attempt": r["attempt"]})
     return points
@@ -149,7 +148,7 @@ async def workers_view(db: Executor, now: float | None = None) -> list[dict[str,
             "last_heartbeat": w["last_seen"],
             "seconds_since_heartbeat": round(max(0.0, now - w["last_seen"]), 3),
             "assignment": {"job_id": w["job_id"], "round": w["round"], "shard": w["shard"]} if busy else None,
-            "gpu": loads(w["gpu"]),
+            "gpu": from_json(w["gpu"]),
             "samples_per_s": w["samples_per_s"],
             "first_seen": w["first_seen"],
         })

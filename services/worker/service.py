@@ -39,6 +39,7 @@ from apiary.contracts import (
     WorkerProgress,
 )
 from apiary.dataset import extract_shard
+from apiary.jobspec import parse_entrypoint
 from apiary.settings import Settings
 from apiary.usercode import TrainCall, UserCodeError, UserCodeRunner
 from services.worker.gpu import choose_gpu, gpu_stats
@@ -306,9 +307,9 @@ class Worker:
                 if ended is not None and not ended.done():
                     ended.cancel()
         progress = _ProgressStream(self, a)
+        module, function = parse_entrypoint(a.entrypoint)
         call = TrainCall(
-            module=a.entrypoint.split(":", 1)[0],
-            function=a.entrypoint.split(":", 1)[1] if ":" in a.entrypoint else "fl_train_model",
+            module=module, function=function,
             weights_path=str(weights), result_path=str(work / "result.safetensors"),
             out_dir=str(out_dir), env=a.env,
             dataset={"data_root": str(data_root), "shard_index": a.shard, "num_samples": a.shard_num_samples,

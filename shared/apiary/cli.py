@@ -428,7 +428,7 @@ def dataset_upload(
     name: str = typer.Option(None, "--name", help="A name for people (default: the folder or file name)."),
 ) -> None:
     """Store a dataset; print its dataset_id and URI."""
-    from apiary.datasets import upload_dataset
+    from apiary.registry import upload_dataset
     from apiary.runtime import Ports
 
     settings = Settings()

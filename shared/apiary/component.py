@@ -31,11 +31,11 @@ class Component:
         self._subscriptions.clear()
 
 
-def dumps(value: Any) -> str:
+def to_json(value: Any) -> str:
     """JSON for a TEXT column."""
     return json.dumps(value, separators=(",", ":"), sort_keys=True)
 
 
-def loads(value: str | None, default: Any = None) -> Any:
+def from_json(value: str | None, default: Any = None) -> Any:
     """A TEXT column's JSON, or `default` when NULL."""
     return default if value is None else json.loads(value)

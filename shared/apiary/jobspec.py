@@ -11,6 +11,12 @@ ENTRYPOINT_RE = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
 DEFAULT_FUNCTION = "fl_train_model"
 
 
+def parse_entrypoint(entrypoint: str) -> tuple[str, str]:
+    """`pkg.module:function` as (module, function); the function defaults to fl_train_model."""
+    module, _, function = entrypoint.partition(":")
+    return module, function or DEFAULT_FUNCTION
+
+
 class DistributedConfig(BaseModel):
     """How rounds run: how many, on how many workers, and how failures are tolerated."""
 
@@ -59,6 +65,11 @@ class WorkerSelection(BaseModel):
             raise ValueError("'workers' names a worker twice")
         return self
 
+    @property
+    def pinned(self) -> list[str]:
+        """The worker each shard trains on, or [] in pool mode."""
+        return list(self.workers) if self.mode == "pinned" else []
+
 
 class JobSpec(BaseModel):
     """A validated job request."""
@@ -102,7 +113,7 @@ class JobSpec(BaseModel):
             raise ValueError("give either 'dataset' or 'dataset_id', not both")
         if self.model and self.model_id:
             raise ValueError("give either 'model' or 'model_id', not both")
-        pinned = self.worker_selection.workers if self.worker_selection.mode == "pinned" else []
+        pinned = self.worker_selection.pinned
         if pinned and len(pinned) < self.distributed.min_workers:
             raise ValueError(
                 f"{len(pinned)} pinned workers cannot satisfy min_workers={self.distributed.min_workers}"
@@ -112,20 +123,17 @@ class JobSpec(BaseModel):
     @property
     def module(self) -> str:
         """The entrypoint's module path."""
-        return self.entrypoint.split(":", 1)[0]
+        return parse_entrypoint(self.entrypoint)[0]
 
     @property
     def function(self) -> str:
         """The entrypoint's function name."""
-        parts = self.entrypoint.split(":", 1)
-        return parts[1] if len(parts) == 2 else DEFAULT_FUNCTION
+        return parse_entrypoint(self.entrypoint)[1]
 
     @property
     def num_shards(self) -> int:
         """How many shards the dataset is split into: one per pinned worker, else max_workers."""
-        if self.worker_selection.mode == "pinned":
-            return len(self.worker_selection.workers)
-        return self.distributed.max_workers
+        return len(self.worker_selection.pinned) or self.distributed.max_workers
 
     def env(self, round_index: int) -> dict[str, Any]:
         """The env dict the user's function sees: config keys upper-cased plus round facts."""

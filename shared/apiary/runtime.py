@@ -18,8 +18,9 @@ from apiary.bus import Bus, make_bus, publish_event
 from apiary.bus.base import Unroutable
 from apiary.contracts import JSON
 from apiary.db import Database, make_database, sqlite_path
-from apiary.jobspec import ENTRYPOINT_RE
+from apiary.jobspec import ENTRYPOINT_RE, parse_entrypoint
 from apiary.settings import Settings
+from apiary.status import TERMINAL
 from apiary.storage import Storage, make_storage
 
 log = logging.getLogger("apiary.runtime")
@@ -28,7 +29,6 @@ log = logging.getLogger("apiary.runtime")
 class DatabaseInUse(RuntimeError):
     """Another embedded process runs on this database."""
 
-TERMINAL = ("completed", "failed", "cancelled", "rejected")
 ORPHANED = ("interrupted: the process that ran this job (apiary run) stopped before the job ended, and its"
             " in-memory messages went with it; run the job again")
 
@@ -253,7 +253,7 @@ def code_root_for(entrypoint: str, start: Path) -> Path | None:
     """The folder from which the entrypoint's module imports, searching upwards from `start`."""
     if not ENTRYPOINT_RE.match(entrypoint):
         return None
-    parts = entrypoint.split(":", 1)[0].split(".")
+    parts = parse_entrypoint(entrypoint)[0].split(".")
     for folder in [start, *start.parents]:
         base = folder.joinpath(*parts)
         if base.with_suffix(".py").is_file() or (base / "__init__.py").is_file():

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from services.scheduler.state import JobStatus, Next, after_aggregated, after_failed, is_current
+from apiary.status import JobStatus
+from services.scheduler.state import Next, after_aggregated, after_failed, is_current
 
 
 def test_rounds_advance_until_the_last_then_finish() -> None:
@@ -30,4 +31,5 @@ def test_only_the_running_attempt_is_current() -> None:
 
 
 def test_terminal_states() -> None:
-    assert {s for s in JobStatus if s.terminal} == {JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED}
+    assert {s for s in JobStatus if s.terminal} == {JobStatus.COMPLETED, JobStatus.FAILED,
+                                                    JobStatus.CANCELLED, JobStatus.REJECTED}

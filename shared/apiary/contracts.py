@@ -20,15 +20,20 @@ class DecodeError(ValueError):
     """A message body that is not a valid event for its routing key."""
 
 
-class Event(BaseModel):
-    """Base of every bus message: names its job (and round, where it has one) at the top level."""
+class Message(BaseModel):
+    """Base of every bus message: its routing key, schema version and time of sending."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
     routing_key: ClassVar[str] = ""
 
     v: int = SCHEMA_VERSION
-    job_id: str
     ts: float = Field(default_factory=time.time)
+
+
+class Event(Message):
+    """A message about a job: names it (and its round, where it has one) at the top level."""
+
+    job_id: str
 
 
 class RoundEvent(Event):
@@ -207,15 +212,10 @@ class JobCancelRequested(Event):
     reason: str = "cancelled by user"
 
 
-class WorkerPresence(BaseModel):
+class WorkerPresence(Message):
     """Base of a worker's presence events; they name no job."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
-    routing_key: ClassVar[str] = ""
-
-    v: int = SCHEMA_VERSION
     worker_id: str
-    ts: float = Field(default_factory=time.time)
 
 
 class WorkerOnline(WorkerPresence):

@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 
 from apiary.contracts import ObjectRef
-from apiary.fedavg import FedAvg, validate
 from apiary.storage.local import LocalStorage
+from apiary.strategies.validation import validate
+from apiary.strategies.weighted_sum import WeightedSum as FedAvg
 from apiary.weights import dumps, loads, spec_of
 
 

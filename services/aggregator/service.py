@@ -22,9 +22,11 @@ from apiary.contracts import (
     WorkerDone,
     WorkerFailed,
 )
-from apiary.fedavg import FedAvg, InvalidContribution, merge_partial, validate, weighted_metrics
 from apiary.outbox import KeyedLocks, Outbox, outbox_migration
 from apiary.storage import ObjectNotFound
+from apiary.strategies.base import merge_partial, weighted_metrics
+from apiary.strategies.validation import InvalidContribution, validate
+from apiary.strategies.weighted_sum import WeightedSum as FedAvg
 from apiary.weights import WeightsError, WeightSpec, spec_of
 from apiary.weights import dumps as dump_weights
 from apiary.weights import loads as load_weights

@@ -7,7 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from apiary.fedavg import FedAvg, InvalidContribution, all_finite, merge_partial, validate, weighted_metrics
+from apiary.strategies.base import merge_partial, weighted_metrics
+from apiary.strategies.validation import InvalidContribution, all_finite, validate
+from apiary.strategies.weighted_sum import WeightedSum as FedAvg  # the streaming sum under the strategy
 from apiary.weights import spec_of_tensors
 
 shapes = st.lists(st.integers(min_value=1, max_value=5), min_size=0, max_size=3).map(tuple)

@@ -1,0 +1,5 @@
+"""Aggregation strategies: one pure class per strategy behind `base.Strategy`, found by name.
+
+Nothing is imported here, so `apiary.strategies.format` stays free of torch (the bus contracts use
+it); `base.create(name, params)` finds every strategy module of this package on first use.
+"""

@@ -1,0 +1,188 @@
+"""The strategy seam: what every aggregation strategy does, and the registry that finds one by name.
+
+A strategy is pure (no I/O, no bus, no database). For each round the aggregator calls `begin` with
+the global model's spec and the update format, `accept` for each contribution as it arrives, then
+`finish` once; `state` / `load_state` carry server state (momentum, moments, ...) as tensors, which
+the aggregator stores with the round so a restart resumes exactly. The base class validates every
+contribution against the round and honours the update format, so a strategy says only how it folds
+(`_fold`) and what it makes of the round (`_aggregate`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from apiary.strategies.format import UpdateFormat
+from apiary.strategies.validation import validate
+from apiary.weights import WeightSpec
+
+DEFAULT = "federated_averaging"
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One worker's result for a round: its weights, how many samples they saw, its metrics."""
+
+    weights: Mapping[str, torch.Tensor]
+    samples: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What a round ends with: the new global weights, the samples behind them, the round's metrics."""
+
+    weights: dict[str, torch.Tensor]
+    total_samples: int
+    metrics: dict[str, float]
+
+
+class NoParams(BaseModel):
+    """The parameters of a strategy that takes none."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Strategy(ABC):
+    """An aggregation strategy: begin a round, accept contributions, finish into new global weights."""
+
+    name: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()
+    Params: ClassVar[type[BaseModel]] = NoParams
+
+    def __init__(self, params: BaseModel | None = None) -> None:
+        self.params = params if params is not None else self.Params()
+        self.spec: WeightSpec = {}
+        self.format = UpdateFormat.FULL
+        self.total_samples = 0
+        self._keys: frozenset[str] | None = None
+        self._metrics: list[tuple[int, Mapping[str, float]]] = []
+
+    def begin(self, spec: WeightSpec, update_format: UpdateFormat) -> None:
+        """Start a round whose global weights have `spec` and whose updates come as `update_format`."""
+        self.spec, self.format = spec, update_format
+        self.total_samples, self._keys, self._metrics = 0, None, []
+        self._begin()
+
+    def accept(self, contribution: Contribution) -> None:
+        """Validate a contribution and take it into the round, or raise InvalidContribution (why)."""
+        # Values are left to `_fold`, which checks each tensor while it is in cache (one read).
+        validate(self.spec, contribution.weights, contribution.samples, values=False,
+                 partial=self.format is UpdateFormat.ADAPTER, expected_keys=self._keys)
+        self._fold(contribution)
+        self._keys = frozenset(contribution.weights)
+        self._metrics.append((contribution.samples, contribution.metrics))
+        self.total_samples += contribution.samples
+
+    def wants_global_weights(self) -> bool:
+        """Whether `finish` needs the round's global weights (the aggregator reads them only then)."""
+        return self.format is UpdateFormat.ADAPTER
+
+    def finish(self, global_weights: Mapping[str, torch.Tensor] | None = None) -> RoundResult:
+        """The round's new global weights and metrics; the round cannot accept anything afterwards."""
+        update = self._aggregate(global_weights)
+        if self.format is UpdateFormat.ADAPTER:
+            if global_weights is None:
+                raise ValueError("an adapter round needs the global weights to put its average in")
+            update = merge_partial(global_weights, update)
+        return RoundResult(update, self.total_samples, weighted_metrics(self._metrics))
+
+    @property
+    def spoiled(self) -> str | None:
+        """Why the round's running state can no longer be used (rebuild it from the accepted ones)."""
+        return None
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The server state that outlives a round, as tensors (none by default)."""
+        return {}
+
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Restore what `state` returned after an earlier round."""
+        if state:
+            raise ValueError(f"strategy {self.name!r} keeps no server state, got {sorted(state)[:3]}")
+
+    @abstractmethod
+    def _begin(self) -> None:
+        """Reset the per-round running state."""
+
+    @abstractmethod
+    def _fold(self, contribution: Contribution) -> None:
+        """Take a validated contribution in, checking its values (`all_finite`) as they are read."""
+
+    @abstractmethod
+    def _aggregate(self, global_weights: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """The new values of the tensors the round's contributions carry."""
+
+
+def weighted_metrics(items: list[tuple[int, Mapping[str, float]]]) -> dict[str, float]:
+    """Average each numeric metric over contributions, weighted by their sample counts."""
+    sums: dict[str, float] = {}
+    weights: dict[str, int] = {}
+    for samples, metrics in items:
+        for key, value in metrics.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                sums[key] = sums.get(key, 0.0) + samples * float(value)
+                weights[key] = weights.get(key, 0) + samples
+    return {key: sums[key] / weights[key] for key in sums if weights[key]}
+
+
+def merge_partial(base: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The global model with the averaged adapter tensors put in place."""
+    return {**base, **update}
+
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Class decorator: make a strategy findable by its name and aliases."""
+    for name in (cls.name, *cls.aliases):
+        if _REGISTRY.get(name, cls) is not cls:
+            raise ValueError(f"strategy name {name!r} is taken by {_REGISTRY[name].__name__}")
+        _REGISTRY[name] = cls
+    return cls
+
+
+def known() -> list[str]:
+    """Every registered strategy name and alias."""
+    _discover()
+    return sorted(_REGISTRY)
+
+
+def lookup(name: str) -> type[Strategy]:
+    """The strategy class registered as `name`, or ValueError listing the known ones."""
+    _discover()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def create(name: str = DEFAULT, params: Mapping[str, Any] | None = None) -> Strategy:
+    """A new strategy by name with its parameters checked, or ValueError saying what was wrong."""
+    cls = lookup(name)
+    try:
+        parsed = cls.Params.model_validate(dict(params or {}))
+    except ValidationError as e:
+        known_params = ", ".join(cls.Params.model_fields) or "none"
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise ValueError(f"strategy {name!r}: {problems} (its parameters: {known_params})") from None
+    return cls(parsed)
+
+
+@functools.cache
+def _discover() -> None:
+    # Each strategy module registers itself on import: adding a strategy is adding a file here.
+    import apiary.strategies as package
+
+    for module in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{module.name}")

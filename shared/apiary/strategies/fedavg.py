@@ -1,0 +1,39 @@
+"""FedAvg (`federated_averaging`, alias `fedavg`): the new global weights are the sample-weighted mean
+of the round's contributions, `w = sum(n_i * w_i) / sum(n_i)`, folded as they arrive."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from pydantic import BaseModel
+
+from apiary.strategies.base import Contribution, Strategy, register
+from apiary.strategies.weighted_sum import WeightedSum
+
+
+@register
+class FedAvg(Strategy):
+    """Federated averaging (McMahan et al., 2017); keeps no server state between rounds."""
+
+    name = "federated_averaging"
+    aliases = ("fedavg",)
+
+    def __init__(self, params: BaseModel | None = None) -> None:
+        super().__init__(params)
+        self._sum = WeightedSum()
+
+    def _begin(self) -> None:
+        self._sum = WeightedSum()
+
+    def _fold(self, contribution: Contribution) -> None:
+        self._sum.fold(contribution.weights, contribution.samples)
+
+    def _aggregate(self, global_weights: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        # In place in the accumulator: no second model in memory.
+        return self._sum.finish()
+
+    @property
+    def spoiled(self) -> str | None:
+        """Why the running sum can no longer be used, if a refused contribution was partly added."""
+        return self._sum.spoiled

@@ -21,8 +21,8 @@ sys.path.insert(0, str(REPO))
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
 from apiary import telemetry  # noqa: E402
-from apiary.runtime import Embedded  # noqa: E402
 from apiary.settings import Settings  # noqa: E402
+from services.app.runtime import Embedded  # noqa: E402
 from tests.toyjobs.toy import make_dataset  # noqa: E402
 
 

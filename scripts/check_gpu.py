@@ -57,7 +57,7 @@ async def check_gpu_weights(tmp: Path) -> dict[str, Any]:
     import torch
 
     from apiary import weights as w
-    from apiary.usercode import TrainCall, UserCodeRunner
+    from apiary.trainers import TrainCall, UserCodeRunner
     from services.worker.gpu import choose_gpu
 
     (tmp / "gpu_probe.py").write_text(PROBE)
@@ -91,9 +91,9 @@ def _train_logs(storage: Path) -> list[dict[str, Any]]:
 
 
 async def run_digits(home: Path, workers: int, gpus: list[int]) -> dict[str, Any]:
-    from apiary.jobfile import load_job_file
-    from apiary.runtime import Embedded
     from apiary.settings import Settings
+    from services.app.jobfile import load_job_file
+    from services.app.runtime import Embedded
     from services.tracker.views import workers_view
 
     request = load_job_file(ROOT / "examples/digits/job.yaml")
@@ -131,7 +131,7 @@ async def run_digits(home: Path, workers: int, gpus: list[int]) -> dict[str, Any
 
 
 def check_cli_refuses_missing_gpu(count: int) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-m", "apiary.cli", "worker", "--gpu", str(count + 7)],
+    proc = subprocess.run([sys.executable, "-m", "services.app.cli", "worker", "--gpu", str(count + 7)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     text = (proc.stdout + proc.stderr).strip()
     ok = proc.returncode != 0 and f"--gpu {count + 7}: no such GPU here" in text and "Traceback" not in text
@@ -142,7 +142,7 @@ async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=3)
     args = parser.parse_args()
-    from apiary.usercode import quiet_openmp
+    from apiary.trainers import quiet_openmp
 
     quiet_openmp()
     report: dict[str, Any] = {"readings": check_readings()}

@@ -18,8 +18,8 @@ from apiary.bus.base import Unroutable
 from apiary.bus.typed import publish_event
 from apiary.contracts import JobCancelRequested, JobRequested
 from apiary.jobspec import FieldError, describe_errors
-from apiary.runtime import submit
 from services.tracker import schemas
+from services.tracker.publish import publish_job_request
 from services.tracker.views import TERMINAL, job_metrics, job_view, list_jobs, workers_view
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ def create_app(tracker: Tracker) -> FastAPI:
         if request.job_id is not None and await _status(request.job_id) is not None:
             raise HTTPException(409, f"job id {request.job_id!r} is already taken: choose another")
         try:
-            job_id = await submit(tracker.bus, body)
+            job_id = await publish_job_request(tracker.bus, body)
         except (RuntimeError, Unroutable) as e:
             raise HTTPException(503, str(e)) from e
         # The row the job.requested event would create, so the job is visible before the event lands.

@@ -15,7 +15,7 @@ from tests.fixtures.embedded import REPO
 def _apiary(*args: str, home: Path, **env: str) -> subprocess.CompletedProcess[str]:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("APIARY_")}
     environment.update({"APIARY_HOME": str(home), **env})
-    return subprocess.run([sys.executable, "-m", "apiary.cli", *args], cwd=REPO, env=environment,
+    return subprocess.run([sys.executable, "-m", "services.app.cli", *args], cwd=REPO, env=environment,
                           capture_output=True, text=True, timeout=120)
 
 

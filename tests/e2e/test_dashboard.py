@@ -11,9 +11,9 @@ import httpx
 import pytest
 from playwright.async_api import Browser, Page, async_playwright
 
-from apiary.jobfile import load_job_file
-from apiary.runtime import Embedded
 from apiary.settings import Settings
+from services.app.jobfile import load_job_file
+from services.app.runtime import Embedded
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"

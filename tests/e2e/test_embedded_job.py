@@ -127,7 +127,7 @@ def test_apiary_run_trains_digits_to_90_percent(tmp_path: Path) -> None:
     env = {"APIARY_HOME": str(tmp_path / ".apiary"), "PATH": str(Path(sys.executable).parent)}
 
     done = subprocess.run(
-        [sys.executable, "-m", "apiary.cli", "run", "examples/digits/job.yaml", "--workers", "3", "--json"],
+        [sys.executable, "-m", "services.app.cli", "run", "examples/digits/job.yaml", "--workers", "3", "--json"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from apiary.runtime import ORPHANED, DatabaseInUse
+from services.app.runtime import ORPHANED, DatabaseInUse
 from tests.fixtures.embedded import REPO, StackFactory, toy_request
 
 SLOW = {"mode": "slow", "slow_seconds": 60}  # a shard that is still training when the run is stopped
@@ -31,7 +31,7 @@ def _start(job: Path, home: Path, *args: str) -> subprocess.Popen[str]:
     environment["APIARY_HOME"] = str(home)
     # Ctrl-C reaches the run as at a terminal, even where this test runs with SIGINT ignored.
     return subprocess.Popen(
-        [sys.executable, "-m", "apiary.cli", "run", str(job), "--workers", "2", "--json", *args],
+        [sys.executable, "-m", "services.app.cli", "run", str(job), "--workers", "2", "--json", *args],
         cwd=REPO, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )

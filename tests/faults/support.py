@@ -198,7 +198,7 @@ class Faults:
     def status_cli(self, job_id: str) -> tuple[dict[str, Any], str]:
         """`apiary status JOB --json` (parsed) and what `apiary status JOB` shows an operator."""
         def run(*extra: str) -> subprocess.CompletedProcess[str]:
-            return subprocess.run([sys.executable, "-m", "apiary.cli", "status", job_id, *extra], cwd=REPO,
+            return subprocess.run([sys.executable, "-m", "services.app.cli", "status", job_id, *extra], cwd=REPO,
                                   env=self.cluster.env(COLUMNS="400"), capture_output=True, text=True,
                                   timeout=60, check=True)
         shown = run()

@@ -106,10 +106,10 @@ def test_cli_submit_and_status_work_against_the_deployment(cluster: Cluster, tmp
     }))
     cluster.start(workers=2)
 
-    submitted = subprocess.run([sys.executable, "-m", "apiary.cli", "submit", str(job_file), "--wait"],
+    submitted = subprocess.run([sys.executable, "-m", "services.app.cli", "submit", str(job_file), "--wait"],
                                cwd=REPO, env=cluster.env(), capture_output=True, text=True, timeout=180)
     job_id = submitted.stdout.split()[0]
-    shown = subprocess.run([sys.executable, "-m", "apiary.cli", "status", job_id, "--json"],
+    shown = subprocess.run([sys.executable, "-m", "services.app.cli", "status", job_id, "--json"],
                            cwd=REPO, env=cluster.env(), capture_output=True, text=True, timeout=60)
 
     assert submitted.returncode == 0, submitted.stderr
@@ -129,7 +129,7 @@ def test_cli_cancel_stops_a_running_job_and_one_not_yet_requested(cluster: Clust
     cluster.start(workers=2)
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "apiary.cli", *args], cwd=REPO, env=cluster.env(),
+        return subprocess.run([sys.executable, "-m", "services.app.cli", *args], cwd=REPO, env=cluster.env(),
                               capture_output=True, text=True, timeout=120)
 
     early = f"early-{uuid.uuid4().hex[:6]}"
@@ -170,7 +170,7 @@ def test_cli_cancel_stops_a_running_job_and_one_not_yet_requested(cluster: Clust
 def test_a_dataset_uploaded_once_is_named_by_id_or_uri(cluster: Cluster, tmp_path: Path) -> None:
     dataset = make_dataset(tmp_path / "toy", 6)
     cluster.start(workers=2)
-    uploaded = subprocess.run([sys.executable, "-m", "apiary.cli", "dataset", "upload", str(dataset),
+    uploaded = subprocess.run([sys.executable, "-m", "services.app.cli", "dataset", "upload", str(dataset),
                                "--name", "toy"], cwd=REPO, env=cluster.env(), capture_output=True, text=True,
                               timeout=60)
     assert uploaded.returncode == 0, uploaded.stderr

@@ -25,9 +25,9 @@ from apiary.contracts import (
     WorkerProgress,
 )
 from apiary.db.sqlite import SqliteDatabase
-from apiary.runtime import Embedded
 from apiary.settings import Settings
 from apiary.storage.local import LocalStorage
+from services.app.runtime import Embedded
 from services.tracker import Tracker
 from services.tracker.client import watch_job
 from services.tracker.views import TERMINAL, job_view

@@ -13,7 +13,7 @@ import pytest
 
 from apiary.bus.memory import MemoryBus
 from apiary.settings import Settings
-from apiary.usercode import TrainCall
+from apiary.trainers import TrainCall
 from apiary.weights import dumps
 from services.worker import Worker
 from services.worker.gpu import VISIBLE, GpuChoice, GpuChoiceError, choose_gpu, gpu_stats, usable_gpus
@@ -123,7 +123,8 @@ async def test_a_worker_without_a_gpu_leaves_the_environment_alone(
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "apiary.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "services.app.cli", *args], capture_output=True, text=True,
+                          timeout=120)
 
 
 def test_asking_for_a_gpu_the_machine_lacks_is_one_clear_line(tmp_path: Path) -> None:

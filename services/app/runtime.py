@@ -1,4 +1,4 @@
-"""Starting services on their ports: all of them in one process (`apiary run`), or one at a time."""
+"""`apiary run`'s embedded stack: every service and N workers in one process, on the settings' ports."""
 
 from __future__ import annotations
 
@@ -7,21 +7,18 @@ import contextlib
 import fcntl
 import logging
 import os
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from apiary import telemetry
-from apiary.bus import Bus, make_bus, publish_event
-from apiary.bus.base import Unroutable
-from apiary.contracts import JSON
-from apiary.db import Database, make_database, sqlite_path
-from apiary.jobspec import ENTRYPOINT_RE, parse_entrypoint
+from apiary.bus import publish_event
+from apiary.component import Component
+from apiary.db import sqlite_path
 from apiary.settings import Settings
 from apiary.status import TERMINAL
-from apiary.storage import Storage, make_storage
+from services.app.ports import Ports
+from services.tracker.publish import publish_job_request
 
 log = logging.getLogger("apiary.runtime")
 
@@ -31,27 +28,6 @@ class DatabaseInUse(RuntimeError):
 
 ORPHANED = ("interrupted: the process that ran this job (apiary run) stopped before the job ended, and its"
             " in-memory messages went with it; run the job again")
-
-
-class Ports:
-    """The bus, database and storage a process uses, chosen by its settings."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.bus: Bus = make_bus(settings.bus_url, exchange=settings.exchange)
-        self.db: Database = make_database(settings.resolved_database_url())
-        self.storage: Storage = make_storage(settings.resolved_storage_url(), endpoint_url=settings.s3_endpoint_url,
-                                             region=settings.s3_region)
-
-    async def open(self) -> None:
-        """Connect to the bus and the database."""
-        await self.bus.connect()
-        await self.db.connect()
-
-    async def close(self) -> None:
-        """Disconnect."""
-        await self.bus.close()
-        await self.db.close()
 
 
 class Embedded:
@@ -71,7 +47,7 @@ class Embedded:
         self.tracker = Tracker(*args)
         self.scheduler = Scheduler(*args)
         self.aggregator = Aggregator(*args)
-        self.services = [self.tracker, Sharder(*args), self.aggregator, self.scheduler]
+        self.services: list[Component] = [self.tracker, Sharder(*args), self.aggregator, self.scheduler]
         # Workers take the given GPUs in turn (several share one where there are more workers than GPUs).
         self.workers = [
             Worker(self.ports.bus, self.settings.model_copy(update={"gpu": gpus[i % len(gpus)]}) if gpus
@@ -138,12 +114,12 @@ class Embedded:
 
     async def submit(self, request: dict[str, Any]) -> str:
         """Publish a job request as another system would; return its job id."""
-        return await submit(self.ports.bus, request)
+        return await publish_job_request(self.ports.bus, request)
 
     async def cancel(self, job_id: str, reason: str, *, within: float = 10.0) -> dict[str, Any] | None:
         """Cancel a job and wait up to `within` seconds for it to end; return its view."""
         from apiary.contracts import JobCancelRequested
-        from services.tracker.service import job_view
+        from services.tracker.views import job_view
 
         await publish_event(self.ports.bus, JobCancelRequested(job_id=job_id, reason=reason))
         with contextlib.suppress(TimeoutError):
@@ -154,7 +130,7 @@ class Embedded:
                    until: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
         """Wait until the job ends (or its view satisfies `until`); call `on_change(view)` whenever the
         tracker's view of it changes."""
-        from services.tracker.service import job_view
+        from services.tracker.views import job_view
 
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -170,95 +146,4 @@ class Embedded:
                     await asyncio.wait_for(self.tracker.changed.wait(), 1.0)
 
 
-async def submit(bus: Bus, request: dict[str, Any]) -> str:
-    """Publish a job request (JSON, as any AMQP client can); return the job id it will carry."""
-    import json
-    import uuid
-
-    body = dict(request)
-    body.setdefault("job_id", uuid.uuid4().hex[:12])
-    try:
-        await bus.publish("job.requested", json.dumps(body).encode(), content_type=JSON)
-    except Unroutable:
-        raise RuntimeError("no scheduler queue is bound to job.requested: is the scheduler running?") from None
-    return str(body["job_id"])
-
-
-async def _until_signalled() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-
-
-def _component(name: str, ports: Ports) -> Any:
-    # Only the named service is imported: the tracker and the sharder never load torch (2 s and ~200 MB).
-    args = (ports.bus, ports.db, ports.storage, ports.settings)
-    if name == "tracker":
-        from services.tracker import Tracker
-
-        return Tracker(*args, http=True)
-    if name == "sharder":
-        from services.sharder import Sharder
-
-        return Sharder(*args)
-    if name == "aggregator":
-        from services.aggregator import Aggregator
-
-        return Aggregator(*args)
-    if name == "scheduler":
-        from services.scheduler import Scheduler
-
-        return Scheduler(*args)
-    raise ValueError(f"no service named {name!r}")
-
-
-async def serve_service(name: str, settings: Settings) -> None:
-    """Run one service until SIGTERM; its in-flight messages finish or go back to their queues."""
-    telemetry.setup(f"apiary-{name}")
-    ports = Ports(settings)
-    await ports.open()
-    service = _component(name, ports)
-    try:
-        await service.start()
-        log.info("%s running (bus %s)", name, settings.bus_url.split("@")[-1])
-        await _until_signalled()
-        log.info("%s stopping", name)
-    finally:
-        await service.stop()
-        await ports.close()
-        telemetry.shutdown()
-
-
-async def serve_worker(settings: Settings) -> None:
-    """Run one worker until SIGTERM; an assignment in training goes back to its queue."""
-    from services.worker import Worker
-
-    telemetry.setup("apiary-worker")
-    bus = make_bus(settings.bus_url, exchange=settings.exchange)
-    await bus.connect()
-    worker = Worker(bus, settings)
-    try:
-        await worker.start()
-        await _until_signalled()
-        log.info("worker %s stopping", worker.worker_id)
-    finally:
-        await worker.stop()
-        await bus.close()
-        telemetry.shutdown()
-
-
-def code_root_for(entrypoint: str, start: Path) -> Path | None:
-    """The folder from which the entrypoint's module imports, searching upwards from `start`."""
-    if not ENTRYPOINT_RE.match(entrypoint):
-        return None
-    parts = parse_entrypoint(entrypoint)[0].split(".")
-    for folder in [start, *start.parents]:
-        base = folder.joinpath(*parts)
-        if base.with_suffix(".py").is_file() or (base / "__init__.py").is_file():
-            return folder
-    return None
-
-
-__all__ = ["Embedded", "Ports", "code_root_for", "publish_event", "serve_service", "serve_worker", "submit"]
+__all__ = ["ORPHANED", "DatabaseInUse", "Embedded", "Ports"]

@@ -18,9 +18,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from apiary.jobfile import JobFileError, load_job_file
 from apiary.settings import Settings
-from apiary.usercode import quiet_openmp
+from apiary.trainers import quiet_openmp
+from services.app.jobfile import JobFileError, code_root_for, load_job_file
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Apiary: federated training of PyTorch models.")
 # Lines are never broken to fit the terminal: a path or a reason must stay one line to copy or grep.
@@ -126,7 +126,7 @@ def run(
 ) -> None:
     """Run a job on this machine: every service and N workers in one process tree."""
     quiet_openmp()
-    from apiary.runtime import DatabaseInUse, Embedded, code_root_for
+    from services.app.runtime import DatabaseInUse, Embedded
 
     settings = Settings()
     try:
@@ -223,7 +223,7 @@ def _print_summary(result: dict[str, Any]) -> None:
         console.print(f"[red]reason:[/red] {result['reason']}")
 
 
-SERVICES = ("scheduler", "sharder", "aggregator", "tracker")
+from services.app.serve import SERVICES  # noqa: E402
 
 
 @app.command()
@@ -236,7 +236,7 @@ def serve(
     quiet_openmp()
     settings = Settings()
     _setup_logging(settings, to_console=True)
-    from apiary.runtime import serve_service
+    from services.app.serve import serve_service
 
     _run_async(serve_service(service, settings))
 
@@ -263,7 +263,7 @@ def worker(
     except GpuChoiceError as e:
         _fail(str(e))
     _setup_logging(settings, to_console=True)
-    from apiary.runtime import serve_worker
+    from services.app.serve import serve_worker
 
     _run_async(serve_worker(settings))
 
@@ -275,8 +275,8 @@ def submit(
     wait: bool = typer.Option(False, "--wait", help="Wait for the job to end and print its summary."),
 ) -> None:
     """Publish a job request to a deployed system; print the job id."""
-    from apiary.runtime import Ports
-    from apiary.runtime import submit as publish_request
+    from services.app.ports import Ports
+    from services.tracker.publish import publish_job_request as publish_request
 
     _quiet_client_logs()
 
@@ -332,7 +332,7 @@ def status(
         finally:
             await ports.db.close()
 
-    from apiary.runtime import Ports
+    from services.app.ports import Ports
 
     view = _guard(lambda: _run_async(go()))
     if view is None:
@@ -355,7 +355,8 @@ def cancel(
     request has not been handled yet)."""
     from apiary.bus.typed import publish_event
     from apiary.contracts import JobCancelRequested
-    from apiary.runtime import TERMINAL, Ports
+    from apiary.status import TERMINAL
+    from services.app.ports import Ports
     from services.tracker.views import job_view
 
     _quiet_client_logs()
@@ -392,7 +393,8 @@ def cancel(
 
 async def _watch(settings: Settings, job_id: str, *, live: bool) -> dict[str, Any]:
     """Poll the tracker's view of a job until it ends, drawing it live if asked."""
-    from apiary.runtime import TERMINAL, Ports
+    from apiary.status import TERMINAL
+    from services.app.ports import Ports
     from services.tracker.service import job_view
 
     ports = Ports(settings)
@@ -429,7 +431,7 @@ def dataset_upload(
 ) -> None:
     """Store a dataset; print its dataset_id and URI."""
     from apiary.registry import upload_dataset
-    from apiary.runtime import Ports
+    from services.app.ports import Ports
 
     settings = Settings()
 

@@ -1,4 +1,4 @@
-"""Reading a job file (YAML or JSON) the way a user writes it."""
+"""Reading a job file (YAML or JSON) the way a user writes it, and finding the code it names."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from apiary.jobspec import ENTRYPOINT_RE, parse_entrypoint
 
 
 class JobFileError(ValueError):
@@ -34,3 +36,15 @@ def load_job_file(path: Path) -> dict[str, Any]:
                 data["dataset"] = str(candidate)
                 break
     return data
+
+
+def code_root_for(entrypoint: str, start: Path) -> Path | None:
+    """The folder from which the entrypoint's module imports, searching upwards from `start`."""
+    if not ENTRYPOINT_RE.match(entrypoint):
+        return None
+    parts = parse_entrypoint(entrypoint)[0].split(".")
+    for folder in [start, *start.parents]:
+        base = folder.joinpath(*parts)
+        if base.with_suffix(".py").is_file() or (base / "__init__.py").is_file():
+            return folder
+    return None

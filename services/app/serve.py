@@ -1,0 +1,85 @@
+"""`apiary serve <service>` and `apiary worker`: one service or one worker per process, until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any
+
+from apiary import telemetry
+from apiary.bus import make_bus
+from apiary.settings import Settings
+from services.app.ports import Ports
+
+log = logging.getLogger("apiary.serve")
+
+SERVICES = ("scheduler", "sharder", "aggregator", "tracker")
+
+
+async def _until_signalled() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def _component(name: str, ports: Ports) -> Any:
+    # Only the named service is imported: the tracker and the sharder never load torch (2 s and ~200 MB).
+    args = (ports.bus, ports.db, ports.storage, ports.settings)
+    if name == "tracker":
+        from services.tracker import Tracker
+
+        return Tracker(*args, http=True)
+    if name == "sharder":
+        from services.sharder import Sharder
+
+        return Sharder(*args)
+    if name == "aggregator":
+        from services.aggregator import Aggregator
+
+        return Aggregator(*args)
+    if name == "scheduler":
+        from services.scheduler import Scheduler
+
+        return Scheduler(*args)
+    raise ValueError(f"no service named {name!r}")
+
+
+async def serve_service(name: str, settings: Settings) -> None:
+    """Run one service until SIGTERM; its in-flight messages finish or go back to their queues."""
+    telemetry.setup(f"apiary-{name}")
+    ports = Ports(settings)
+    await ports.open()
+    service = _component(name, ports)
+    try:
+        await service.start()
+        log.info("%s running (bus %s)", name, settings.bus_url.split("@")[-1])
+        await _until_signalled()
+        log.info("%s stopping", name)
+    finally:
+        await service.stop()
+        await ports.close()
+        telemetry.shutdown()
+
+
+async def serve_worker(settings: Settings) -> None:
+    """Run one worker until SIGTERM; an assignment in training goes back to its queue."""
+    from services.worker import Worker
+
+    telemetry.setup("apiary-worker")
+    bus = make_bus(settings.bus_url, exchange=settings.exchange)
+    await bus.connect()
+    worker = Worker(bus, settings)
+    try:
+        await worker.start()
+        await _until_signalled()
+        log.info("worker %s stopping", worker.worker_id)
+    finally:
+        await worker.stop()
+        await bus.close()
+        telemetry.shutdown()
+
+
+__all__ = ["SERVICES", "serve_service", "serve_worker"]

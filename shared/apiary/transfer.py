@@ -1,23 +1,73 @@
-"""Moving bytes by URL, for processes that hold no storage credentials (workers)."""
+"""Moving bytes by URL, for processes that hold no storage credentials (workers).
+
+One HTTP client (httpx) with timeouts. Transient failures (connection errors, 5xx, 429) are
+retried with capped exponential backoff; a download that breaks off resumes where it stopped with
+a `Range` request, so a multi-GB checkpoint is not fetched again from its first byte; uploads
+stream from the file. `file:` URLs (the embedded storage) are copied.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import urllib.error
-import urllib.request
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO, TypeVar
 from urllib.parse import unquote, urlparse
 
-from apiary.storage.base import CHUNK, sha256_file
+import httpx
+
+from apiary.storage.base import sha256_file
 from apiary.storage.local import atomic_copy
 
-# Without it urllib labels a PUT body as a web form (and some S3 servers reject or stall on that).
+T = TypeVar("T")
+
+# Some S3 servers reject or stall on a PUT body labelled as a web form.
 OCTET_STREAM = "application/octet-stream"
+TIMEOUT = httpx.Timeout(60.0, connect=10.0)  # per connect / read / write, not for the whole transfer
+# What another attempt may cure: the network, and a server that is failing or busy.
+_TRANSIENT_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 
 
 class TransferError(Exception):
     """A download or upload by URL failed, or its bytes did not match their sha256."""
+
+
+class _Transient(Exception):
+    """A response worth another attempt (5xx, 429, or a resume the server would not serve)."""
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """How transient failures are retried: `attempts` in all, waiting `base` * 2^n s, at most `cap`."""
+
+    attempts: int = 5
+    base: float = 0.25
+    cap: float = 8.0
+
+    def delay(self, failures: int) -> float:
+        """Seconds to wait after the `failures`-th failure in a row (1 for the first)."""
+        return min(self.cap, self.base * 2 ** (failures - 1))
+
+
+RETRY = Backoff()
+
+_client: httpx.Client | None = None
+_client_lock = threading.Lock()
+
+
+def _http() -> httpx.Client:
+    """The process's one HTTP client (thread-safe, pooled), made on first use."""
+    global _client
+    with _client_lock:
+        if _client is None:
+            # The system's trust store, as urllib used before (httpx would default to certifi's).
+            _client = httpx.Client(timeout=TIMEOUT, verify=ssl.create_default_context())
+        return _client
 
 
 def _where(url: str) -> str:
@@ -30,6 +80,65 @@ def _local(url: str) -> Path:
     return Path(unquote(urlparse(url).path))
 
 
+def _check(response: httpx.Response, what: str, url: str) -> None:
+    """Raise _Transient for a response worth retrying, TransferError for any other failure."""
+    if response.status_code >= 500 or response.status_code == 429:
+        raise _Transient(f"HTTP {response.status_code}")
+    if response.is_error:
+        raise TransferError(f"{what} {_where(url)} failed: HTTP {response.status_code}")
+
+
+def _with_retries(what: str, url: str, attempt: Callable[[], T]) -> T:
+    """Run `attempt` until it succeeds, retrying transient failures with capped exponential backoff;
+    any failure that is left becomes a TransferError."""
+    for failures in range(1, RETRY.attempts + 1):
+        try:
+            return attempt()
+        except (_Transient, *_TRANSIENT_ERRORS) as e:
+            if failures == RETRY.attempts:
+                raise TransferError(f"{what} {_where(url)} failed after {failures} attempts: {e}") from e
+            time.sleep(RETRY.delay(failures))
+        except (OSError, httpx.HTTPError) as e:
+            raise TransferError(f"{what} {_where(url)} failed: {e}") from e
+    raise AssertionError("unreachable")
+
+
+class _Partial:
+    """A download in progress: the bytes written so far and their running sha256."""
+
+    def __init__(self, out: BinaryIO) -> None:
+        self.out = out
+        self.size = 0
+        self.digest = hashlib.sha256()
+
+    def write(self, chunk: bytes) -> None:
+        """Append bytes that arrived."""
+        self.out.write(chunk)
+        self.digest.update(chunk)
+        self.size += len(chunk)
+
+    def restart(self) -> None:
+        """Forget what was written: the server sends the object from its first byte again."""
+        self.out.seek(0)
+        self.out.truncate()
+        self.size = 0
+        self.digest = hashlib.sha256()
+
+
+def _fetch(url: str, part: _Partial) -> None:
+    """One GET of what `part` still lacks: the rest of the object by `Range` when it holds some."""
+    headers = {"Range": f"bytes={part.size}-"} if part.size else {}
+    with _http().stream("GET", url, headers=headers) as response:
+        if response.status_code == 416:  # the object changed under the resume: start again
+            part.restart()
+            raise _Transient("HTTP 416 on resume")
+        _check(response, "download from", url)
+        if part.size and not response.headers.get("content-range", "").startswith(f"bytes {part.size}-"):
+            part.restart()  # the server ignored the range and sends the whole object
+        for chunk in response.iter_bytes():
+            part.write(chunk)
+
+
 def _download(url: str, target: Path) -> str:
     target.parent.mkdir(parents=True, exist_ok=True)
     if url.startswith("file:"):
@@ -39,48 +148,49 @@ def _download(url: str, target: Path) -> str:
         atomic_copy(source, target)
         return sha256_file(target)
     tmp = target.with_name(f".{target.name}.part")
-    digest = hashlib.sha256()
     try:
-        with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as out:
-            while chunk := response.read(CHUNK):
-                digest.update(chunk)
-                out.write(chunk)
+        with open(tmp, "wb") as out:
+            part = _Partial(out)
+            _with_retries("download from", url, lambda: _fetch(url, part))
         tmp.replace(target)
-    except (urllib.error.URLError, OSError) as e:
-        tmp.unlink(missing_ok=True)
-        raise TransferError(f"download from {_where(url)} failed: {e}") from e
-    return digest.hexdigest()
+    finally:
+        tmp.unlink(missing_ok=True)  # left only by a download that failed
+    return part.digest.hexdigest()
+
+
+def _put(url: str, source: Path) -> None:
+    """One PUT of the file, streamed from disk (httpx sends its length from the file's size)."""
+    with open(source, "rb") as f:
+        response = _http().put(url, content=f, headers={"Content-Type": OCTET_STREAM})
+    _check(response, "upload to", url)
 
 
 def _upload(url: str, source: Path) -> None:
     if url.startswith("file:"):
         atomic_copy(source, _local(url))
         return
-    size = source.stat().st_size
-    with open(source, "rb") as f:
-        request = urllib.request.Request(url, data=f, method="PUT", headers={
-            "Content-Length": str(size), "Content-Type": OCTET_STREAM})
-        try:
-            with urllib.request.urlopen(request, timeout=600) as response:
-                response.read()
-        except (urllib.error.URLError, OSError) as e:
-            raise TransferError(f"upload to {_where(url)} failed: {e}") from e
+    _with_retries("upload to", url, lambda: _put(url, source))
 
 
 def _probe(url: str, limit: int) -> bytes | None:
     if url.startswith("file:"):
-        path = _local(url)
         try:
-            with open(path, "rb") as f:
+            with open(_local(url), "rb") as f:
                 return f.read(limit)
         except OSError:
             return None
+    data = b""
     try:
-        with urllib.request.urlopen(url, timeout=30) as response:
-            return bytes(response.read(limit))
-    except (urllib.error.URLError, OSError):
-        # Missing (404; 403 where the signer may not list the bucket), or unreachable.
-        return None
+        with _http().stream("GET", url, timeout=30.0) as response:
+            if response.is_error:
+                return None  # missing (404; 403 where the signer may not list the bucket)
+            for chunk in response.iter_bytes():
+                data += chunk
+                if len(data) >= limit:
+                    break
+    except httpx.TransportError:
+        return None  # unreachable
+    return data[:limit]
 
 
 async def probe(url: str, limit: int = 64 * 1024) -> bytes | None:
@@ -90,7 +200,7 @@ async def probe(url: str, limit: int = 64 * 1024) -> bytes | None:
 
 
 async def download(url: str, target: Path, sha256: str | None = None) -> None:
-    """Fetch a URL to a file and check its sha256."""
+    """Fetch a URL to a file, resuming after transient failures, and check its sha256."""
     digest = await asyncio.to_thread(_download, url, target)
     if sha256 is not None and digest != sha256:
         target.unlink(missing_ok=True)
@@ -98,5 +208,5 @@ async def download(url: str, target: Path, sha256: str | None = None) -> None:
 
 
 async def upload(url: str, source: Path) -> None:
-    """PUT a file to a URL."""
+    """PUT a file to a URL, streamed from disk, retrying transient failures."""
     await asyncio.to_thread(_upload, url, source)

@@ -11,12 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import re
-import ssl
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,19 +20,17 @@ from urllib.parse import urlsplit
 import boto3
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
+from botocore.credentials import ReadOnlyCredentials
 from botocore.exceptions import ClientError, NoCredentialsError, ReadTimeoutError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from apiary.contracts import ObjectRef
-from apiary.storage import sigv4
 from apiary.storage.base import ObjectNotFound, Storage, StorageUnavailable, check_key, sha256_file
-from apiary.transfer import OCTET_STREAM
+from apiary.storage.presign import Endpoint, Presigner
 
 T = TypeVar("T")
 
 MULTIPART_THRESHOLD = 8 * 1024 * 1024
-PRESIGN_SECONDS = 300  # for the URLs this process signs for its own reads
-HTTP_ATTEMPTS = 3
 SHA256_METADATA = "sha256"
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 _NO_BUCKET = {"NoSuchBucket"}
@@ -67,14 +60,13 @@ class S3Storage(Storage):
             region_name=region,
             connect_timeout=5,
             read_timeout=60,
+            # botocore retries connection errors, throttling and 5xx with capped exponential backoff.
             retries={"max_attempts": 3, "mode": "standard"},
             # S3-compatible servers (MinIO, moto) are addressed by path, AWS by virtual host.
             s3={"addressing_style": "path" if endpoint_url else "auto"},
         )
-        # Requests this adapter sends itself trust what boto3 would: AWS_CA_BUNDLE when it is set.
-        self._tls = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or None)
         self._session = boto3.session.Session()
-        self._presigner: sigv4.Presigner | None = None
+        self._presigner: Presigner | None = None
         self._client: Any = self._session.client(
             "s3", endpoint_url=endpoint_url, region_name=region, config=config
         )
@@ -133,19 +125,9 @@ class S3Storage(Storage):
         full = self._key(key)
         await self.ensure_bucket()
         digest = hashlib.sha256(data).hexdigest()
-        if len(data) <= MULTIPART_THRESHOLD:
-            # A plain PUT of a presigned URL, as for reads (the aggregator writes every round's average).
-            meta = {f"x-amz-meta-{SHA256_METADATA}": digest}
-            url = self._presign("PUT", key, PRESIGN_SECONDS, headers=meta)
-            await self._call(self._http, "PUT", url, key, data, {**meta, "Content-Type": OCTET_STREAM})
-        else:
-            await self._call(
-                self._client.put_object,
-                Bucket=self.bucket,
-                Key=full,
-                Body=data,
-                Metadata={SHA256_METADATA: digest},
-            )
+        await self._call(
+            self._client.put_object, Bucket=self.bucket, Key=full, Body=data, Metadata={SHA256_METADATA: digest}
+        )
         return ObjectRef(key=key, size=len(data), sha256=digest)
 
     async def put_file(self, key: str, path: Path) -> ObjectRef:
@@ -168,43 +150,23 @@ class S3Storage(Storage):
         return _code(e) in _NOT_FOUND | _NO_BUCKET or _status(e) == 404
 
     async def get_bytes(self, key: str) -> bytes:
-        # A plain GET of a presigned URL: a quarter of boto3's CPU per request, which counts when the
-        # aggregator reads every contribution of every round.
-        url = self._presign("GET", key, PRESIGN_SECONDS)
-        data, headers = await self._call(self._http, "GET", url, key)
-        expected = headers.get(f"x-amz-meta-{SHA256_METADATA}")
+        full = self._key(key)
+
+        def read() -> tuple[bytes, str | None]:
+            response = self._client.get_object(Bucket=self.bucket, Key=full)
+            return response["Body"].read(), response.get("Metadata", {}).get(SHA256_METADATA)
+
+        try:
+            data, expected = await self._call(read)
+        except ClientError as e:
+            if self._missing(e):
+                raise ObjectNotFound(key) from None
+            raise
         if expected is not None:
             actual = hashlib.sha256(data).hexdigest()
             if actual != expected:
                 raise self._mismatch(key, expected, actual)
         return data
-
-    def _http(self, method: str, url: str, key: str, data: bytes | None = None,
-              headers: dict[str, str] | None = None) -> tuple[bytes, Any]:
-        """One request to a presigned URL: the response's body and headers. Retried like boto3's
-        standard mode (3 attempts) when the endpoint is unreachable, busy or failing."""
-        for attempt in range(HTTP_ATTEMPTS):
-            request = urllib.request.Request(url, data=data, method=method, headers=headers or {})
-            try:
-                with urllib.request.urlopen(request, timeout=60, context=self._tls) as response:
-                    return response.read(), response.headers
-            except urllib.error.HTTPError as e:
-                body = e.read(2048).decode("utf-8", "replace")
-                code = re.search(r"<Code>([^<]+)</Code>", body)
-                if e.code == 404 and method == "GET":
-                    raise ObjectNotFound(key) from None
-                if (e.code < 500 and e.code != 429) or attempt == HTTP_ATTEMPTS - 1:
-                    verb = "reading" if method == "GET" else "writing"
-                    raise StorageUnavailable(
-                        f"{verb} {self.uri(key)} at {self._where()} failed: HTTP {e.code}"
-                        f" {code.group(1) if code else e.reason}; check the bucket and the credentials") from None
-            except (urllib.error.URLError, OSError) as e:
-                if attempt == HTTP_ATTEMPTS - 1:
-                    raise StorageUnavailable(
-                        f"cannot reach bucket {self.bucket!r} at {self._where()}: {e};"
-                        " check APIARY_STORAGE_URL, APIARY_S3_ENDPOINT_URL and the credentials") from e
-            time.sleep(0.05 * 2**attempt)
-        raise AssertionError("unreachable")
 
     def _mismatch(self, key: str, expected: str, actual: str) -> ValueError:
         return ValueError(f"{self.uri(key)}: sha256 mismatch (stored {expected[:12]}…, got {actual[:12]}…)")
@@ -285,22 +247,22 @@ class S3Storage(Storage):
             operation, Params={"Bucket": self.bucket, "Key": full_key}, ExpiresIn=expires)
         return url
 
-    def _frozen_credentials(self) -> sigv4.Credentials:
+    def _frozen_credentials(self) -> ReadOnlyCredentials:
         creds = self._session.get_credentials()
         if creds is None:
             raise NoCredentialsError()
         frozen = creds.get_frozen_credentials()  # refreshes temporary credentials when they are due
         if not frozen.access_key or not frozen.secret_key:
             raise NoCredentialsError()
-        return sigv4.Credentials(frozen.access_key, frozen.secret_key, frozen.token)
+        return frozen
 
     def _presign(self, method: str, key: str, expires: int, headers: dict[str, str] | None = None) -> str:
         full = self._key(key)
         if self._presigner is None:
             # botocore decides the addressing and the credential scope once, from a URL it signs;
-            # every URL is then signed here (a few HMACs rather than botocore's request pipeline).
-            endpoint = sigv4.Endpoint.from_presigned(self._botocore_presign("GET", full, expires), full)
-            self._presigner = sigv4.Presigner(endpoint, self._frozen_credentials)
+            # every URL is then signed by its SigV4 query signer alone (see apiary.storage.presign).
+            endpoint = Endpoint.from_presigned(self._botocore_presign("GET", full, expires), full)
+            self._presigner = Presigner(endpoint, self._frozen_credentials)
         return self._presigner.presign(method, full, expires, headers=headers)
 
     def presign_get(self, key: str, expires: int) -> str:

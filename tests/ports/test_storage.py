@@ -5,20 +5,31 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
 
+from apiary import transfer
 from apiary.contracts import ObjectRef
 from apiary.storage.base import ObjectNotFound, Storage, StorageUnavailable
 from apiary.storage.s3 import MULTIPART_THRESHOLD, S3Storage
-from apiary.transfer import TransferError, download, probe, upload
+from apiary.transfer import Backoff, TransferError, download, probe, upload
+from tests.ports.flaky import FlakyFront, flaky_front
 
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def front(monkeypatch: pytest.MonkeyPatch) -> Iterator[FlakyFront]:
+    """A server in front of presigned URLs that fails on cue; transfers retry without waiting long."""
+    monkeypatch.setattr(transfer, "RETRY", Backoff(attempts=3, base=0.01))
+    with flaky_front() as f:
+        yield f
 
 
 async def test_bytes_round_trip_with_their_size_and_sha256(storage: Storage) -> None:
@@ -167,6 +178,72 @@ async def test_a_probe_by_presigned_url_reads_a_small_object_or_finds_none(stora
 
     assert present == b'{"reason": "cancelled by user"}'
     assert missing is None and unreachable is None
+
+
+async def test_a_transfer_by_url_is_retried_after_a_transient_503(
+    storage: Storage, front: FlakyFront, tmp_path: Path
+) -> None:
+    # Prepare
+    data = os.urandom(100_000)
+    ref = await storage.put_bytes("jobs/j1/round-1/global", data)
+    source = tmp_path / "update"
+    source.write_bytes(data[::-1])
+
+    # Execute: one 503 before each
+    front.failures = ["503"]
+    await download(front.url(storage.presign_get(ref.key, expires=300)), tmp_path / "global", sha256=ref.sha256)
+    front.failures = ["503"]
+    await upload(front.url(storage.presign_put("jobs/j1/round-1/workers/w1", expires=300)), source)
+
+    # Assert
+    assert (tmp_path / "global").read_bytes() == data
+    assert await storage.get_bytes("jobs/j1/round-1/workers/w1") == data[::-1]
+    assert front.requests == [("GET", None), ("GET", None), ("PUT", None), ("PUT", None)]
+
+
+async def test_a_download_cut_off_midway_resumes_from_where_it_stopped(
+    storage: Storage, front: FlakyFront, tmp_path: Path
+) -> None:
+    # Prepare
+    data = os.urandom(1_000_000)
+    ref = await storage.put_bytes("jobs/j1/final/model", data)
+    front.failures = ["drop"]
+    target = tmp_path / "downloads" / "model"
+
+    # Execute
+    await download(front.url(storage.presign_get(ref.key, expires=300)), target, sha256=ref.sha256)
+
+    # Assert
+    assert target.read_bytes() == data
+    assert front.requests == [("GET", None), ("GET", f"bytes={len(data) // 2}-")]
+    assert [p.name for p in target.parent.iterdir()] == ["model"], "a partial file was left behind"
+
+
+async def test_a_resumed_download_is_still_checked_against_its_sha256(
+    storage: Storage, front: FlakyFront, tmp_path: Path
+) -> None:
+    # Prepare: the first half arrives intact, the resumed rest corrupted.
+    data = os.urandom(200_000)
+    ref = await storage.put_bytes("jobs/j1/final/model", data)
+    front.failures = ["drop", "corrupt"]
+    target = tmp_path / "downloads" / "model"
+
+    # Execute / Assert
+    with pytest.raises(TransferError, match="sha256 mismatch"):
+        await download(front.url(storage.presign_get(ref.key, expires=300)), target, sha256=ref.sha256)
+    assert list(target.parent.iterdir()) == []
+
+
+async def test_a_transfer_gives_up_after_its_attempts(storage: Storage, front: FlakyFront, tmp_path: Path) -> None:
+    # Prepare
+    ref = await storage.put_bytes("jobs/j1/round-1/global", b"weights")
+    front.failures = ["503"] * 3
+
+    # Execute / Assert
+    with pytest.raises(TransferError, match="failed after 3 attempts: HTTP 503"):
+        await download(front.url(storage.presign_get(ref.key, expires=300)), tmp_path / "global")
+    assert len(front.requests) == 3
+    assert not (tmp_path / "global").exists()
 
 
 async def test_uri_names_the_object_for_people(storage: Storage) -> None:

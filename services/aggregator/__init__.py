@@ -1,5 +1,5 @@
-"""The aggregator: validates contributions and folds them into each round's weighted average."""
+"""The aggregator: validates contributions and takes them into each round's aggregation strategy."""
 
-from services.aggregator.service import Aggregator
+from services.aggregator.handlers import Aggregator
 
 __all__ = ["Aggregator"]

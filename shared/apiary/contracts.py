@@ -7,9 +7,11 @@ import time
 from typing import Any, ClassVar, TypeVar
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from apiary.jobspec import FieldError, JobSpec
+from apiary.strategies import DEFAULT_STRATEGY
+from apiary.strategies.format import UpdateFormat
 
 SCHEMA_VERSION = 1
 MSGPACK = "application/msgpack"
@@ -107,7 +109,18 @@ class RoundStart(RoundEvent):
     min_workers: int
     weights: ObjectRef
     deadline: float
-    use_peft: bool = False
+    update_format: UpdateFormat = UpdateFormat.FULL
+    # The aggregation strategy by registered name, and its parameters (checked by the strategy).
+    strategy: str = DEFAULT_STRATEGY
+    strategy_params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_use_peft(cls, data: Any) -> Any:
+        # Before update_format, adapter-only rounds said `use_peft: true`; such messages still decode.
+        if isinstance(data, dict) and "use_peft" in data and "update_format" not in data:
+            data = {**data, "update_format": UpdateFormat.of(adapter_only=bool(data["use_peft"]))}
+        return data
 
 
 class Assignment(RoundEvent):

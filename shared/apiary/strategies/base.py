@@ -21,11 +21,12 @@ from typing import Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from apiary.strategies import DEFAULT_STRATEGY
 from apiary.strategies.format import UpdateFormat
 from apiary.strategies.validation import validate
 from apiary.weights import WeightSpec
 
-DEFAULT = "federated_averaging"
+DEFAULT = DEFAULT_STRATEGY
 
 
 @dataclass(frozen=True)

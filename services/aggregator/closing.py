@@ -1,0 +1,93 @@
+"""Closing a round: aggregate it through its strategy and publish round.aggregated, or fail it."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from apiary import keys, telemetry
+from apiary.contracts import RoundAggregated, RoundFailed
+from apiary.outbox import Outbox
+from apiary.status import ContributionStatus, RoundStatus
+from apiary.storage import Storage
+from apiary.weights import dumps as dump_weights
+from apiary.weights import loads as load_weights
+from apiary.weights import spec_of
+from services.aggregator.decisions import failure_reason, refusals
+from services.aggregator.rounds import OpenRounds, RoundState
+from services.aggregator.store import AggregatorStore
+
+log = logging.getLogger("apiary.aggregator")
+
+
+class RoundCloser:
+    """Ends an open round exactly once: its result and the event announcing it commit together."""
+
+    def __init__(self, store: AggregatorStore, storage: Storage, outbox: Outbox, rounds: OpenRounds) -> None:
+        self._store, self._storage, self._outbox, self._rounds = store, storage, outbox, rounds
+
+    async def close(self, state: RoundState, *, timed_out: bool) -> None:
+        """Aggregate or fail the round, inside one span: a child of the round, linked to every
+        contribution taken in."""
+        agg = state.agg
+        rows = await self._store.contributions(*state.key)
+        accepted = [r for r in rows if r["status"] == ContributionStatus.ACCEPTED]
+        links = [link for r in accepted if (link := telemetry.link_from({"traceparent": r["traceparent"] or ""}))]
+        attributes = {"apiary.job_id": agg["job_id"], "apiary.round": agg["round"], "apiary.attempt": agg["attempt"],
+                      "apiary.contributions": len(accepted), "apiary.samples": sum(r["samples"] for r in accepted),
+                      "apiary.bytes": sum(r["size"] for r in accepted)}
+        parent = telemetry.context_from({"traceparent": agg["traceparent"] or ""})
+        with telemetry.tracer().start_as_current_span("aggregate", context=parent, links=links,
+                                                      attributes=attributes) as span:
+            if timed_out:
+                span.add_event("round.timeout")
+            for r in rows:
+                if r["status"] in (ContributionStatus.REJECTED, ContributionStatus.FAILED):
+                    span.add_event(f"contribution.{r['status']}", {"apiary.shard": r["shard"],
+                                                                    "apiary.worker_id": r["worker_id"],
+                                                                    "reason": r["reason"] or ""})
+            refused = refusals(rows)
+            reason = failure_reason(len(accepted), len(state.shards), agg["min_workers"], refused,
+                                    timed_out=timed_out)
+            if reason is not None:
+                telemetry.fail(span, "round.failed", reason)
+                await self._fail(state, reason, len(accepted))
+            else:
+                await self._aggregate(state, accepted, refused, timed_out=timed_out)
+
+    async def _fail(self, state: RoundState, reason: str, reported: int) -> None:
+        job_id, round_index, attempt = state.key
+        failed = RoundFailed(job_id=job_id, round=round_index, attempt=attempt, reason=reason,
+                             reported=reported, required=state.agg["min_workers"])
+        async with self._store.db.transaction() as tx:
+            await self._store.close(tx, state.key, RoundStatus.FAILED, reason=reason)
+            await self._outbox.add(tx, failed)
+        self._rounds.drop(state.key)
+        await self._outbox.flush()
+
+    async def _aggregate(self, state: RoundState, accepted: list[dict[str, Any]], refused: dict[str, str], *,
+                         timed_out: bool) -> None:
+        job_id, round_index, attempt = state.key
+        # finish() consumes the running state: should closing fail after it, the retry re-folds from storage.
+        self._rounds.drop(state.key)
+        strategy = state.strategy
+        global_weights = None
+        if strategy.wants_global_weights():
+            global_weights = load_weights(await self._storage.get_bytes(state.agg["weights_key"]))
+        result = strategy.finish(global_weights)
+        del global_weights
+        data = dump_weights(result.weights)
+        ref = await self._storage.put_bytes(keys.global_weights(job_id, round_index), data)
+        self._rounds.remember_spec(ref, spec_of(data))
+        done = RoundAggregated(
+            job_id=job_id, round=round_index, attempt=attempt, weights=ref,
+            contributors=sorted(r["shard"] for r in accepted), total_samples=result.total_samples,
+            metrics=result.metrics, rejected=refused, trained_by={r["shard"]: r["worker_id"] for r in accepted},
+        )
+        async with self._store.db.transaction() as tx:
+            await self._store.close(tx, state.key, RoundStatus.AGGREGATED, result_key=ref.key)
+            await self._outbox.add(tx, done)
+        self._rounds.drop(state.key)
+        log.info("job %s: round %d aggregated from %d shards (%d samples)%s", job_id, round_index,
+                 len(accepted), done.total_samples, " at timeout" if timed_out else "")
+        await self._outbox.flush()

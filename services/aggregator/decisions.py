@@ -1,0 +1,83 @@
+"""The aggregator's pure decisions: what a report is, when a round closes, and how it ends."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from apiary.component import from_json
+from apiary.status import ContributionStatus, RoundStatus
+from apiary.strategies import DEFAULT_STRATEGY
+from apiary.strategies.format import UpdateFormat
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A report that settles nothing: what it is recorded as, and why."""
+
+    status: ContributionStatus
+    reason: str
+
+
+def judge_round(aggregation: Mapping[str, Any] | None) -> Verdict | None:
+    """A report for a round that never started here is an orphan, for a closed one late; else None."""
+    if aggregation is None:
+        return Verdict(ContributionStatus.ORPHAN, "no such round")
+    if aggregation["status"] != RoundStatus.OPEN:
+        return Verdict(ContributionStatus.LATE, f"round already {aggregation['status']}")
+    return None
+
+
+def judge_shard(shard: int, shards: Collection[int], settled: Mapping[int, str]) -> Verdict | None:
+    """A report for a shard the round did not assign, or one already settled; else None (it counts)."""
+    if shard not in shards:
+        return Verdict(ContributionStatus.UNASSIGNED, f"shard {shard} is not assigned in this round")
+    reported = settled.get(shard)
+    if reported is not None:
+        return Verdict(ContributionStatus.DUPLICATE, f"shard {shard} already reported ({reported})")
+    return None
+
+
+def all_settled(settled: Collection[int], shards: Collection[int]) -> bool:
+    """Whether every assigned shard has settled (accepted, rejected or failed): the round can close."""
+    return len(settled) >= len(shards)
+
+
+def past_deadline(deadline: float | None, now: float) -> bool:
+    """Whether a round closing now closes as a timeout would (a straggler stopped at the deadline)."""
+    return deadline is not None and now >= deadline
+
+
+def refusals(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """Shard -> reason for each contribution refused or failed by the user's code."""
+    unsettling = (ContributionStatus.REJECTED, ContributionStatus.FAILED)
+    return {str(r["shard"]): r["reason"] or "" for r in rows if r["status"] in unsettling}
+
+
+def failure_reason(accepted: int, expected: int, min_workers: int, refused: Mapping[str, str], *,
+                   timed_out: bool) -> str | None:
+    """Why a closing round fails (fewer valid contributions than min_workers), or None if it aggregates."""
+    if accepted >= min_workers:
+        return None
+    why = "timeout" if timed_out else "too few valid contributions"
+    reason = f"{why}: {accepted} of {expected} shards contributed valid weights, min_workers is {min_workers}"
+    if refused:
+        reason += "; " + "; ".join(f"shard {s}: {r}" for s, r in sorted(refused.items()))
+    return reason
+
+
+def update_format(aggregation: Mapping[str, Any]) -> UpdateFormat:
+    """A round's update format; rows stored before the column existed say it with use_peft."""
+    stored = aggregation.get("update_format")
+    return UpdateFormat(stored) if stored else UpdateFormat.of(adapter_only=bool(aggregation["use_peft"]))
+
+
+def strategy_of(aggregation: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A round's strategy name and parameters; rows stored before the columns existed used FedAvg."""
+    return aggregation.get("strategy") or DEFAULT_STRATEGY, from_json(aggregation.get("strategy_params"), {})
+
+
+def ended_status(cancelled: bool) -> RoundStatus:
+    """How a job's open round ends when the job ends: cancelled, or failed."""
+    return RoundStatus.CANCELLED if cancelled else RoundStatus.FAILED

@@ -1,0 +1,205 @@
+"""Aggregator handlers: round.start, worker.done, worker.failed, round.timeout, job.failed."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from apiary import contracts, keys
+from apiary.bus import Delivery, EventHandler, subscribe
+from apiary.component import Component, to_json
+from apiary.outbox import KeyedLocks, Outbox
+from apiary.status import ContributionStatus
+from apiary.storage import ObjectNotFound
+from apiary.strategies.base import Contribution
+from apiary.strategies.validation import InvalidContribution
+from apiary.weights import WeightsError
+from apiary.weights import loads as load_weights
+from services.aggregator.closing import RoundCloser
+from services.aggregator.decisions import all_settled, ended_status, judge_round, judge_shard, past_deadline
+from services.aggregator.rounds import OpenRounds, RoundState
+from services.aggregator.store import AggregatorStore, opened_row
+
+log = logging.getLogger("apiary.aggregator")
+
+PREFETCH_MAX_BYTES = 8 * 1024 * 1024
+
+Report = contracts.WorkerDone | contracts.WorkerFailed
+
+
+class Aggregator(Component):
+    """Takes each round's contributions into its strategy as they arrive and closes the round once."""
+
+    name = "aggregator"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.outbox = Outbox(self.db, self.bus, "aggregator_outbox")
+        self.store = AggregatorStore(self.db)
+        self._locks = KeyedLocks()
+        self._rounds = OpenRounds(self.store, self.storage)
+        self._closer = RoundCloser(self.store, self.storage, self.outbox, self._rounds)
+
+    async def start(self) -> None:
+        await self.store.migrate(self.name)
+        await self.outbox.flush()
+        handlers: dict[str, EventHandler] = {
+            "round.start": self.on_round_start,
+            "worker.done": self.on_worker_done,
+            "worker.failed": self.on_worker_failed,
+            "round.timeout": self.on_round_timeout,
+            "job.failed": self.on_job_ended,
+        }
+        self._subscriptions.append(
+            await subscribe(self.bus, "aggregator", handlers, prefetch=self.settings.prefetch)
+        )
+
+    def rounds_in_memory(self) -> list[tuple[str, int, int]]:
+        """(job, round, attempt) of each round whose running state this aggregator holds."""
+        return self._rounds.keys()
+
+    async def on_round_start(self, event: contracts.RoundStart, delivery: Delivery) -> None:
+        """Remember which shards a round waits for, the weights it started from and its strategy."""
+        async with self._locks(event.job_id):
+            row = opened_row(event)
+            inserted = await self.store.open_round(row)
+            spec = self._rounds.known_spec(event.weights)
+            if inserted and spec is not None:
+                # A new round whose weights this aggregator wrote: nothing to read back before its results.
+                self._rounds.begin(row, spec)
+
+    async def on_worker_failed(self, event: contracts.WorkerFailed, delivery: Delivery) -> None:
+        """The user's code failed on a shard: that shard settles without weights."""
+        async with self._locks(event.job_id), self._dropping_state_on_error(event):
+            state = await self._admit(event)
+            if state is None:
+                return
+            await self._record(event, ContributionStatus.FAILED, event.error, state)
+            await self._maybe_close(state)
+
+    async def on_worker_done(self, event: contracts.WorkerDone, delivery: Delivery) -> None:
+        """Validate a contribution and take it in, once; close the round when every shard reported."""
+        early = await self._prefetch(event)
+        async with self._locks(event.job_id), self._dropping_state_on_error(event):
+            state = await self._admit(event)
+            if state is None:
+                return
+            try:
+                if isinstance(early, BaseException):
+                    raise early
+                data = early if early is not None else await self.storage.verified_bytes(event.result)
+                weights = load_weights(data, copy=False)
+                state.strategy.accept(Contribution(weights, event.samples, event.metrics))
+            except (ObjectNotFound, InvalidContribution, WeightsError, ValueError) as e:
+                state = await self._reject(event, state, e)
+            else:
+                # Should recording fail, the strategy holds a contribution the database does not: the
+                # state is dropped (below) and rebuilt from the stored rows next time.
+                await self._record(event, ContributionStatus.ACCEPTED, None, state)
+            await self._maybe_close(state)
+
+    async def _prefetch(self, event: contracts.WorkerDone) -> bytes | BaseException | None:
+        """Small contributions are fetched before queueing for the job's lock, so many download at
+        once; large ones (None here) are fetched one at a time inside it (memory: one accumulator plus one)."""
+        expected_key = keys.contribution(event.job_id, event.round, event.attempt, event.shard)
+        if event.result.key != expected_key:
+            # Only the object the assignment's upload URL wrote counts: never any other in the bucket.
+            return ValueError(f"result {event.result.key!r} is not this shard's upload ({expected_key!r})")
+        if event.result.size > PREFETCH_MAX_BYTES:
+            return None
+        try:
+            return await self.storage.verified_bytes(event.result)
+        except (ObjectNotFound, ValueError) as e:
+            return e
+
+    async def _reject(self, event: contracts.WorkerDone, state: RoundState, error: Exception) -> RoundState:
+        """Record a refused contribution; the round's state, re-folded if the refusal spoiled it."""
+        reason = f"object {event.result.key} is missing" if isinstance(error, ObjectNotFound) else str(error)
+        log.warning("job %s: round %d shard %d from %s rejected: %s", event.job_id, event.round,
+                    event.shard, event.worker_id, reason)
+        await self._record(event, ContributionStatus.REJECTED, reason, state)
+        if not state.strategy.spoiled:
+            return state
+        # Part of the refused contribution was taken in: the exact state is re-folded from the
+        # accepted contributions in storage.
+        self._rounds.drop(state.key)
+        return await self._rounds.load(state.agg)
+
+    async def _admit(self, event: Report) -> RoundState | None:
+        """The open round this report settles a shard of; None (recorded why) if it settles nothing."""
+        key = (event.job_id, event.round, event.attempt)
+        state = self._rounds.get(key)
+        if state is None:
+            agg = await self.store.aggregation(*key)
+            verdict = judge_round(agg)
+            if verdict is not None:
+                if verdict.status is ContributionStatus.LATE:
+                    log.info("job %s: late report for round %d/%d shard %d from %s ignored", event.job_id,
+                             event.round, event.attempt, event.shard, event.worker_id)
+                await self._record(event, verdict.status, verdict.reason)
+                return None
+            assert agg is not None  # judge_round calls a missing round an orphan
+            state = await self._rounds.load(agg)
+        verdict = judge_shard(event.shard, state.shards, state.settled)
+        if verdict is None:
+            return state
+        await self._record(event, verdict.status, verdict.reason)
+        if verdict.status is ContributionStatus.DUPLICATE:
+            # A redelivered last report whose first handling failed after it was recorded: the round
+            # is still open, so close it now rather than at the timeout.
+            await self._maybe_close(state)
+        return None
+
+    @contextlib.asynccontextmanager
+    async def _dropping_state_on_error(self, event: Report) -> AsyncIterator[None]:
+        try:
+            yield
+        except BaseException:
+            self._rounds.drop((event.job_id, event.round, event.attempt))
+            raise
+
+    async def on_round_timeout(self, event: contracts.RoundTimeout, delivery: Delivery) -> None:
+        """The round's time is up: aggregate what arrived if enough did, else fail the round."""
+        async with self._locks(event.job_id):
+            key = (event.job_id, event.round, event.attempt)
+            state = self._rounds.get(key)
+            if state is None:
+                agg = await self.store.aggregation(*key)
+                if agg is None or judge_round(agg) is not None:
+                    return
+                state = await self._rounds.load(agg)
+            try:
+                await self._closer.close(state, timed_out=True)
+            except BaseException:
+                self._rounds.drop(key)
+                raise
+
+    async def on_job_ended(self, event: contracts.JobFailed, delivery: Delivery) -> None:
+        """A job was cancelled or failed: its end marker is stored, its open rounds close now and their
+        state is freed (a large model's would otherwise be held until the round's timeout); reports
+        still on their way are recorded as late."""
+        status = ended_status(event.cancelled)
+        # The job's end marker, for workers that start after this event and would otherwise train
+        # its assignments still queued (they have only the bus and the URLs in those assignments).
+        await self.storage.put_bytes(keys.job_ended(event.job_id), to_json(
+            {"job_id": event.job_id, "status": status, "reason": event.reason}).encode())
+        async with self._locks(event.job_id):
+            closed = await self.store.end_job(event.job_id, status, f"job {status}: {event.reason}")
+            self._rounds.drop_job(event.job_id)
+        if closed:
+            log.info("job %s %s: its open round closed", event.job_id, status)
+
+    async def _maybe_close(self, state: RoundState) -> None:
+        if all_settled(state.settled, state.shards):
+            # A last shard settled after the deadline (a straggler stopped there) ends a round that timed out.
+            await self._closer.close(state, timed_out=past_deadline(state.agg["deadline"], time.time()))
+
+    async def _record(self, event: Report, status: ContributionStatus, reason: str | None,
+                      state: RoundState | None = None) -> None:
+        await self.store.record(event, status, reason)
+        if state is not None and status.settles:
+            state.settled[event.shard] = status
+

@@ -1,0 +1,107 @@
+"""The open rounds an aggregator holds in memory: a cache of its tables and storage, rebuilt on demand."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from apiary.component import from_json
+from apiary.contracts import ObjectRef
+from apiary.status import ContributionStatus
+from apiary.storage import Storage
+from apiary.strategies.base import Contribution, Strategy, create
+from apiary.weights import WeightSpec, spec_of
+from apiary.weights import loads as load_weights
+from services.aggregator.decisions import strategy_of, update_format
+from services.aggregator.store import AggregatorStore
+
+SPEC_CACHE = 256  # global weights whose names, dtypes and shapes are remembered
+
+RoundKey = tuple[str, int, int]  # (job, round, attempt)
+
+
+@dataclass
+class RoundState:
+    """One open round in memory: its row, which shards have settled and its strategy's running state.
+    It is a cache of the database and storage: dropped whenever a handler fails, rebuilt from them on
+    next use (after a restart too), so a contribution is counted exactly when its row says so."""
+
+    agg: dict[str, Any]
+    shards: frozenset[int]
+    strategy: Strategy
+    settled: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def key(self) -> RoundKey:
+        """(job, round, attempt)."""
+        return self.agg["job_id"], self.agg["round"], self.agg["attempt"]
+
+
+class OpenRounds:
+    """The rounds whose running state this aggregator holds, and the specs of global weights it knows."""
+
+    def __init__(self, store: AggregatorStore, storage: Storage) -> None:
+        self._store, self._storage = store, storage
+        self._rounds: dict[RoundKey, RoundState] = {}
+        self._specs: dict[tuple[str, str], WeightSpec] = {}
+
+    def keys(self) -> list[RoundKey]:
+        """(job, round, attempt) of each round held."""
+        return list(self._rounds)
+
+    def get(self, key: RoundKey) -> RoundState | None:
+        """The round's state if held."""
+        return self._rounds.get(key)
+
+    def drop(self, key: RoundKey) -> None:
+        """Forget a round's state (it is rebuilt from the tables and storage if needed again)."""
+        self._rounds.pop(key, None)
+
+    def drop_job(self, job_id: str) -> None:
+        """Forget every round of a job."""
+        for key in [k for k in self._rounds if k[0] == job_id]:
+            del self._rounds[key]
+
+    def known_spec(self, ref: ObjectRef) -> WeightSpec | None:
+        """The spec of global weights this aggregator wrote or read lately."""
+        return self._specs.get((ref.key, ref.sha256))
+
+    def remember_spec(self, ref: ObjectRef, spec: WeightSpec) -> None:
+        """Keep a spec for the next rounds (the least recent goes beyond SPEC_CACHE)."""
+        self._specs[(ref.key, ref.sha256)] = spec
+        while len(self._specs) > SPEC_CACHE:
+            del self._specs[next(iter(self._specs))]
+
+    def begin(self, agg: dict[str, Any], spec: WeightSpec) -> RoundState:
+        """Hold a round that has just started: nothing settled, its strategy begun."""
+        state = _fresh(agg, spec)
+        self._rounds[state.key] = state
+        return state
+
+    async def load(self, agg: dict[str, Any]) -> RoundState:
+        """An open round's state from its rows: the shards settled so far, and the strategy's state
+        re-folded from the stored accepted contributions (after a restart, or after a handler failed)."""
+        base = ObjectRef(key=agg["weights_key"], size=agg["weights_size"], sha256=agg["weights_sha256"])
+        spec = self.known_spec(base)
+        if spec is None:
+            spec = spec_of(await self._storage.get_bytes(base.key))
+            self.remember_spec(base, spec)
+        state = _fresh(agg, spec)
+        for row in await self._store.contributions(*state.key):
+            if ContributionStatus(row["status"]).settles:
+                state.settled[row["shard"]] = row["status"]
+            if row["status"] != ContributionStatus.ACCEPTED:
+                continue
+            ref = ObjectRef(key=row["result_key"], size=row["size"], sha256=row["sha256"])
+            weights = load_weights(await self._storage.verified_bytes(ref), copy=False)
+            state.strategy.accept(Contribution(weights, row["samples"], from_json(row["metrics"], {})))
+        self._rounds[state.key] = state
+        return state
+
+
+def _fresh(agg: dict[str, Any], spec: WeightSpec) -> RoundState:
+    """A round's state with nothing taken in: the strategy its row names, begun on the round's spec."""
+    name, params = strategy_of(agg)
+    strategy = create(name, params)
+    strategy.begin(spec, update_format(agg))
+    return RoundState(agg=agg, shards=frozenset(from_json(agg["shards"])), strategy=strategy)

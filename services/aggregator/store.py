@@ -1,0 +1,125 @@
+"""The aggregator's tables: its migrations (append-only) and every SQL statement it runs."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from apiary import telemetry
+from apiary.component import to_json
+from apiary.contracts import ObjectRef, RoundStart, WorkerDone, WorkerFailed
+from apiary.db import Database, Executor
+from apiary.outbox import outbox_migration
+from apiary.status import ContributionStatus, RoundStatus
+
+MIGRATIONS = [
+    """
+    CREATE TABLE IF NOT EXISTS aggregations (
+      job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL, shards TEXT NOT NULL,
+      min_workers BIGINT NOT NULL, weights_key TEXT NOT NULL, weights_size BIGINT NOT NULL,
+      weights_sha256 TEXT NOT NULL, use_peft BIGINT NOT NULL, status TEXT NOT NULL,
+      result_key TEXT, reason TEXT, opened_at DOUBLE PRECISION NOT NULL, closed_at DOUBLE PRECISION,
+      PRIMARY KEY (job_id, round, attempt));
+    CREATE TABLE IF NOT EXISTS contributions (
+      seq {autoid}, job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL,
+      shard BIGINT NOT NULL, worker_id TEXT NOT NULL, status TEXT NOT NULL, reason TEXT,
+      samples BIGINT NOT NULL, result_key TEXT NOT NULL, size BIGINT NOT NULL, sha256 TEXT NOT NULL,
+      metrics TEXT NOT NULL, received_at DOUBLE PRECISION NOT NULL);
+    CREATE UNIQUE INDEX IF NOT EXISTS contributions_once
+      ON contributions (job_id, round, attempt, shard) WHERE status IN ('accepted', 'rejected', 'failed');
+    CREATE INDEX IF NOT EXISTS contributions_round ON contributions (job_id, round, attempt)
+    """,
+    outbox_migration("aggregator_outbox"),
+    # Trace context: the round's (parent of the aggregation span) and each contribution's (its links).
+    "ALTER TABLE aggregations ADD COLUMN traceparent TEXT; ALTER TABLE contributions ADD COLUMN traceparent TEXT",
+    # The round's deadline: a last shard settling after it ends the round as a timeout would.
+    "ALTER TABLE aggregations ADD COLUMN deadline DOUBLE PRECISION",
+    # The round's update format and strategy; NULL in rows from before (use_peft, FedAvg) and still written.
+    "ALTER TABLE aggregations ADD COLUMN update_format TEXT; ALTER TABLE aggregations ADD COLUMN strategy TEXT;"
+    " ALTER TABLE aggregations ADD COLUMN strategy_params TEXT",
+]
+
+COLUMNS = ("job_id", "round", "attempt", "shards", "min_workers", "weights_key", "weights_size", "weights_sha256",
+           "use_peft", "status", "opened_at", "traceparent", "deadline", "update_format", "strategy",
+           "strategy_params")
+
+
+def opened_row(event: RoundStart) -> dict[str, Any]:
+    """The aggregations row of a round that starts now, as `fetch` would return it."""
+    return {
+        "job_id": event.job_id, "round": event.round, "attempt": event.attempt, "shards": to_json(event.shards),
+        "min_workers": event.min_workers, "weights_key": event.weights.key, "weights_size": event.weights.size,
+        "weights_sha256": event.weights.sha256, "use_peft": int(event.update_format == "adapter"),
+        "status": str(RoundStatus.OPEN), "opened_at": time.time(),
+        "traceparent": telemetry.headers_for().get("traceparent"), "deadline": event.deadline,
+        "update_format": str(event.update_format), "strategy": event.strategy,
+        "strategy_params": to_json(event.strategy_params),
+        "result_key": None, "reason": None, "closed_at": None,
+    }
+
+
+class AggregatorStore:
+    """The aggregations (one row per round attempt) and contributions (one per report) tables."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def migrate(self, component: str) -> None:
+        """Create or update the tables."""
+        await self.db.migrate(component, MIGRATIONS)
+
+    async def open_round(self, row: dict[str, Any]) -> bool:
+        """Store a round that starts; False when it was stored already (a redelivered round.start)."""
+        values = [row[c] for c in COLUMNS]
+        placeholders = ", ".join(f"${i}" for i in range(1, len(COLUMNS) + 1))
+        inserted = await self.db.execute(
+            f"INSERT INTO aggregations ({', '.join(COLUMNS)}) VALUES ({placeholders}) ON CONFLICT DO NOTHING",
+            *values,
+        )
+        return bool(inserted)
+
+    async def aggregation(self, job_id: str, round_index: int, attempt: int) -> dict[str, Any] | None:
+        """A round attempt's row, or None if it never started here."""
+        return await self.db.fetchrow(
+            "SELECT * FROM aggregations WHERE job_id = $1 AND round = $2 AND attempt = $3",
+            job_id, round_index, attempt,
+        )
+
+    async def contributions(self, job_id: str, round_index: int, attempt: int) -> list[dict[str, Any]]:
+        """Every report recorded for a round attempt, in arrival order."""
+        return await self.db.fetch(
+            "SELECT * FROM contributions WHERE job_id = $1 AND round = $2 AND attempt = $3 ORDER BY seq",
+            job_id, round_index, attempt,
+        )
+
+    async def record(self, event: WorkerDone | WorkerFailed, status: ContributionStatus, reason: str | None) -> None:
+        """Store one report with what became of it."""
+        if isinstance(event, WorkerFailed):
+            samples, result, metrics = 0, ObjectRef(key="", size=0, sha256=""), {}
+        else:
+            samples, result, metrics = event.samples, event.result, event.metrics
+        await self.db.execute(
+            "INSERT INTO contributions (job_id, round, attempt, shard, worker_id, status, reason, samples,"
+            " result_key, size, sha256, metrics, received_at, traceparent)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
+            event.job_id, event.round, event.attempt, event.shard, event.worker_id, str(status), reason,
+            samples, result.key, result.size, result.sha256, to_json(metrics), time.time(),
+            telemetry.headers_for().get("traceparent"),
+        )
+
+    @staticmethod
+    async def close(tx: Executor, key: tuple[str, int, int], status: RoundStatus, *, reason: str | None = None,
+                    result_key: str | None = None) -> None:
+        """Mark a round attempt aggregated (with its result) or failed (with the reason), in `tx`."""
+        await tx.execute(
+            "UPDATE aggregations SET status = $4, reason = $5, result_key = $6, closed_at = $7"
+            " WHERE job_id = $1 AND round = $2 AND attempt = $3",
+            *key, str(status), reason, result_key, time.time(),
+        )
+
+    async def end_job(self, job_id: str, status: RoundStatus, reason: str) -> int:
+        """Close a job's open rounds as cancelled or failed; how many were open."""
+        return await self.db.execute(
+            "UPDATE aggregations SET status = $2, reason = $3, closed_at = $4 WHERE job_id = $1 AND status = $5",
+            job_id, str(status), reason, time.time(), str(RoundStatus.OPEN),
+        )

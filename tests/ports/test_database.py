@@ -74,6 +74,53 @@ async def test_a_failing_migration_is_not_recorded_and_leaves_no_trace(database:
     assert await database.migrate("tracker", ["CREATE TABLE half (id TEXT PRIMARY KEY)"]) == 1
 
 
+async def test_a_semicolon_inside_a_string_literal_does_not_split_a_migration(database: Database) -> None:
+    # Prepare
+    notes = """
+    CREATE TABLE notes (id TEXT PRIMARY KEY, body TEXT NOT NULL);
+    INSERT INTO notes (id, body) VALUES ('greeting', 'hello; world -- not a comment');
+    INSERT INTO notes (id, body) VALUES ('quote', 'it''s; fine')
+    """
+
+    # Execute
+    applied = await database.migrate("tracker", [notes])
+
+    # Assert
+    assert applied == 1
+    rows = await database.fetch("SELECT id, body FROM notes ORDER BY id")
+    assert rows == [{"id": "greeting", "body": "hello; world -- not a comment"}, {"id": "quote", "body": "it's; fine"}]
+
+
+async def test_a_migration_with_a_body_of_statements_runs_whole(database: Database) -> None:
+    # Prepare: a trigger (SQLite) or a PL/pgSQL function and its trigger (PostgreSQL); each body holds `;`.
+    if database.dialect == "sqlite":
+        body = """
+        CREATE TRIGGER count_notes AFTER INSERT ON notes BEGIN
+            UPDATE tally SET n = n + 1; UPDATE tally SET last = NEW.id;
+        END
+        """
+    else:
+        body = """
+        CREATE FUNCTION count_notes() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            UPDATE tally SET n = n + 1; UPDATE tally SET last = NEW.id;
+            RETURN NEW;
+        END $$;
+        CREATE TRIGGER count_notes AFTER INSERT ON notes FOR EACH ROW EXECUTE FUNCTION count_notes()
+        """
+    tables = ("CREATE TABLE notes (id TEXT PRIMARY KEY); CREATE TABLE tally (n BIGINT NOT NULL, last TEXT);"
+              " INSERT INTO tally (n) VALUES (0)")
+
+    # Execute
+    applied = await database.migrate("tracker", [tables, body])
+    await database.execute("INSERT INTO notes (id) VALUES ($1)", "a")
+    await database.execute("INSERT INTO notes (id) VALUES ($1)", "b")
+
+    # Assert
+    assert applied == 2
+    assert await database.fetchrow("SELECT n, last FROM tally") == {"n": 2, "last": "b"}
+
+
 async def test_on_conflict_do_nothing_makes_a_duplicate_insert_a_no_op(database: Database) -> None:
     # Prepare
     await database.migrate("aggregator", [CONTRIBUTIONS])

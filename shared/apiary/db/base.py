@@ -34,6 +34,11 @@ class Executor(ABC):
     async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
         """Run a query; return its rows as dicts."""
 
+    @abstractmethod
+    async def execute_script(self, script: str) -> None:
+        """Run statements separated by `;`, split where the engine's own parser ends each one (so a `;`
+        inside a string literal, a trigger or a function body stays where it is)."""
+
     async def fetchrow(self, sql: str, *args: Any) -> dict[str, Any] | None:
         """Run a query; return its first row, or None."""
         rows = await self.fetch(sql, *args)
@@ -86,9 +91,7 @@ class Database(Executor):
                 )
                 if done is not None:
                     continue
-                script = script.replace("{autoid}", AUTOID.get(self.dialect, AUTOID["postgresql"]))
-                for statement in _statements(script):
-                    await tx.execute(statement)
+                await tx.execute_script(script.replace("{autoid}", AUTOID.get(self.dialect, AUTOID["postgresql"])))
                 await tx.execute(
                     "INSERT INTO schema_migrations (component, version) VALUES ($1, $2)"
                     " ON CONFLICT DO NOTHING",
@@ -97,7 +100,3 @@ class Database(Executor):
                 )
                 applied += 1
         return applied
-
-
-def _statements(script: str) -> list[str]:
-    return [s.strip() for s in script.split(";") if s.strip()]

@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import asyncpg
 
 from apiary.db.base import Database, DatabaseUnavailable, Executor
+
+T = TypeVar("T")
 
 # Any constant works; this one is "apiary" in ASCII, so it is recognisable in pg_locks (migrations).
 _TRANSACTION_LOCK = 0x617069617279
@@ -88,6 +90,10 @@ class _Tx(Executor):
 
     async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
         return await self._db._fetch_on(self._conn, sql, args)
+
+    async def execute_script(self, script: str) -> None:
+        # Without arguments asyncpg sends the simple query protocol, which takes many statements.
+        await self._db._execute_on(self._conn, script, ())
 
 
 async def _reset(conn: asyncpg.Connection) -> None:
@@ -165,26 +171,26 @@ class PostgresDatabase(Database):
             self._param_types[sql] = types
         return [_coerce(i, t, a) for i, (t, a) in enumerate(zip(types, args, strict=False), start=1)]
 
-    async def _execute_on(self, conn: asyncpg.Connection, sql: str, args: Sequence[Any]) -> int:
+    async def _run_on(self, conn: asyncpg.Connection, call: Callable[..., Awaitable[T]], sql: str,
+                      args: Sequence[Any]) -> T:
+        """`call` (conn.execute or conn.fetch) with the arguments converted; a lost connection,
+        whatever asyncpg calls it (an admin shutdown can surface as an InternalClientError), is the
+        database being unavailable."""
         try:
-            status = await conn.execute(sql, *await self._args(conn, sql, args))
+            return await call(sql, *await self._args(conn, sql, args))
         except Exception as e:
             if isinstance(e, _UNAVAILABLE) or conn.is_closed():
-                # A lost connection, whatever asyncpg calls it (an admin shutdown can surface as
-                # an InternalClientError), is the database being unavailable.
                 raise self._unavailable(e) from e
             raise
+
+    async def _execute_on(self, conn: asyncpg.Connection, sql: str, args: Sequence[Any]) -> int:
+        status: str = await self._run_on(conn, conn.execute, sql, args)
         return _rows_changed(status)
 
     async def _fetch_on(
         self, conn: asyncpg.Connection, sql: str, args: Sequence[Any]
     ) -> list[dict[str, Any]]:
-        try:
-            rows = await conn.fetch(sql, *await self._args(conn, sql, args))
-        except Exception as e:
-            if isinstance(e, _UNAVAILABLE) or conn.is_closed():
-                raise self._unavailable(e) from e
-            raise
+        rows: list[asyncpg.Record] = await self._run_on(conn, conn.fetch, sql, args)
         return [dict(row) for row in rows]
 
     @asynccontextmanager
@@ -206,6 +212,10 @@ class PostgresDatabase(Database):
     async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
         async with self._connection() as conn:
             return await self._fetch_on(conn, sql, args)
+
+    async def execute_script(self, script: str) -> None:
+        async with self._connection() as conn:
+            await self._execute_on(conn, script, ())
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Executor]:

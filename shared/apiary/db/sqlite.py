@@ -21,6 +21,21 @@ def _sql(sql: str) -> str:
     return _PLACEHOLDER.sub(r"?\1", sql)
 
 
+def statements(script: str) -> list[str]:
+    """The statements of a script, each ended where SQLite's own parser ends it (sqlite3_complete)."""
+    found: list[str] = []
+    current = ""
+    for piece in script.split(";"):
+        current += piece
+        if sqlite3.complete_statement(current + ";"):
+            found.append(current.strip())
+            current = ""
+        else:
+            current += ";"
+    tail = current.removesuffix(";").strip()
+    return [s for s in (*found, tail) if s]
+
+
 class _Tx(Executor):
     def __init__(self, conn: aiosqlite.Connection) -> None:
         self._conn = conn
@@ -34,6 +49,11 @@ class _Tx(Executor):
         rows = await cursor.fetchall()
         names = [d[0] for d in cursor.description or ()]
         return [dict(zip(names, row, strict=True)) for row in rows]
+
+    async def execute_script(self, script: str) -> None:
+        # Not executescript: it commits the open transaction first, and a migration must stay atomic.
+        for statement in statements(script):
+            await self._conn.execute(statement)
 
 
 class SqliteDatabase(Database):
@@ -76,6 +96,10 @@ class SqliteDatabase(Database):
     async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
         async with self._lock:
             return await _Tx(self._connection()).fetch(sql, *args)
+
+    async def execute_script(self, script: str) -> None:
+        async with self._lock:
+            await _Tx(self._connection()).execute_script(script)
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Executor]:

@@ -45,7 +45,7 @@ from apiary.jobspec import JobSpec, describe_errors, field_errors
 from apiary.outbox import KeyedLocks, Outbox, Pending, outbox_migration
 from apiary.status import JobStatus
 from apiary.storage import ObjectNotFound
-from apiary.usercode import UserCodeError, UserCodeRunner
+from apiary.trainers import UserCodeError, UserCodeRunner
 from apiary.weights import WeightsError, read_header
 from services.scheduler.state import (
     Next,

@@ -12,12 +12,13 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 from pydantic import BaseModel
 
 from apiary import telemetry
 from apiary.bus import Bus
+from apiary.bus.typed import Routing
 from apiary.contracts import encode
 from apiary.db import Database, Executor
 
@@ -53,18 +54,10 @@ class Outbox:
         self._db, self._bus, self._table = db, bus, table
         self._lock = asyncio.Lock()
 
-    async def add(
-        self,
-        tx: Executor,
-        event: BaseModel,
-        *,
-        routing_key: str | None = None,
-        delay: float | None = None,
-        headers: dict[str, Any] | None = None,
-    ) -> None:
+    async def add(self, tx: Executor, event: BaseModel, **routing: Unpack[Routing]) -> None:
         """Queue an event inside the caller's transaction (with the current trace context, unless
         `headers` are given)."""
-        await self.add_all(tx, [Pending(event, routing_key, delay, headers)])
+        await self.add_all(tx, [Pending(event, **routing)])
 
     async def add_all(self, tx: Executor, events: Sequence[Pending]) -> None:
         """Queue several events in the caller's transaction, in this order, with few statements."""

@@ -175,6 +175,17 @@ def messaging(routing_key: str, operation: str, exchange: str = "apiary") -> dic
     }
 
 
+@contextlib.contextmanager
+def consumer_span(routing_key: str, exchange: str, attributes: Mapping[str, Any]) -> Iterator[Span]:
+    """The current span while a consumed message is processed: `<routing key> process`, with the
+    messaging attributes and these."""
+    with tracer().start_as_current_span(
+        f"{routing_key} process", kind=SpanKind.CONSUMER,
+        attributes={**messaging(routing_key, "process", exchange), **attributes},
+    ) as span:
+        yield span
+
+
 def fail(span: Span, event: str, reason: str) -> None:
     """Mark a span as failed, with an event that says why."""
     span.add_event(event, {"reason": reason})

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from apiary import usercode
-from apiary.usercode import OPENMP_WAIT, UserCodeRunner, quiet_openmp
+from apiary.trainers import OPENMP_WAIT, UserCodeRunner, environment, quiet_openmp
 
 PROBE = '''
 import os
@@ -26,7 +25,7 @@ def probe_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     from apiary.weights import dumps
 
     weights.write_bytes(dumps({}))
-    monkeypatch.setattr(usercode, "_user_openmp_wait", [])
+    monkeypatch.setattr(environment, "_user_openmp_wait", [])
     return tmp_path
 
 

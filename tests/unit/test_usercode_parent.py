@@ -17,7 +17,7 @@ from tests.faults.support import process_alive
 WORKER = '''
 import asyncio, sys
 from pathlib import Path
-from apiary.usercode import TrainCall, UserCodeRunner
+from apiary.trainers import TrainCall, UserCodeRunner
 from apiary.weights import dumps
 
 async def main(tmp):

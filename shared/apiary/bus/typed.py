@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypedDict, Unpack
 
 from pydantic import BaseModel
 
@@ -12,6 +12,18 @@ from apiary.bus.base import Bus, Delivery, Poison, Reroute, Subscription, topic_
 from apiary.contracts import decode, encode
 
 EventHandler = Callable[[Any, Delivery], Awaitable[None]]
+Next = Callable[[], Awaitable[None]]
+# Runs around a decoded event's handler: awaits `call_next()` to go on, or returns (or raises) to stop.
+Middleware = Callable[[Any, Delivery, Next], Awaitable[None]]
+
+
+class Routing(TypedDict, total=False):
+    """Where and when an event goes: its own routing key unless `routing_key` is given, after `delay`
+    seconds, with `headers` (the current trace context unless given)."""
+
+    routing_key: str | None
+    delay: float | None
+    headers: dict[str, Any] | None
 
 
 class Raw:
@@ -21,17 +33,31 @@ class Raw:
         self.handler = handler
 
 
-async def publish_event(
-    bus: Bus,
-    event: BaseModel,
-    *,
-    routing_key: str | None = None,
-    delay: float | None = None,
-    headers: dict[str, Any] | None = None,
-) -> None:
+async def publish_event(bus: Bus, event: BaseModel, **routing: Unpack[Routing]) -> None:
     """Publish an event under its own routing key (or the one given, for assignments)."""
-    key = routing_key or str(getattr(event, "routing_key", ""))
-    await bus.publish(key, encode(event), headers={**telemetry.headers_for(), **(headers or {})}, delay=delay)
+    key = routing.get("routing_key") or str(getattr(event, "routing_key", ""))
+    headers = {**telemetry.headers_for(), **(routing.get("headers") or {})}
+    await bus.publish(key, encode(event), headers=headers, delay=routing.get("delay"))
+
+
+def consumer_span(exchange: str, attributes: Callable[[Any], Mapping[str, Any]]) -> Middleware:
+    """Middleware that handles each event inside its consumer span (`<routing key> process`, with
+    OpenTelemetry's messaging attributes and the event's own, `attributes(event)`)."""
+
+    async def traced(event: Any, delivery: Delivery, call_next: Next) -> None:
+        with telemetry.consumer_span(delivery.routing_key, exchange, attributes(event)):
+            await call_next()
+
+    return traced
+
+
+async def _through(middleware: Sequence[Middleware], event: Any, delivery: Delivery,
+                   handler: EventHandler) -> None:
+    """Call the handler inside the middleware, the first outermost."""
+    if not middleware:
+        await handler(event, delivery)
+        return
+    await middleware[0](event, delivery, lambda: _through(middleware[1:], event, delivery, handler))
 
 
 async def subscribe(
@@ -42,9 +68,10 @@ async def subscribe(
     prefetch: int = 16,
     expires: float | None = None,
     reroute: Reroute | None = None,
+    middleware: Sequence[Middleware] = (),
 ) -> Subscription:
     """Declare `queue` bound to the handlers' patterns (see `Bus.declare_queue` for `expires` and
-    `reroute`) and dispatch each decoded event."""
+    `reroute`) and dispatch each decoded event, through the `middleware` (not `Raw` deliveries)."""
     await bus.declare_queue(queue, list(handlers), expires=expires, reroute=reroute)
 
     async def dispatch(delivery: Delivery) -> None:
@@ -57,7 +84,7 @@ async def subscribe(
                         await handler.handler(delivery)
                         return
                     event = decode(delivery.routing_key, delivery.body, delivery.content_type)
-                    await handler(event, delivery)
+                    await _through(middleware, event, delivery, handler)
                 return
         raise Poison(f"queue {queue} has no handler for {delivery.routing_key!r}")
 

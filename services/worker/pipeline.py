@@ -1,0 +1,157 @@
+"""One assignment from start to end: download its inputs, train, upload the result, report; each step
+in its own span under the assignment's consumer span."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from opentelemetry.trace import Span
+
+from apiary import telemetry
+from apiary.bus import publish_event
+from apiary.contracts import Assignment, ObjectRef, WorkerDone
+from apiary.jobspec import parse_entrypoint
+from apiary.trainers import TrainCall, TrainerError, TrainResult
+from services.worker import transfers
+from services.worker.progress import ProgressStream
+
+if TYPE_CHECKING:
+    from services.worker.service import Worker
+
+log = logging.getLogger("apiary.worker")
+
+
+class Workspace:
+    """A job's folders on this worker: one working folder per job, reused round after round (a worker
+    trains one shard at a time), its files replaced whole; the user's output folder starts empty
+    every call."""
+
+    def __init__(self, job_dir: Path) -> None:
+        self.job_dir = job_dir
+        self.work = job_dir / "work"
+        self.weights = self.work / "global.safetensors"  # the round's global weights
+        self.result = self.work / "result.safetensors"  # the trained weights
+        self.out_dir = self.work / "out"
+
+    def clear_outputs(self) -> None:
+        """Empty the output folder left by the previous round."""
+        if self.out_dir.is_dir() and any(self.out_dir.iterdir()):
+            shutil.rmtree(self.out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+
+
+class AssignmentRun:
+    """Download, train, upload, report one assignment; a failed step reports worker.failed and ends it."""
+
+    def __init__(self, worker: Worker, assignment: Assignment) -> None:
+        self.worker, self.a = worker, assignment
+        self.space = Workspace(worker.cache / "jobs" / assignment.job_id)
+
+    async def run(self, ended: asyncio.Task[bool] | None) -> None:
+        """Every step in turn; skipped if `ended`, the reading of the job's end marker, says the job
+        ended unheard (read beside the weights' download, or before it where the shard would be
+        downloaded too)."""
+        started = time.monotonic()
+        self.space.clear_outputs()
+        tracer = telemetry.tracer()
+        with tracer.start_as_current_span("download", attributes=self.worker.span_attributes(self.a)) as span:
+            data_root = await self._download(ended, span)
+        if data_root is None:
+            return
+        call = self._call(data_root)
+        result = await self._train(call)
+        if result is None or not await self._upload(result):
+            return
+        await self._report(result, time.monotonic() - started)
+
+    async def _download(self, ended: asyncio.Task[bool] | None, span: Span) -> Path | None:
+        """The shard's folder, with the global weights beside it; None if the job ended or a download failed."""
+        a, space = self.a, self.space
+        weights: asyncio.Future[None] | None = None
+        try:
+            if ended is None or transfers.shard_cached(a, space.job_dir):
+                weights = transfers.fetch_weights(a, space.weights)  # beside the marker's reading
+            if ended is not None and await ended:
+                span.add_event("job.ended")
+                self.worker.skip_ended(a)
+                return None
+            weights = weights or transfers.fetch_weights(a, space.weights)
+            data_root, moved = await transfers.fetch_shard(a, space.job_dir)
+            await weights
+            span.set_attribute("apiary.bytes", moved + space.weights.stat().st_size)
+            return data_root
+        except transfers.FETCH_ERRORS as e:
+            telemetry.fail(span, "download.failed", str(e))
+            await self.worker.failed(a, f"inputs could not be fetched: {e}")
+            return None
+        finally:
+            if weights is not None:
+                # Never left running: a later assignment downloads to the same file.
+                await asyncio.gather(weights, return_exceptions=True)
+            if ended is not None and not ended.done():
+                ended.cancel()
+
+    def _call(self, data_root: Path) -> TrainCall:
+        a, space = self.a, self.space
+        module, function = parse_entrypoint(a.entrypoint)
+        return TrainCall(
+            module=module, function=function, weights_path=str(space.weights), result_path=str(space.result),
+            out_dir=str(space.out_dir), env=a.env,
+            dataset={"data_root": str(data_root), "shard_index": a.shard, "num_samples": a.shard_num_samples,
+                     "num_shards": a.num_shards},
+            round={"index": a.round, "total": a.num_rounds, "attempt": a.attempt},
+            job={"id": a.job_id, "name": a.job_name},
+        )
+
+    async def _train(self, call: TrainCall) -> TrainResult | None:
+        """The trainer's result; None (reported) if training failed or returned no usable sample count."""
+        a, worker = self.a, self.worker
+        progress = ProgressStream(worker.bus, worker.worker_id, a, interval=worker.settings.progress_interval,
+                                  rate=lambda: worker.samples_per_s)
+        attributes = {**worker.span_attributes(a), "apiary.entrypoint": a.entrypoint}
+        with telemetry.tracer().start_as_current_span("train", attributes=attributes) as span:
+            try:
+                trainer = worker.trainer_for(a)
+                span.set_attribute("apiary.update_format", trainer.update_format(a.env).value)
+                result = await trainer.train(call, timeout=max(1.0, a.deadline - time.time()), on_metrics=progress.add)
+            except TrainerError as e:
+                telemetry.fail(span, "user_code.error", str(e))
+                await progress.close()
+                await worker.failed(a, str(e))
+                return None
+            span.set_attribute("apiary.samples", result.samples if isinstance(result.samples, int) else -1)
+        await progress.close()
+        if not result.has_samples():
+            await worker.failed(a, f"{call.function} returned samples={result.samples!r}: expected a positive int")
+            return None
+        return result
+
+    async def _upload(self, result: TrainResult) -> bool:
+        """Upload the trained weights and the run's files; False (reported) if that failed."""
+        a, space = self.a, self.space
+        with telemetry.tracer().start_as_current_span("upload", attributes=self.worker.span_attributes(a)) as span:
+            try:
+                moved = await transfers.upload_outputs(a, space.result, result.size, space.out_dir, space.work)
+                span.set_attribute("apiary.bytes", moved)
+            except transfers.UPLOAD_ERRORS as e:
+                telemetry.fail(span, "upload.failed", str(e))
+                await self.worker.failed(a, f"result upload failed: {e}")
+                return False
+        return True
+
+    async def _report(self, result: TrainResult, duration: float) -> None:
+        a, worker = self.a, self.worker
+        worker.samples_per_s = result.samples * max(1, int(a.env.get("EPOCHS") or 1)) / max(duration, 1e-6)
+        ref = ObjectRef(key=a.result_key, size=result.size, sha256=result.sha256)
+        await publish_event(worker.bus, WorkerDone(
+            job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=worker.worker_id, shard=a.shard,
+            result=ref, samples=result.samples, metrics=result.metrics, duration_s=duration,
+        ))
+        worker.completed += 1
+        log.info("worker %s: job %s round %d shard %d done in %.2fs (%d samples)", worker.worker_id,
+                 a.job_id, a.round, a.shard, duration, result.samples)

@@ -1,0 +1,66 @@
+"""An assignment's files: the shard (downloaded and unpacked once per job) and the global weights
+fetched, the trained weights and the run's files uploaded; all by presigned URL."""
+
+from __future__ import annotations
+
+import asyncio
+import zipfile
+from pathlib import Path
+
+from apiary import transfer
+from apiary.contracts import Assignment
+from apiary.dataset import extract_shard
+
+# What a failed download or upload raises: reported as the shard's failure, never a crash.
+FETCH_ERRORS = (transfer.TransferError, zipfile.BadZipFile, OSError, ValueError)
+UPLOAD_ERRORS = (transfer.TransferError, OSError)
+
+
+def shard_root(a: Assignment, job_dir: Path) -> Path:
+    """Where the assignment's shard is unpacked (named by its sha256, so a new split is a new folder)."""
+    return job_dir / f"shard-{a.shard:04d}-{a.shard_sha256[:16]}"
+
+
+def shard_cached(a: Assignment, job_dir: Path) -> bool:
+    """Whether the shard is already unpacked here."""
+    return (shard_root(a, job_dir) / "manifest.json").is_file()
+
+
+async def fetch_shard(a: Assignment, job_dir: Path) -> tuple[Path, int]:
+    """The shard's folder, downloaded and unpacked once per job; and the bytes fetched for it."""
+    root = shard_root(a, job_dir)
+    if shard_cached(a, job_dir):
+        return root, 0
+    archive = job_dir / f"shard-{a.shard:04d}.zip"
+    await transfer.download(a.shard_url, archive, a.shard_sha256)
+    size = archive.stat().st_size
+    await asyncio.to_thread(extract_shard, archive, root)
+    archive.unlink(missing_ok=True)
+    return root, size
+
+
+def fetch_weights(a: Assignment, target: Path) -> asyncio.Future[None]:
+    """Start downloading the round's global weights to `target`."""
+    return asyncio.ensure_future(transfer.download(a.weights_url, target, a.weights_sha256))
+
+
+async def upload_outputs(a: Assignment, result: Path, size: int, out_dir: Path, work: Path) -> int:
+    """Upload the trained weights (`size` bytes) and the run's files; the bytes sent."""
+    await transfer.upload(a.upload_url, result)
+    return size + await _upload_files(a, out_dir, work)
+
+
+async def _upload_files(a: Assignment, out_dir: Path, work: Path) -> int:
+    if a.files_upload_url is None or not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return 0
+    archive = work / "files.zip"
+    await asyncio.to_thread(_pack, out_dir, archive)
+    await transfer.upload(a.files_upload_url, archive)
+    return archive.stat().st_size
+
+
+def _pack(folder: Path, archive: Path) -> None:
+    with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for path in sorted(folder.rglob("*")):
+            if path.is_file():
+                zf.write(path, path.relative_to(folder).as_posix())

@@ -1,0 +1,110 @@
+"""What a worker runs for an assignment: the Trainer interface, its call and result, and the registry
+that picks a trainer for a job (the user's function when the job names an entrypoint, else a built-in)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from apiary.strategies.format import UpdateFormat
+
+USER_FUNCTION = "user_function"
+# The trainer a job without an entrypoint gets (the built-in causal-LM fine-tuner, in its own issue).
+BUILT_IN = "causal_lm"
+
+MetricsCallback = Callable[[dict[str, Any]], None]
+
+
+class TrainerError(Exception):
+    """Training failed; the message is one line saying how and where."""
+
+
+@dataclass
+class TrainCall:
+    """One assignment for a trainer, with files for its inputs and outputs (`module` and `function` name
+    the user's entrypoint; a built-in trainer has none and leaves them empty)."""
+
+    module: str
+    function: str
+    weights_path: str
+    result_path: str
+    out_dir: str
+    env: dict[str, Any]
+    dataset: dict[str, Any]
+    round: dict[str, Any]
+    job: dict[str, Any]
+
+
+@dataclass
+class TrainResult:
+    """What training returned, its weights already written to `result_path` (`size` bytes with this
+    `sha256`)."""
+
+    samples: int
+    size: int
+    sha256: str
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def has_samples(self) -> bool:
+        """Whether `samples` is a positive int, as the average's weighting needs."""
+        return not isinstance(self.samples, bool) and isinstance(self.samples, int) and self.samples > 0
+
+
+class Trainer(ABC):
+    """Trains one shard for one round at a time, its work kept apart from the worker's process."""
+
+    @abstractmethod
+    def update_format(self, env: Mapping[str, Any]) -> UpdateFormat:
+        """The format of the updates this trainer returns for a job with this `env`."""
+
+    @abstractmethod
+    async def train(self, call: TrainCall, *, timeout: float | None = None,
+                    on_metrics: MetricsCallback | None = None) -> TrainResult:
+        """Train; raise TrainerError with one clear line if training fails."""
+
+    @property
+    @abstractmethod
+    def pid(self) -> int | None:
+        """The process that trains (its GPU readings are the worker's), while one runs."""
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Get ready ahead of the first call (load what every call needs)."""
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """Release what the trainer holds."""
+
+
+@dataclass(frozen=True)
+class TrainerSetup:
+    """What a worker gives every trainer it makes: where user code lives, a name for its processes and
+    variables to set in them (the GPU it may use)."""
+
+    code_paths: list[str] = field(default_factory=list)
+    name: str = "apiary-trainer"
+    environment: dict[str, str] = field(default_factory=dict)
+
+
+TrainerFactory = Callable[[TrainerSetup], Trainer]
+_factories: dict[str, TrainerFactory] = {}
+
+
+def register_trainer(name: str, factory: TrainerFactory) -> None:
+    """Make a trainer available under `name` (each trainer module registers itself)."""
+    _factories[name] = factory
+
+
+def trainer_name(entrypoint: str | None) -> str:
+    """The trainer for a job: the user's function where the job names one, else the built-in one."""
+    return USER_FUNCTION if entrypoint else BUILT_IN
+
+
+def make_trainer(name: str, setup: TrainerSetup) -> Trainer:
+    """A new trainer of this name; ValueError naming the known ones if there is none."""
+    factory = _factories.get(name)
+    if factory is None:
+        raise ValueError(f"no trainer {name!r} on this worker: expected one of {sorted(_factories)}")
+    return factory(setup)

@@ -1,0 +1,214 @@
+"""The training child's side: a process that imports the user's module and runs its functions, one call
+at a time, sending metrics, log lines and the result back to its parent over a pipe."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from apiary.trainers import environment
+from apiary.trainers.base import TrainCall, TrainerError
+
+INIT_FUNCTION = "fl_init_weights"
+EVALUATE_FUNCTION = "fl_evaluate_model"
+PARENT_CHECK_INTERVAL = 0.5  # seconds between the child's looks at whether its worker still runs
+
+
+class UserCodeError(TrainerError):
+    """The user's function failed; the message is one line saying how and where."""
+
+
+class _ChildLogger:
+    """The `logger` the user's function receives: metrics stream to the parent."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._step = 0
+
+    def log_metrics(self, step: int | None = None, **metrics: Any) -> None:
+        """Record numeric metrics (e.g. `loss=0.3`); they appear live as this worker's curves."""
+        self._step = self._step + 1 if step is None else int(step)
+        clean = {k: float(v) for k, v in metrics.items() if _is_number(v)}
+        self._conn.send(("metrics", {"step": self._step, "metrics": clean}))
+
+    def info(self, message: str, *args: Any) -> None:
+        """A line for the worker's log."""
+        self._conn.send(("log", message % args if args else message))
+
+    warning = info
+    error = info
+    debug = info
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        return not isinstance(value, bool) and value == value and float(value) is not None
+    except (TypeError, ValueError):
+        return False
+
+
+# Frames in these files are Apiary's or a library's: an error is described where the user's code raised it.
+_LIBRARY_MARKS = ("site-packages", "/lib/python", "apiary/trainers/", "apiary/weights.py")
+
+
+def describe(error: BaseException) -> str:
+    """`ValueError: bad shape (train.py:42 in fl_train_model)`: the error and where in user code."""
+    frames = traceback.extract_tb(error.__traceback__)
+    user = [f for f in frames if not any(mark in f.filename for mark in _LIBRARY_MARKS)]
+    where = f" ({Path(user[-1].filename).name}:{user[-1].lineno} in {user[-1].name})" if user else ""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {text}{where}"
+
+
+def _resolve(module: str, function: str, *, optional: bool = False) -> Callable[..., Any] | None:
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:
+        raise UserCodeError(f"entrypoint module {module!r} cannot be imported: {describe(e)}") from e
+    fn = getattr(mod, function, None)
+    if fn is None:
+        if optional:
+            return None
+        raise UserCodeError(f"entrypoint module {module!r} has no function {function!r}")
+    if not callable(fn):
+        raise UserCodeError(f"{module}.{function} is not callable")
+    return fn
+
+
+_device: list[str] = []
+
+
+def _training_device(conn: Connection) -> str:
+    """`cuda:0` where this child can use a GPU (the worker's, when it was given one), else `cpu`."""
+    if not _device:
+        import torch
+
+        _device.append("cuda:0" if torch.cuda.is_available() else "cpu")
+        pinned = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if _device[0] == "cpu" and pinned:
+            why = "this torch is a CPU build" if torch.version.cuda is None else "CUDA cannot use it here"
+            conn.send(("warning", f"worker was given GPU {pinned}, but {why}: training runs on the CPU"))
+    return _device[0]
+
+
+def _run_train(call: TrainCall, conn: Connection) -> dict[str, Any]:
+    from apiary import weights as w
+
+    fn = _resolve(call.module, call.function)
+    assert fn is not None
+    # The tensors view a buffer of their own (writable, kept alive by them): no copy, and no torch
+    # operation that would wake its thread pool.
+    initial = w.loads(bytearray(Path(call.weights_path).read_bytes()), copy=False)
+    payload = {"env": dict(call.env), "initial_weights": initial, "dataset": dict(call.dataset),
+               "round": dict(call.round), "job": dict(call.job), "device": _training_device(conn)}
+    Path(call.out_dir).mkdir(parents=True, exist_ok=True)
+    result = fn(payload, call.out_dir, _ChildLogger(conn))
+    if not isinstance(result, dict) or "weights" not in result or "samples" not in result:
+        raise UserCodeError(f"{call.function} must return a dict with 'weights' and 'samples'")
+    data = _saved_weights(call.function, result["weights"])
+    tmp = Path(call.result_path + ".part")
+    tmp.write_bytes(data)
+    tmp.replace(call.result_path)
+    samples = result["samples"]
+    if isinstance(samples, bool) or not isinstance(samples, int):
+        with contextlib.suppress(Exception):
+            samples = int(samples) if float(samples) == int(samples) else samples
+    metrics = {k: float(v) for k, v in (result.get("metrics") or {}).items() if _is_number(v)}
+    return {"samples": samples, "metrics": metrics, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _saved_weights(function: str, weights: Any) -> bytes:
+    """The returned weights as safetensors bytes, or one line saying why they cannot be."""
+    from apiary import weights as w
+
+    if not hasattr(weights, "items"):
+        raise UserCodeError(f"{function} returned 'weights' that is not a name -> tensor mapping")
+    try:
+        return w.dumps(weights)
+    except Exception as e:
+        raise UserCodeError(f"{function} returned weights that cannot be saved: {describe(e)}") from e
+
+
+def _run_init(module: str, env: dict[str, Any], target: str) -> dict[str, Any]:
+    from apiary import weights as w
+
+    fn = _resolve(module, INIT_FUNCTION, optional=True)
+    if fn is None:
+        return {"found": False}
+    weights = fn(env)
+    if not hasattr(weights, "items"):
+        raise UserCodeError(f"{INIT_FUNCTION} must return a name -> tensor mapping")
+    Path(target).write_bytes(w.dumps(weights))
+    return {"found": True}
+
+
+def _run_evaluate(module: str, env: dict[str, Any], weights_path: str) -> dict[str, Any]:
+    from apiary import weights as w
+
+    fn = _resolve(module, EVALUATE_FUNCTION, optional=True)
+    if fn is None:
+        return {"found": False, "metrics": {}}
+    metrics = fn(w.loads(Path(weights_path).read_bytes()), env) or {}
+    return {"found": True, "metrics": {k: float(v) for k, v in dict(metrics).items() if _is_number(v)}}
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this child soon after the process that started it is gone (killed with SIGKILL, say, where
+    nothing could stop the child): an orphan would train on for nobody, holding its GPU's memory."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_INTERVAL)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="apiary-parent-watch", daemon=True).start()
+
+
+def _run(kind: str, args: Any, conn: Connection) -> dict[str, Any]:
+    if kind == "train":
+        return _run_train(args, conn)
+    if kind == "init":
+        return _run_init(*args)
+    if kind == "evaluate":
+        return _run_evaluate(*args)
+    raise UserCodeError(f"unknown call {kind!r}")
+
+
+def child_main(conn: Connection, code_paths: list[str], variables: dict[str, str | None],
+               parent: int | None = None) -> None:
+    """The child process: serve calls from the parent until the pipe closes."""
+    # Its parent decides when this process ends (it kills it). A Ctrl-C or SIGTERM sent to the whole
+    # process group (a terminal, systemd, a container runtime) is the parent's to handle: it stops
+    # gracefully and gives the assignment back, where the child dying first would report a failure.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if parent is not None:
+        _exit_with_parent(parent)
+    environment.apply(variables)  # before user code imports torch
+    for path in reversed(code_paths):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    while True:
+        try:
+            kind, args = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return
+        try:
+            conn.send(("result", _run(kind, args, conn)))
+        except UserCodeError as e:
+            conn.send(("error", str(e)))
+        except BaseException as e:
+            conn.send(("error", describe(e)))
+            if isinstance(e, KeyboardInterrupt):
+                return

@@ -1,0 +1,151 @@
+"""The parent's side of a training child: start it, make one call over its pipe (relaying metrics and
+log lines while it runs), and kill it when it hangs, dies or is no longer wanted."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from apiary.trainers import environment
+from apiary.trainers.base import MetricsCallback
+from apiary.trainers.child import UserCodeError, child_main
+
+log = logging.getLogger("apiary.usercode")
+
+_FINAL = ("result", "error")
+
+
+class _Replies:
+    """The child's messages, read by the event loop when the pipe is readable; EOF means it died."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._watching = True
+        self._loop.add_reader(conn.fileno(), self._on_readable)
+
+    def _on_readable(self) -> None:
+        try:
+            while self._conn.poll():
+                message = self._conn.recv()
+                self.queue.put_nowait(message)
+                if message[0] in _FINAL:
+                    self.close()
+                    return
+        except (EOFError, OSError):
+            self.close()
+            self.queue.put_nowait(("died", None))
+
+    def close(self) -> None:
+        """Stop watching the pipe (idempotent)."""
+        if self._watching:
+            self._watching = False
+            self._loop.remove_reader(self._conn.fileno())
+
+
+class ChildProcess:
+    """One warm child process, started on first use and again after it died or was killed."""
+
+    def __init__(self, code_paths: list[str], name: str, variables: dict[str, str]) -> None:
+        self._code_paths = code_paths
+        self._name = name
+        self._variables = variables  # set in the child, over the user's own
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._conn: Connection | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id, while one runs."""
+        return self._proc.pid if self._proc is not None and self._proc.is_alive() else None
+
+    def _live(self) -> Connection | None:
+        if self._proc is not None and self._proc.is_alive() and self._conn is not None:
+            return self._conn
+        return None
+
+    def ensure(self) -> Connection:
+        """The pipe to a running child, starting one if needed (blocks while it spawns)."""
+        conn = self._live()
+        if conn is not None:
+            return conn
+        self.kill()
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=True)
+        variables = {**environment.user_environment(), **self._variables}
+        proc = ctx.Process(target=child_main, args=(child, self._code_paths, variables, os.getpid()),
+                           name=self._name, daemon=True)
+        proc.start()
+        child.close()
+        self._proc, self._conn = proc, parent
+        return parent
+
+    def kill(self) -> None:
+        """Stop the child, if one runs."""
+        if self._proc is not None:
+            if self._proc.is_alive():
+                self._proc.kill()
+            self._proc.join(timeout=5)
+        if self._conn is not None:
+            self._conn.close()
+        self._proc, self._conn = None, None
+
+    async def _exited(self) -> UserCodeError:
+        """The error for a child that died: its exit code is known once it is reaped (the pipe can
+        close before that)."""
+        proc = self._proc
+        await asyncio.to_thread(self.kill)
+        code = proc.exitcode if proc is not None else None
+        return UserCodeError(f"user code exited the process (exit code {code})")
+
+    async def call(self, kind: str, args: Any, timeout: float | None,
+                   on_metrics: MetricsCallback | None = None) -> Any:
+        """Send one call and return its result; UserCodeError if it fails, dies or overruns `timeout`."""
+        # Starting a child blocks (spawn); a live one is used as it is.
+        live = self._live()
+        conn = live if live is not None else await asyncio.to_thread(self.ensure)
+        replies = _Replies(conn)
+        try:
+            conn.send((kind, args))
+            return await self._result(replies.queue, timeout, on_metrics)
+        except TimeoutError:
+            replies.close()
+            await asyncio.to_thread(self.kill)
+            raise UserCodeError(f"user code did not finish within {timeout:.0f}s and was stopped") from None
+        except (BrokenPipeError, ConnectionResetError):
+            # The child died before it read the call.
+            replies.close()
+            raise await self._exited() from None
+        except asyncio.CancelledError:
+            replies.close()
+            await asyncio.to_thread(self.kill)
+            raise
+        finally:
+            replies.close()
+
+    async def _result(self, replies: asyncio.Queue[tuple[str, Any]], timeout: float | None,
+                      on_metrics: MetricsCallback | None) -> Any:
+        """Relay the child's messages until its result; TimeoutError past `timeout`."""
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError
+            tag, value = await asyncio.wait_for(replies.get(), remaining)
+            if tag == "metrics" and on_metrics is not None:
+                on_metrics(value)
+            elif tag == "log":
+                log.info("user code: %s", value)
+            elif tag == "warning":
+                log.warning("%s", value)
+            elif tag == "result":
+                return value
+            elif tag == "error":
+                raise UserCodeError(value)
+            elif tag == "died":
+                raise await self._exited()

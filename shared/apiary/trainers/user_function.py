@@ -1,0 +1,86 @@
+"""The user-function trainer: the job's `fl_train_model` (and its `fl_init_weights`, `fl_evaluate_model`)
+run in a child process, so user code that raises, exits or hangs cannot take the calling service down.
+
+One child is kept warm between calls (imports of torch and the user's module are paid once);
+if it dies or must be killed, the next call starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from apiary.strategies.format import UpdateFormat
+from apiary.trainers.base import (
+    USER_FUNCTION,
+    MetricsCallback,
+    TrainCall,
+    Trainer,
+    TrainerSetup,
+    TrainResult,
+    register_trainer,
+)
+from apiary.trainers.process import ChildProcess
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+class UserCodeRunner(Trainer):
+    """A warm child process that runs one user call at a time."""
+
+    def __init__(self, code_paths: list[str] | None = None, name: str = "apiary-user-code",
+                 environment: dict[str, str] | None = None) -> None:
+        self._child = ChildProcess([os.getcwd(), *(code_paths or [])], name, dict(environment or {}))
+        self._lock = asyncio.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id, while one runs."""
+        return self._child.pid
+
+    async def start(self) -> None:
+        """Start the child now rather than on the first call."""
+        await asyncio.to_thread(self._child.ensure)
+
+    async def stop(self) -> None:
+        """Stop the child."""
+        await asyncio.to_thread(self._child.kill)
+
+    def update_format(self, env: Mapping[str, Any]) -> UpdateFormat:
+        """Adapter tensors for a job with `use_peft` in its config (the function returns only those),
+        else all weights."""
+        peft = env.get("USE_PEFT")
+        return UpdateFormat.of(adapter_only=peft is True or str(peft).lower() in _TRUE)
+
+    async def _call(self, kind: str, args: Any, timeout: float | None,
+                    on_metrics: MetricsCallback | None = None) -> Any:
+        async with self._lock:
+            return await self._child.call(kind, args, timeout, on_metrics)
+
+    async def train(self, call: TrainCall, *, timeout: float | None = None,
+                    on_metrics: MetricsCallback | None = None) -> TrainResult:
+        """Run the user's training function; raise UserCodeError with one clear line if it fails."""
+        out = await self._call("train", call, timeout, on_metrics)
+        return TrainResult(samples=out["samples"], size=out["size"], sha256=out["sha256"], metrics=out["metrics"])
+
+    async def init_weights(self, module: str, env: dict[str, Any], target: Path, *, timeout: float) -> bool:
+        """Write the module's `fl_init_weights(env)` to `target`; False if the module has none."""
+        out = await self._call("init", (module, env, str(target)), timeout)
+        return bool(out["found"])
+
+    async def evaluate(
+        self, module: str, env: dict[str, Any], weights_path: Path, *, timeout: float
+    ) -> dict[str, float] | None:
+        """The module's `fl_evaluate_model(weights, env)` metrics; None if it has none."""
+        out = await self._call("evaluate", (module, env, str(weights_path)), timeout)
+        return out["metrics"] if out["found"] else None
+
+
+def _from_setup(setup: TrainerSetup) -> Trainer:
+    return UserCodeRunner(setup.code_paths, name=setup.name, environment=setup.environment)
+
+
+register_trainer(USER_FUNCTION, _from_setup)

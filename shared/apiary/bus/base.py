@@ -83,6 +83,24 @@ class Delivery:
 Handler = Callable[[Delivery], Awaitable[None]]
 
 
+def judge(error: BaseException | None, delivery: Delivery, queue: str,
+          logger: logging.Logger) -> tuple[Outcome, str | None]:
+    """`decide`, logged alike by every adapter: a requeue as a warning (a Decline, a consumer handing
+    a message on, is routine), a dead letter as an error."""
+    outcome, reason = decide(error, delivery.redelivered)
+    if outcome is Outcome.REQUEUE:
+        (logger.debug if isinstance(error, Decline) else logger.warning)(
+            "requeue %s on %s: %s", delivery.routing_key, queue, reason)
+    elif outcome is Outcome.DEAD:
+        logger.error("dead-letter %s from %s: %s", delivery.routing_key, queue, reason)
+    return outcome, reason
+
+
+def dead_letter_headers(delivery: Delivery, reason: str) -> dict[str, Any]:
+    """The headers of a message going to the dead-letter queue: why, and under which routing key it came."""
+    return {**delivery.headers, REASON_HEADER: reason, ORIGINAL_KEY_HEADER: delivery.routing_key}
+
+
 class Subscription(ABC):
     """A running consumer; cancel it to stop taking messages."""
 
@@ -127,7 +145,6 @@ class Bus(ABC):
         queue must declare it with the same `expires` and `reroute`.
         """
 
-    @abstractmethod
     async def publish(
         self,
         routing_key: str,
@@ -142,6 +159,14 @@ class Bus(ABC):
 
         With `delay` (seconds) the message is routed only after that long, even across restarts.
         """
+        message = Delivery(routing_key=routing_key, body=bytes(body), headers=dict(headers or {}),
+                           content_type=content_type, message_id=message_id)
+        await self._publish(message, delay if delay and delay > 0 else None)
+
+    @abstractmethod
+    async def _publish(self, message: Delivery, delay: float | None) -> None:
+        """Send what `publish` built (the adapter names it when `message_id` is None); `delay` is
+        None or positive."""
 
     @abstractmethod
     async def consume(self, queue: str, handler: Handler, *, prefetch: int = 16) -> Subscription:

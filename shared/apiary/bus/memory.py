@@ -9,24 +9,20 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from apiary.bus.base import (
     DEAD_LETTER_QUEUE,
-    ORIGINAL_KEY_HEADER,
-    REASON_HEADER,
     Bus,
-    Decline,
     Delivery,
     Handler,
     Outcome,
     Reroute,
     Subscription,
     Unroutable,
-    decide,
+    dead_letter_headers,
+    judge,
     topic_matches,
 )
-from apiary.contracts import MSGPACK
 
 log = logging.getLogger("apiary.bus.memory")
 
@@ -78,13 +74,7 @@ class _MemorySubscription(Subscription):
                 await self._bus._settle(self._queue, delivery, Outcome.REQUEUE, None)
                 return
             error = e
-        outcome, reason = decide(error, delivery.redelivered)
-        if outcome is Outcome.REQUEUE:
-            # A declined message is routine (a consumer handing it on), anything else is not.
-            (log.debug if isinstance(error, Decline) else log.warning)(
-                "requeue %s on %s: %s", delivery.routing_key, self._queue.name, reason)
-        elif outcome is Outcome.DEAD:
-            log.error("dead-letter %s from %s: %s", delivery.routing_key, self._queue.name, reason)
+        outcome, reason = judge(error, delivery, self._queue.name, log)
         await self._bus._settle(self._queue, delivery, outcome, reason)
         self._inflight.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
         self._slots.release()
@@ -157,37 +147,22 @@ class MemoryBus(Bus):
         timer = loop.call_later(expires, expire)
         self._timers.add(timer)
 
-    async def publish(
-        self,
-        routing_key: str,
-        body: bytes,
-        *,
-        headers: dict[str, Any] | None = None,
-        content_type: str = MSGPACK,
-        message_id: str | None = None,
-        delay: float | None = None,
-    ) -> None:
-        delivery = Delivery(
-            routing_key=routing_key,
-            body=bytes(body),
-            headers=dict(headers or {}),
-            content_type=content_type,
-            message_id=message_id or f"m{next(self._ids)}",
-        )
-        if delay and delay > 0:
+    async def _publish(self, message: Delivery, delay: float | None) -> None:
+        delivery = replace(message, message_id=message.message_id or f"m{next(self._ids)}")
+        if delay is not None:
             loop = asyncio.get_running_loop()
             timer: asyncio.TimerHandle
 
             def fire() -> None:
                 self._timers.discard(timer)
                 if not self._route(delivery):
-                    log.error("delayed %s matched no queue and was dropped", routing_key)
+                    log.error("delayed %s matched no queue and was dropped", delivery.routing_key)
 
             timer = loop.call_later(delay, fire)
             self._timers.add(timer)
             return
         if not self._route(delivery):
-            raise Unroutable(f"no queue is bound for routing key {routing_key!r}")
+            raise Unroutable(f"no queue is bound for routing key {delivery.routing_key!r}")
 
     def _route(self, delivery: Delivery) -> bool:
         targets = [
@@ -231,8 +206,7 @@ class MemoryBus(Bus):
         if outcome is Outcome.REQUEUE:
             self._push(queue, replace(delivery, redelivered=True), front=True)
         elif outcome is Outcome.DEAD:
-            headers = {**delivery.headers, REASON_HEADER: reason or "", ORIGINAL_KEY_HEADER: delivery.routing_key}
-            dead = replace(delivery, headers=headers, redelivered=False)
+            dead = replace(delivery, headers=dead_letter_headers(delivery, reason or ""), redelivered=False)
             self._push(self._queues[DEAD_LETTER_QUEUE], dead, front=False)
 
     async def consume(self, queue: str, handler: Handler, *, prefetch: int = 16) -> Subscription:

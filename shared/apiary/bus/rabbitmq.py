@@ -54,10 +54,7 @@ from aiormq.exceptions import (
 
 from apiary.bus.base import (
     DEAD_LETTER_QUEUE,
-    ORIGINAL_KEY_HEADER,
-    REASON_HEADER,
     Bus,
-    Decline,
     Delivery,
     Handler,
     Outcome,
@@ -65,9 +62,9 @@ from apiary.bus.base import (
     Retryable,
     Subscription,
     Unroutable,
-    decide,
+    dead_letter_headers,
+    judge,
 )
-from apiary.contracts import MSGPACK
 
 log = logging.getLogger("apiary.bus.rabbitmq")
 
@@ -146,16 +143,10 @@ class _RabbitSubscription(Subscription):
                 error = e
             async with held.lock:
                 held.active = False
-            outcome, reason = decide(error, delivery.redelivered)
-            if outcome is Outcome.REQUEUE:
-                # A declined message is routine (a consumer handing it on), anything else is not.
-                (log.debug if isinstance(error, Decline) else log.warning)(
-                    "requeue %s on %s: %s", delivery.routing_key, self._queue.name, reason)
-                if isinstance(error, Retryable):
-                    # A dependency is down: do not spin on it.
-                    await asyncio.sleep(self._bus.retry_delay)
-            elif outcome is Outcome.DEAD:
-                log.error("dead-letter %s from %s: %s", delivery.routing_key, self._queue.name, reason)
+            outcome, reason = judge(error, delivery, self._queue.name, log)
+            if outcome is Outcome.REQUEUE and isinstance(error, Retryable):
+                # A dependency is down: do not spin on it.
+                await asyncio.sleep(self._bus.retry_delay)
             await self._settle(held, delivery, outcome, reason)
         finally:
             self._held.discard(held)
@@ -362,28 +353,20 @@ class RabbitBus(Bus):
         for pattern in bindings:
             await queue.bind(exchange, pattern)
 
-    async def publish(
-        self,
-        routing_key: str,
-        body: bytes,
-        *,
-        headers: dict[str, Any] | None = None,
-        content_type: str = MSGPACK,
-        message_id: str | None = None,
-        delay: float | None = None,
-    ) -> None:
-        message = aio_pika.Message(
-            body=bytes(body),
-            headers=dict(headers or {}),
-            content_type=content_type,
-            message_id=message_id or uuid.uuid4().hex,
+    async def _publish(self, message: Delivery, delay: float | None) -> None:
+        routing_key = message.routing_key
+        amqp = aio_pika.Message(
+            body=message.body,
+            headers=message.headers,
+            content_type=message.content_type,
+            message_id=message.message_id or uuid.uuid4().hex,
             delivery_mode=_PERSISTENT,
         )
         try:
-            if delay and delay > 0:
-                await self._send("", await self._declare_delay(routing_key, delay), message)
+            if delay is not None:
+                await self._send("", await self._declare_delay(routing_key, delay), amqp)
             else:
-                await self._send(self.exchange, routing_key, message)
+                await self._send(self.exchange, routing_key, amqp)
         except TypeError as e:
             raise ValueError(
                 f"message for {routing_key!r} cannot be sent over AMQP: {e}"
@@ -452,12 +435,7 @@ class RabbitBus(Bus):
                 await asyncio.sleep(0.1)
 
     async def _dead_letter(self, delivery: Delivery, reason: str) -> None:
-        headers = {
-            **delivery.headers,
-            REASON_HEADER: reason,
-            ORIGINAL_KEY_HEADER: delivery.routing_key,
-            HELD_KEY_HEADER: delivery.routing_key,
-        }
+        headers = {**dead_letter_headers(delivery, reason), HELD_KEY_HEADER: delivery.routing_key}
         message = aio_pika.Message(
             body=delivery.body,
             headers=headers,

@@ -40,15 +40,6 @@ def after_failed(round_index: int, attempt: int, failures: int, fault_tolerance:
     return Decision(Next.RETRY, round_index, attempt + 1, failures)
 
 
-def workers_needed(min_workers: int, pinned: list[str], online: set[str]) -> tuple[int, int]:
-    """(workers that count as online for the job, how many it needs) before a round may start.
-
-    A pinned job counts only its own workers, since its shards train nowhere else.
-    """
-    usable = online & set(pinned) if pinned else online
-    return len(usable), min_workers
-
-
 def is_current(job_round: int, job_attempt: int, round_index: int, attempt: int) -> bool:
     """Whether an outcome is for the attempt the job is running now (else it is late or a duplicate)."""
     return (job_round, job_attempt) == (round_index, attempt)

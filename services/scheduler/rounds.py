@@ -1,0 +1,143 @@
+"""How a round starts, as pure functions: whether enough workers are online, where each shard goes,
+the round's deadline, and the fields of the messages that start it."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from apiary import keys
+from apiary.contracts import Assignment, ObjectRef, RoundStart, ShardInfo
+from apiary.jobspec import JobSpec
+from apiary.strategies.format import UpdateFormat
+
+
+@dataclass(frozen=True)
+class RoundTarget:
+    """What a round trains: the job, its shards, the weights it starts from, its round and attempt."""
+
+    job_id: str
+    spec: JobSpec
+    shards: list[ShardInfo]
+    weights: ObjectRef
+    round: int
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Why a round cannot start yet: the workers that count as online for the job, and how many it needs."""
+
+    online: int
+    required: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """A round about to start: the shards it trains, when it starts, its timeout and its deadline."""
+
+    chosen: list[ShardInfo]
+    started_at: float
+    timeout: float
+    deadline: float
+
+
+class Queue(enum.Enum):
+    """Which kind of queue an assignment goes to."""
+
+    PINNED = "pinned"  # the worker the shard's data lives with
+    PREFERRED = "preferred"  # the worker that trained the shard last round (its data is cached there)
+    POOL = "pool"  # any worker
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one assignment goes: a kind of queue and, unless it is the pool, its worker."""
+
+    queue: Queue
+    worker: str | None = None
+
+
+@dataclass(frozen=True)
+class AssignmentUrls:
+    """The presigned URLs an assignment carries, so its worker needs no storage credentials."""
+
+    shard: str
+    weights: str
+    upload: str
+    files_upload: str
+    ended: str
+
+
+def workers_needed(min_workers: int, pinned: list[str], online: set[str]) -> tuple[int, int]:
+    """(workers that count as online for the job, how many it needs) before a round may start.
+
+    A pinned job counts only its own workers, since its shards train nowhere else.
+    """
+    usable = online & set(pinned) if pinned else online
+    return len(usable), min_workers
+
+
+def waiting_for_workers(min_workers: int, pinned: list[str], online: set[str]) -> Waiting | None:
+    """Why the round must wait for workers, or None when enough are online to start it."""
+    count, required = workers_needed(min_workers, pinned, online)
+    if count >= required:
+        return None
+    which = f" of its pinned workers {pinned}" if pinned else ""
+    return Waiting(count, required, f"waiting for workers: {count}{which} online, min_workers is {required}")
+
+
+def online_preferences(prefer: Mapping[int, str] | None, online: set[str]) -> dict[int, str]:
+    """The shards' preferred workers (who trained each last round), keeping only those online."""
+    return {shard: worker for shard, worker in (prefer or {}).items() if worker in online}
+
+
+def plan_round(spec: JobSpec, shards: list[ShardInfo], now: float) -> RoundPlan:
+    """The round's shards (at most `max_workers`) and its deadline, `aggregation_timeout` from now."""
+    timeout = spec.distributed.aggregation_timeout
+    return RoundPlan(chosen=shards[: spec.distributed.max_workers], started_at=now, timeout=timeout,
+                     deadline=now + timeout)
+
+
+def url_lifetime(plan: RoundPlan, presign_ttl: int) -> int:
+    """Seconds an assignment's URLs stay valid: past the round's timeout by the configured lifetime."""
+    return int(plan.timeout + presign_ttl)
+
+
+def route(shard: int, pinned: list[str], prefer: Mapping[int, str]) -> Route:
+    """A pinned shard goes to its worker; one trained last round by an online worker to that worker
+    (the pool takes it if that worker is busy or gone); any other to the pool."""
+    worker = pinned[shard] if pinned else None
+    if worker:
+        return Route(Queue.PINNED, worker)
+    if shard in prefer:
+        return Route(Queue.PREFERRED, prefer[shard])
+    return Route(Queue.POOL)
+
+
+def round_start(target: RoundTarget, plan: RoundPlan) -> RoundStart:
+    """The round.start event: what the aggregator needs to collect the round."""
+    spec = target.spec
+    return RoundStart(
+        job_id=target.job_id, round=target.round, attempt=target.attempt, num_rounds=spec.distributed.num_rounds,
+        shards=[s.index for s in plan.chosen], min_workers=spec.distributed.min_workers, weights=target.weights,
+        deadline=plan.deadline, update_format=UpdateFormat.of(adapter_only=spec.use_peft),
+    )
+
+
+def assignment(target: RoundTarget, plan: RoundPlan, shard: ShardInfo, urls: AssignmentUrls) -> Assignment:
+    """One shard's assignment for the round."""
+    spec = target.spec
+    pinned = spec.worker_selection.pinned
+    return Assignment(
+        job_id=target.job_id, round=target.round, attempt=target.attempt, job_name=spec.name,
+        num_rounds=spec.distributed.num_rounds, shard=shard.index, num_shards=len(target.shards),
+        shard_num_samples=shard.num_samples, shard_url=urls.shard, shard_sha256=shard.sha256,
+        weights_url=urls.weights, weights_sha256=target.weights.sha256, upload_url=urls.upload,
+        result_key=keys.contribution(target.job_id, target.round, target.attempt, shard.index),
+        files_upload_url=urls.files_upload, entrypoint=spec.entrypoint, env=spec.env(target.round),
+        deadline=plan.deadline, pinned_worker=pinned[shard.index] if pinned else None,
+        issued_at=plan.started_at, ended_url=urls.ended,
+    )

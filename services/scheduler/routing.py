@@ -1,0 +1,75 @@
+"""The edge of a round's assignments: presigned URLs for their objects, and the worker queues they go to."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from apiary import keys
+from apiary.assignments import POOL, declare_preferred, pinned_queue, preferred_queue
+from apiary.bus import Bus
+from apiary.contracts import Assignment, ShardInfo
+from apiary.storage import Storage
+from services.scheduler.rounds import (
+    AssignmentUrls,
+    Queue,
+    RoundPlan,
+    RoundTarget,
+    Route,
+    assignment,
+    route,
+)
+
+DECLARE_EVERY = 300.0  # seconds between declarations of one worker queue by this process
+
+
+class AssignmentRouter:
+    """Signs the URLs an assignment carries and names (declaring when due) the queue it is sent to."""
+
+    def __init__(self, bus: Bus, storage: Storage) -> None:
+        self._bus, self._storage = bus, storage
+        self._declared: dict[str, float] = {}  # worker queue -> when this process last declared it
+
+    async def assignments(self, target: RoundTarget, plan: RoundPlan, prefer: Mapping[int, str],
+                          ttl: int) -> list[tuple[Assignment, str]]:
+        """Each chosen shard's assignment, with URLs valid for `ttl` seconds, and its routing key."""
+        ended_url = self._storage.presign_get(keys.job_ended(target.job_id), ttl)
+        pinned = target.spec.worker_selection.pinned
+        queued = []
+        for shard in plan.chosen:
+            message = assignment(target, plan, shard, self.urls(target, shard, ttl, ended_url))
+            queued.append((message, await self.queue(route(shard.index, pinned, prefer))))
+        return queued
+
+    def urls(self, target: RoundTarget, shard: ShardInfo, ttl: int, ended_url: str) -> AssignmentUrls:
+        """The presigned URLs of one shard's assignment, valid for `ttl` seconds."""
+        job_id, round_index, attempt = target.job_id, target.round, target.attempt
+        return AssignmentUrls(
+            shard=self._storage.presign_get(shard.key, ttl),
+            weights=self._storage.presign_get(target.weights.key, ttl),
+            upload=self._storage.presign_put(keys.contribution(job_id, round_index, attempt, shard.index), ttl),
+            files_upload=self._storage.presign_put(keys.run_files(job_id, round_index, attempt, shard.index), ttl),
+            ended=ended_url,
+        )
+
+    async def queue(self, route: Route) -> str:
+        """The routing key for an assignment that takes this route."""
+        if route.queue is Queue.POOL or route.worker is None:
+            return POOL
+        return await self._declare_worker_queue(route.worker, preferred=route.queue is Queue.PREFERRED)
+
+    async def _declare_worker_queue(self, worker: str, *, preferred: bool) -> str:
+        """The worker's pinned (or preferred) queue, made sure to exist before an assignment is queued
+        there (the worker may not have started yet): declared at most every few minutes, not every
+        round. A preferred queue is deleted only after an hour without a consumer, and only online
+        workers are preferred."""
+        queue = preferred_queue(worker) if preferred else pinned_queue(worker)
+        now = time.monotonic()
+        if now - self._declared.get(queue, -DECLARE_EVERY) >= DECLARE_EVERY:
+            if preferred:
+                await declare_preferred(self._bus, worker)
+            else:
+                await self._bus.declare_queue(queue, [queue])
+            self._declared[queue] = now
+        return queue
+

@@ -1,0 +1,214 @@
+"""The tracker's tables (event log, job/round/shard views, workers, metric series): their migrations and
+every statement that writes them. The views people read are queried in `views`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from apiary.component import to_json
+from apiary.db import Executor
+
+# Append only: a database records how many of these it has applied.
+MIGRATIONS = [
+    """
+    CREATE TABLE IF NOT EXISTS events (
+      seq {autoid}, ts DOUBLE PRECISION NOT NULL, routing_key TEXT NOT NULL, job_id TEXT,
+      round BIGINT, body TEXT NOT NULL);
+    CREATE INDEX IF NOT EXISTS events_job ON events (job_id, seq);
+    CREATE TABLE IF NOT EXISTS job_views (
+      job_id TEXT PRIMARY KEY, name TEXT, status TEXT NOT NULL, round BIGINT NOT NULL DEFAULT 0,
+      attempt BIGINT NOT NULL DEFAULT 0, num_rounds BIGINT, num_shards BIGINT, reason TEXT,
+      errors TEXT, final_model TEXT, metrics TEXT, created_at DOUBLE PRECISION NOT NULL,
+      updated_at DOUBLE PRECISION NOT NULL);
+    CREATE TABLE IF NOT EXISTS round_views (
+      job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL, status TEXT NOT NULL,
+      metrics TEXT, reason TEXT, started_at DOUBLE PRECISION, ended_at DOUBLE PRECISION,
+      PRIMARY KEY (job_id, round, attempt));
+    CREATE TABLE IF NOT EXISTS shard_views (
+      job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL, shard BIGINT NOT NULL,
+      worker_id TEXT, state TEXT NOT NULL, metrics TEXT, error TEXT, updated_at DOUBLE PRECISION NOT NULL,
+      PRIMARY KEY (job_id, round, attempt, shard));
+    CREATE TABLE IF NOT EXISTS workers (
+      worker_id TEXT PRIMARY KEY, hostname TEXT, status TEXT NOT NULL, state TEXT,
+      job_id TEXT, round BIGINT, shard BIGINT, gpu TEXT, samples_per_s DOUBLE PRECISION,
+      first_seen DOUBLE PRECISION NOT NULL, last_seen DOUBLE PRECISION NOT NULL);
+    CREATE TABLE IF NOT EXISTS metrics (
+      seq {autoid}, job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL,
+      worker_id TEXT NOT NULL, shard BIGINT NOT NULL, step BIGINT, name TEXT NOT NULL,
+      value DOUBLE PRECISION NOT NULL, ts DOUBLE PRECISION NOT NULL);
+    CREATE INDEX IF NOT EXISTS metrics_job ON metrics (job_id, seq)
+    """,
+    # The step a shard's training reached, for the per-worker progress table.
+    "ALTER TABLE shard_views ADD COLUMN step BIGINT",
+]
+
+SHARD_ROWS_PER_INSERT = 500  # well under SQLite's and PostgreSQL's limits on parameters per statement
+
+
+
+async def record_event(tx: Executor, ts: float, key: str, job_id: str | None, round_index: int | None,
+                       body: dict[str, Any]) -> None:
+    """Append an event to the log."""
+    await tx.execute("INSERT INTO events (ts, routing_key, job_id, round, body) VALUES ($1, $2, $3, $4, $5)",
+                     ts, key, job_id, round_index, to_json(body))
+
+
+async def job_requested(tx: Executor, job_id: str, name: str, num_rounds: int | None, ts: float) -> None:
+    """A job's request was seen (once)."""
+    await tx.execute(
+        "INSERT INTO job_views (job_id, name, status, num_rounds, created_at, updated_at)"
+        " VALUES ($1, $2, 'requested', $3, $4, $4) ON CONFLICT DO NOTHING",
+        job_id, name, num_rounds, ts,
+    )
+
+
+async def ensure_job(tx: Executor, job_id: str, ts: float) -> None:
+    """A job's row, created if this is the first event seen of it."""
+    await tx.execute(
+        "INSERT INTO job_views (job_id, status, created_at, updated_at) VALUES ($1, 'requested', $2, $2)"
+        " ON CONFLICT DO NOTHING",
+        job_id, ts,
+    )
+
+
+async def update_job(tx: Executor, job_id: str, ts: float, **columns: Any) -> None:
+    """Set some of a job's columns, and its update time. Column names come from this service's handlers,
+    never from a message."""
+    assignments = ", ".join(f"{name} = ${i}" for i, name in enumerate(columns, start=3))
+    await tx.execute(f"UPDATE job_views SET {assignments}, updated_at = $2 WHERE job_id = $1",
+                     job_id, ts, *columns.values())
+
+
+async def job_running(tx: Executor, job_id: str, round_index: int, attempt: int, num_rounds: int,
+                      ts: float) -> None:
+    """The job runs this round and attempt, unless it already ended."""
+    await tx.execute(
+        "UPDATE job_views SET status = 'running', reason = NULL, round = $2, attempt = $3, num_rounds = $4,"
+        " updated_at = $5 WHERE job_id = $1 AND status NOT IN ('completed', 'failed', 'cancelled')",
+        job_id, round_index, attempt, num_rounds, ts,
+    )
+
+
+async def job_accepted(tx: Executor, job_id: str, name: str, num_rounds: int, num_shards: int, ts: float) -> None:
+    """The scheduler accepted the job: it is being sharded, unless it already ended."""
+    await tx.execute(
+        "UPDATE job_views SET name = $2, num_rounds = $3, num_shards = $4, updated_at = $5,"
+        # A job can end before its acceptance is seen here (cancelled before it started, say).
+        " status = CASE WHEN status IN ('completed', 'failed', 'cancelled', 'rejected') THEN status"
+        " ELSE 'sharding' END"
+        " WHERE job_id = $1",
+        job_id, name, num_rounds, num_shards, ts,
+    )
+
+
+async def job_ended(tx: Executor, job_id: str, status: str, reason: str, ts: float) -> None:
+    """The job failed or was cancelled; the round it was in ends with it."""
+    await update_job(tx, job_id, ts, status=status, reason=reason)
+    await tx.execute(
+        "UPDATE round_views SET status = $2, reason = $3, ended_at = $4 WHERE job_id = $1 AND status = 'running'",
+        job_id, status, reason, ts,
+    )
+
+
+async def round_started(tx: Executor, job_id: str, round_index: int, attempt: int, shards: list[int],
+                        ts: float) -> None:
+    """A round started on these shards (recorded once)."""
+    await tx.execute(
+        "INSERT INTO round_views (job_id, round, attempt, status, started_at) VALUES ($1, $2, $3, 'running', $4)"
+        " ON CONFLICT DO NOTHING",
+        job_id, round_index, attempt, ts,
+    )
+    for start in range(0, len(shards), SHARD_ROWS_PER_INSERT):
+        chunk = shards[start : start + SHARD_ROWS_PER_INSERT]
+        rows = ", ".join(f"($1, $2, $3, ${i}, 'assigned', $4)" for i in range(5, 5 + len(chunk)))
+        await tx.execute(
+            f"INSERT INTO shard_views (job_id, round, attempt, shard, state, updated_at) VALUES {rows}"
+            " ON CONFLICT DO NOTHING",
+            job_id, round_index, attempt, ts, *chunk,
+        )
+
+
+async def round_ended(tx: Executor, job_id: str, round_index: int, attempt: int, status: str, ts: float, *,
+                      metrics: str | None = None, reason: str | None = None) -> None:
+    """A running round aggregated (with its metrics, as JSON) or failed (with why)."""
+    await tx.execute(
+        "UPDATE round_views SET status = $4, metrics = COALESCE($5, metrics), reason = COALESCE($6, reason),"
+        " ended_at = $7 WHERE job_id = $1 AND round = $2 AND attempt = $3 AND status = 'running'",
+        job_id, round_index, attempt, status, metrics, reason, ts,
+    )
+
+
+async def shard_rejected(tx: Executor, job_id: str, round_index: int, attempt: int, shard: int,
+                         reason: str) -> None:
+    """The aggregator refused a shard's contribution, for `reason`."""
+    await tx.execute(
+        "UPDATE shard_views SET state = 'rejected', error = $5 WHERE job_id = $1 AND round = $2"
+        " AND attempt = $3 AND shard = $4",
+        job_id, round_index, attempt, shard, reason,
+    )
+
+
+async def shard_state(tx: Executor, b: dict[str, Any], ts: float, state: str, error: str | None = None) -> None:
+    """A worker's report on a shard (`b`: its progress, result or failure) sets the shard's state."""
+    # A progress report that arrives after the shard's result must not turn it back into "training".
+    settled = "AND state NOT IN ('reported', 'failed', 'rejected')" if state == "training" else ""
+    await tx.execute(
+        "UPDATE shard_views SET worker_id = $5, state = $6, metrics = COALESCE($7, metrics),"
+        " error = $8, step = COALESCE($9, step), updated_at = $10"
+        f" WHERE job_id = $1 AND round = $2 AND attempt = $3 AND shard = $4 {settled}",
+        b["job_id"], b["round"], b.get("attempt", 1), b["shard"], b["worker_id"], state,
+        to_json(b["metrics"]) if b.get("metrics") else None, error,
+        b.get("step") if isinstance(b.get("step"), int) else None, ts,
+    )
+
+
+async def shard_taken(tx: Executor, job_id: str, round_index: int | None, shard: int, worker_id: str,
+                      ts: float) -> None:
+    """A worker took an assigned shard (before its first progress report)."""
+    await tx.execute(
+        "UPDATE shard_views SET state = 'training', worker_id = $4, updated_at = $5"
+        " WHERE job_id = $1 AND round = $2 AND shard = $3 AND state = 'assigned'",
+        job_id, round_index, shard, worker_id, ts,
+    )
+
+
+async def record_metrics(tx: Executor, b: dict[str, Any], ts: float) -> None:
+    """A progress report's metrics (`b`), one point per name, at the report's time."""
+    for name, value in (b.get("metrics") or {}).items():
+        await tx.execute(
+            "INSERT INTO metrics (job_id, round, attempt, worker_id, shard, step, name, value, ts)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            b["job_id"], b["round"], b.get("attempt", 1), b["worker_id"], b["shard"], b.get("step"), name,
+            float(value), b.get("ts", ts),
+        )
+
+
+async def touch_worker(tx: Executor, worker_id: str, ts: float, *, state: str | None = None,
+                       hostname: str | None = None, job_id: str | None = None, round_index: int | None = None,
+                       shard: int | None = None, gpu: dict[str, Any] | None = None,
+                       samples_per_s: float | None = None) -> None:
+    """A worker was seen: online, in this state, on this job's shard (none when not given)."""
+    await tx.execute(
+        "INSERT INTO workers (worker_id, hostname, status, state, first_seen, last_seen)"
+        " VALUES ($1, $2, 'online', $3, $4, $4) ON CONFLICT DO NOTHING",
+        worker_id, hostname, state, ts,
+    )
+    await tx.execute(
+        "UPDATE workers SET status = 'online', state = COALESCE($2, state), hostname = COALESCE($3, hostname),"
+        " job_id = $4, round = $5, shard = $6, gpu = COALESCE($7, gpu),"
+        " samples_per_s = COALESCE($8, samples_per_s), last_seen = $9 WHERE worker_id = $1",
+        worker_id, state, hostname, job_id, round_index, shard, to_json(gpu) if gpu else None,
+        float(samples_per_s) if samples_per_s is not None else None, ts,
+    )
+
+
+async def worker_offline(tx: Executor, worker_id: str) -> None:
+    """A worker said it goes offline."""
+    await tx.execute("UPDATE workers SET status = 'offline' WHERE worker_id = $1", worker_id)
+
+
+async def mark_silent_offline(db: Executor, seen_before: float) -> int:
+    """Workers online but not seen since then are offline; return how many changed."""
+    return await db.execute(
+        "UPDATE workers SET status = 'offline' WHERE status = 'online' AND last_seen < $1", seen_before
+    )

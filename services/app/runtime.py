@@ -4,27 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import os
-import time
 from collections.abc import Callable
-from pathlib import Path
+from contextlib import aclosing
 from typing import Any
 
-from apiary.bus import publish_event
 from apiary.component import Component
-from apiary.db import sqlite_path
 from apiary.settings import Settings
 from apiary.status import TERMINAL
+from services.app import dblock
+from services.app.dblock import DatabaseInUse
 from services.app.ports import Ports
+from services.tracker.client import JobNotFound, TrackerClient, TrackerError
+from services.tracker.inprocess import in_process_client
 from services.tracker.publish import publish_job_request
 
 log = logging.getLogger("apiary.runtime")
-
-
-class DatabaseInUse(RuntimeError):
-    """Another embedded process runs on this database."""
 
 ORPHANED = ("interrupted: the process that ran this job (apiary run) stopped before the job ended, and its"
             " in-memory messages went with it; run the job again")
@@ -55,9 +51,12 @@ class Embedded:
             for i in range(workers)
         ]
         self._lock_fd: int | None = None
+        # The stack's own client of its tracker's API, served in-process (no port, no socket).
+        self.api: TrackerClient = in_process_client(self.tracker)
 
     async def __aenter__(self) -> Embedded:
-        owns_database = self._lock_database()
+        self._lock_fd = dblock.take(self.settings)
+        owns_database = self._lock_fd is not None
         try:
             await self.ports.open()
             for service in self.services:
@@ -74,33 +73,9 @@ class Embedded:
             raise
         return self
 
-    def _lock_database(self) -> bool:
-        """With the in-memory bus on a SQLite file, hold that file alone while the stack runs.
-
-        Two such processes on one database would each publish the other's stored events on its own bus
-        (the outboxes are tables) and resume the other's jobs; so the second one is refused. Returns
-        whether this stack holds the lock.
-        """
-        database = self.settings.resolved_database_url()
-        if not (self.settings.bus_url.startswith("memory:") and database.startswith("sqlite:")):
-            return False
-        file = sqlite_path(database)
-        if not file or ":memory:" in file:
-            return False
-        path = Path(file).resolve()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise DatabaseInUse(
-                f"another apiary process is running on {path}: wait for it to end, or give this run its"
-                " own APIARY_HOME") from None
-        self._lock_fd = fd
-        return True
-
     async def __aexit__(self, *exc: object) -> None:
+        with contextlib.suppress(Exception):
+            await self.api.aclose()
         for worker in self.workers:
             with contextlib.suppress(Exception):
                 await worker.stop()
@@ -118,32 +93,36 @@ class Embedded:
 
     async def cancel(self, job_id: str, reason: str, *, within: float = 10.0) -> dict[str, Any] | None:
         """Cancel a job and wait up to `within` seconds for it to end; return its view."""
-        from apiary.contracts import JobCancelRequested
-        from services.tracker.views import job_view
-
-        await publish_event(self.ports.bus, JobCancelRequested(job_id=job_id, reason=reason))
+        try:
+            await self.api.cancel_job(job_id, reason, ahead=True)
+        except TrackerError as e:
+            if e.status_code != 409:  # 409: it already ended
+                raise
         with contextlib.suppress(TimeoutError):
             return await self.wait(job_id, timeout=within)
-        return await job_view(self.ports.db, job_id)
+        with contextlib.suppress(JobNotFound):
+            return await self.api.get_job(job_id)
+        return None
 
     async def wait(self, job_id: str, *, timeout: float | None = None, on_change: Any = None,
                    until: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
         """Wait until the job ends (or its view satisfies `until`); call `on_change(view)` whenever the
-        tracker's view of it changes."""
-        from services.tracker.views import job_view
+        tracker's view of it changes. Follows the job through the tracker's API, in-process."""
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._follow(job_id, on_change, until)
+        except TimeoutError:
+            raise TimeoutError(f"job {job_id} did not finish within {timeout}s") from None
 
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            view = await job_view(self.ports.db, job_id)
-            if view is not None and on_change is not None:
-                on_change(view)
-            if view is not None and (view["status"] in TERMINAL or (until is not None and until(view))):
-                return view
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"job {job_id} did not finish within {timeout}s")
-            async with self.tracker.changed:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.tracker.changed.wait(), 1.0)
+    async def _follow(self, job_id: str, on_change: Any, until: Callable[[dict[str, Any]], bool] | None
+                      ) -> dict[str, Any]:
+        async with aclosing(self.api.watch_job(job_id, wait_known=True)) as views:
+            async for view in views:
+                if on_change is not None:
+                    on_change(view)
+                if view["status"] in TERMINAL or (until is not None and until(view)):
+                    return view
+        raise RuntimeError(f"the tracker stopped before job {job_id} ended")
 
 
 __all__ = ["ORPHANED", "DatabaseInUse", "Embedded", "Ports"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
 from apiary.jobspec import FieldError
@@ -16,6 +17,15 @@ class Problem(BaseModel):
     errors: list[FieldError] = Field(default_factory=list)
 
 
+PREFIX = "/api/v1"
+NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": Problem, "description": "no such job"}}
+
+
+def no_job(job_id: str) -> HTTPException:
+    """The 404 for a job id the tracker does not know."""
+    return HTTPException(404, f"no job {job_id!r}: list jobs at {PREFIX}/training-jobs")
+
+
 class JobSubmitted(BaseModel):
     """A job request the tracker published; follow it at `url`, live at `events_url`."""
 
@@ -25,11 +35,18 @@ class JobSubmitted(BaseModel):
     events_url: str
 
 
+class CancelJob(BaseModel):
+    """Why a job is cancelled (shown with its status)."""
+
+    reason: str = "cancelled by user"
+
+
 class CancelRequested(BaseModel):
     """A cancellation on its way to the scheduler; the job ends as `cancelled`."""
 
     job_id: str
-    status: str
+    status: str = Field(description="cancelling, or unknown: no such job yet, and if its request comes it will not"
+                        " start (only with `ahead=true`)")
 
 
 class JobSummary(BaseModel):

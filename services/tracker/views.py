@@ -15,6 +15,21 @@ from apiary.status import TERMINAL
 _STALLED = ("assigned", "training")
 
 
+async def job_status(db: Executor, job_id: str) -> str | None:
+    """A job's status, or None when the tracker knows no such job."""
+    value = await db.fetchval("SELECT status FROM job_views WHERE job_id = $1", job_id)
+    return None if value is None else str(value)
+
+
+async def record_requested(db: Executor, job_id: str, name: str | None, num_rounds: int | None) -> None:
+    """The row the job.requested event would create, so a job submitted over HTTP is visible at once."""
+    await db.execute(
+        "INSERT INTO job_views (job_id, name, status, num_rounds, created_at, updated_at)"
+        " VALUES ($1, $2, 'requested', $3, $4, $4) ON CONFLICT DO NOTHING",
+        job_id, name, num_rounds, time.time(),
+    )
+
+
 async def job_view(db: Executor, job_id: str) -> dict[str, Any] | None:
     """Everything known about one job: status, rounds, and every shard of the current round."""
     job = await db.fetchrow("SELECT * FROM job_views WHERE job_id = $1", job_id)
@@ -155,5 +170,15 @@ async def workers_view(db: Executor, now: float | None = None) -> list[dict[str,
     return out
 
 
-__all__ = ["TERMINAL", "job_metrics", "job_view", "list_jobs", "progress_counts", "round_series",
-           "worker_series", "workers_view"]
+__all__ = [
+    "TERMINAL",
+    "job_metrics",
+    "job_status",
+    "job_view",
+    "list_jobs",
+    "progress_counts",
+    "record_requested",
+    "round_series",
+    "worker_series",
+    "workers_view",
+]

@@ -1,0 +1,85 @@
+"""A job as people read it: the live table, the end-of-run summary and its printed form."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from services.app.console import console
+
+STATE_STYLE = {"training": "yellow", "reported": "green", "failed": "red", "rejected": "red",
+               "assigned": "dim", "offline": "red", "stopped": "dim"}
+
+
+def render_job(view: dict[str, Any], started: float | None = None) -> Group:
+    """A job's live view: round counter, per-shard state and latest losses, aggregated metrics."""
+    title = Text.assemble(
+        (f"{view.get('name') or view['job_id']} ", "bold"),
+        (f"[{view['job_id']}] ", "dim"),
+        (view["status"], "bold cyan"),
+        f"   round {view['round']}/{view.get('num_rounds') or '?'}",
+        f" (attempt {view['attempt']})" if view.get("attempt", 1) > 1 else "",
+        f"   {time.time() - started:.0f}s" if started else "",
+    )
+    return Group(title, _shards_table(view), _rounds_table(view))
+
+
+def _shards_table(view: dict[str, Any]) -> Table:
+    table = Table(box=None, pad_edge=False, show_header=True, header_style="dim")
+    for column in ("shard", "worker", "state", "loss", "metrics"):
+        table.add_column(column)
+    for s in view.get("shards", []):
+        metrics = s.get("metrics") or {}
+        loss = metrics.get("loss")
+        others = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k != "loss")
+        state = s["state"]
+        table.add_row(str(s["shard"]), s.get("worker_id") or "-", Text(state, STATE_STYLE.get(state, "")),
+                      f"{loss:.4f}" if isinstance(loss, float) else "-", s.get("error") or others)
+    return table
+
+
+def _rounds_table(view: dict[str, Any]) -> Table:
+    rounds = Table(box=None, pad_edge=False, show_header=True, header_style="dim")
+    for column in ("round", "status", "aggregated metrics"):
+        rounds.add_column(column)
+    for r in view.get("rounds", [])[-5:]:
+        text = ", ".join(f"{k}={v:.4g}" for k, v in (r.get("metrics") or {}).items()) or (r.get("reason") or "")
+        rounds.add_row(f"{r['round']}" + (f".{r['attempt']}" if r["attempt"] > 1 else ""), r["status"], text)
+    return rounds
+
+
+def summary(view: dict[str, Any], duration: float) -> dict[str, Any]:
+    """The end-of-run summary (also what `--json` prints)."""
+    return {
+        "job_id": view["job_id"],
+        "name": view.get("name"),
+        "status": view["status"],
+        "rounds_completed": sum(1 for r in view.get("rounds", []) if r["status"] == "aggregated"),
+        "num_rounds": view.get("num_rounds"),
+        "final_model": view.get("final_model"),
+        "metrics": view.get("metrics") or {},
+        "reason": view.get("reason"),
+        "errors": view.get("errors") or [],
+        "duration_s": round(duration, 2),
+    }
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    """The summary for people: status, rounds, metrics, final model, reason."""
+    console.print()
+    ok = result["status"] == "completed"
+    console.print(f"[bold {'green' if ok else 'red'}]{result['status']}[/] job {result['job_id']} "
+                  f"({result['rounds_completed']}/{result['num_rounds'] or '?'} rounds, {result['duration_s']}s)")
+    if result["metrics"]:
+        console.print("metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in result["metrics"].items()))
+    if result["final_model"]:
+        console.print(f"final model: {result['final_model']}")
+    if result["reason"]:
+        console.print(f"[red]reason:[/red] {result['reason']}")
+
+
+__all__ = ["STATE_STYLE", "print_summary", "render_job", "summary"]

@@ -50,7 +50,7 @@ from services.scheduler.rounds import (
     waiting_for_workers,
 )
 from services.scheduler.routing import AssignmentRouter
-from services.scheduler.state import Next, after_aggregated, after_failed, is_current
+from services.scheduler.state import Next, after_aggregated, after_failed, is_current, too_many_failures
 from services.scheduler.store import Job
 
 log = logging.getLogger("apiary.scheduler")
@@ -217,16 +217,15 @@ class SchedulerHandlers:
             job = await self._current(event)
             if job is None:
                 return
-            spec = job.spec
-            decision = after_failed(event.round, event.attempt, job.failures, spec.distributed.fault_tolerance)
+            tolerance = job.spec.distributed.fault_tolerance
+            decision = after_failed(event.round, event.attempt, job.failures, tolerance)
             log.warning("job %s: round %d attempt %d failed: %s", event.job_id, event.round, event.attempt,
                         event.reason)
             async with self._db.transaction() as tx:
                 await self._close_round(tx, event.job_id, event.round, event.attempt, RoundStatus.FAILED,
                                         reason=event.reason)
                 if decision.next is Next.FAIL:
-                    reason = (f"round {event.round} failed {decision.failures} time(s) in a row "
-                              f"(fault_tolerance={spec.distributed.fault_tolerance}); last: {event.reason}")
+                    reason = too_many_failures(event.round, decision.failures, tolerance, event.reason)
                     await self._fail_tx(tx, event.job_id, reason, event.round)
                 else:
                     await store.set_failures(tx, event.job_id, decision.failures)

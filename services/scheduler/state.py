@@ -40,6 +40,12 @@ def after_failed(round_index: int, attempt: int, failures: int, fault_tolerance:
     return Decision(Next.RETRY, round_index, attempt + 1, failures)
 
 
+def too_many_failures(round_index: int, failures: int, fault_tolerance: int, last: str) -> str:
+    """Why a job failed when its round failed more times in a row than it tolerates."""
+    return (f"round {round_index} failed {failures} time(s) in a row "
+            f"(fault_tolerance={fault_tolerance}); last: {last}")
+
+
 def is_current(job_round: int, job_attempt: int, round_index: int, attempt: int) -> bool:
     """Whether an outcome is for the attempt the job is running now (else it is late or a duplicate)."""
     return (job_round, job_attempt) == (round_index, attempt)

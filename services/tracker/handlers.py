@@ -64,8 +64,8 @@ async def _worker_failed(tx: Executor, b: dict[str, Any], ts: float) -> None:
 async def _round_aggregated(tx: Executor, b: dict[str, Any], ts: float) -> None:
     await store.round_ended(tx, b["job_id"], b["round"], b["attempt"], "aggregated", ts,
                             metrics=to_json(b.get("metrics", {})))
-    for shard, reason in (b.get("rejected") or {}).items():
-        await store.shard_rejected(tx, b["job_id"], b["round"], b["attempt"], int(shard), reason)
+    rejected = {int(shard): reason for shard, reason in (b.get("rejected") or {}).items()}
+    await store.shards_rejected(tx, b["job_id"], b["round"], b["attempt"], rejected)
 
 
 async def _round_failed(tx: Executor, b: dict[str, Any], ts: float) -> None:

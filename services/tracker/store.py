@@ -138,14 +138,15 @@ async def round_ended(tx: Executor, job_id: str, round_index: int, attempt: int,
     )
 
 
-async def shard_rejected(tx: Executor, job_id: str, round_index: int, attempt: int, shard: int,
-                         reason: str) -> None:
-    """The aggregator refused a shard's contribution, for `reason`."""
-    await tx.execute(
-        "UPDATE shard_views SET state = 'rejected', error = $5 WHERE job_id = $1 AND round = $2"
-        " AND attempt = $3 AND shard = $4",
-        job_id, round_index, attempt, shard, reason,
-    )
+async def shards_rejected(tx: Executor, job_id: str, round_index: int, attempt: int,
+                          reasons: dict[int, str]) -> None:
+    """The aggregator refused these shards' contributions (shard -> why)."""
+    for shard, reason in reasons.items():
+        await tx.execute(
+            "UPDATE shard_views SET state = 'rejected', error = $5"
+            " WHERE job_id = $1 AND round = $2 AND attempt = $3 AND shard = $4",
+            job_id, round_index, attempt, shard, reason,
+        )
 
 
 async def shard_state(tx: Executor, b: dict[str, Any], ts: float, state: str, error: str | None = None) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from apiary.status import JobStatus
-from services.scheduler.state import Next, after_aggregated, after_failed, is_current
+from services.scheduler.state import Next, after_aggregated, after_failed, is_current, too_many_failures
 
 
 def test_rounds_advance_until_the_last_then_finish() -> None:
@@ -22,6 +22,12 @@ def test_failed_round_is_retried_until_fault_tolerance_is_exhausted() -> None:
 
 def test_zero_fault_tolerance_fails_on_the_first_failure() -> None:
     assert after_failed(1, 1, 0, fault_tolerance=0).next is Next.FAIL
+
+
+def test_a_job_failed_by_its_rounds_says_which_how_often_and_the_last_reason() -> None:
+    reason = too_many_failures(2, 3, fault_tolerance=2, last="timeout with 0 of 2 workers")
+
+    assert reason == "round 2 failed 3 time(s) in a row (fault_tolerance=2); last: timeout with 0 of 2 workers"
 
 
 def test_only_the_running_attempt_is_current() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 from pydantic import ValidationError
 
@@ -32,7 +32,7 @@ from apiary.contracts import (
     decode_body,
 )
 from apiary.db import Database, Executor
-from apiary.jobspec import JobSpec, describe_errors, field_errors
+from apiary.jobspec import FieldError, JobSpec, describe_errors, field_errors
 from apiary.outbox import KeyedLocks, Outbox, Pending
 from apiary.settings import Settings
 from apiary.status import JobStatus, RoundStatus
@@ -102,7 +102,7 @@ class SchedulerHandlers:
         log.info("job %s (%s) accepted", job_id, spec.name)
         await self._outbox.flush()
 
-    async def _reject(self, job_id: str, errors: list[dict[str, Any]]) -> None:
+    async def _reject(self, job_id: str, errors: list[FieldError]) -> None:
         """Reject a job request, naming each bad field."""
         reason = f"job request rejected: {describe_errors(errors)}"
         log.warning("job %s: %s", job_id, reason)

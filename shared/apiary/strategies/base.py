@@ -14,9 +14,9 @@ import functools
 import importlib
 import pkgutil
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -47,6 +47,18 @@ class RoundResult:
     metrics: dict[str, float]
 
 
+class StoredContributions(Protocol):
+    """A round's accepted contributions read back one tensor at a time, for strategies that cannot fold
+    (order statistics): peak memory is K x one tensor, not K x the model."""
+
+    @property
+    def samples(self) -> Sequence[int]:
+        """Each contribution's sample count, in the order `tensor` returns them."""
+
+    def tensor(self, name: str) -> list[torch.Tensor]:
+        """Tensor `name` of every contribution, in `samples` order."""
+
+
 class NoParams(BaseModel):
     """The parameters of a strategy that takes none."""
 
@@ -59,6 +71,9 @@ class Strategy(ABC):
     name: ClassVar[str]
     aliases: ClassVar[tuple[str, ...]] = ()
     Params: ClassVar[type[BaseModel]] = NoParams
+    # False for strategies that need every contribution at once (median, trimmed mean, Krum): they keep
+    # nothing while contributions arrive, and `finish` reads them back through `stored`.
+    streaming: ClassVar[bool] = True
 
     def __init__(self, params: BaseModel | None = None) -> None:
         self.params = params if params is not None else self.Params()
@@ -67,6 +82,9 @@ class Strategy(ABC):
         self.total_samples = 0
         self._keys: frozenset[str] | None = None
         self._metrics: list[tuple[int, Mapping[str, float]]] = []
+
+    def check_job(self, num_shards: int, min_workers: int) -> None:
+        """Raise ValueError (one line) when a job with these sizes can never meet this strategy's needs."""
 
     def begin(self, spec: WeightSpec, update_format: UpdateFormat) -> None:
         """Start a round whose global weights have `spec` and whose updates come as `update_format`."""

@@ -32,7 +32,7 @@ from apiary.contracts import (
     decode_body,
 )
 from apiary.db import Database, Executor
-from apiary.jobspec import FieldError, JobSpec, describe_errors, field_errors
+from apiary.jobspec import FieldError, JobSpec, describe_errors, field_errors, strategy_errors
 from apiary.outbox import KeyedLocks, Outbox, Pending
 from apiary.settings import Settings
 from apiary.status import JobStatus, RoundStatus
@@ -82,6 +82,9 @@ class SchedulerHandlers:
             await self._reject(job_id, field_errors(e))
             return
         spec = JobSpec.model_validate(request.model_dump(exclude={"job_id", "v"}))
+        if errors := strategy_errors(spec):
+            await self._reject(job_id, errors)
+            return
         async with self._locks(job_id):
             if await store.job_exists(self._db, job_id):
                 log.info("job %s: duplicate request ignored", job_id)

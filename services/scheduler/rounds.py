@@ -124,6 +124,7 @@ def round_start(target: RoundTarget, plan: RoundPlan) -> RoundStart:
         job_id=target.job_id, round=target.round, attempt=target.attempt, num_rounds=spec.distributed.num_rounds,
         shards=[s.index for s in plan.chosen], min_workers=spec.distributed.min_workers, weights=target.weights,
         deadline=plan.deadline, update_format=UpdateFormat.of(adapter_only=spec.use_peft),
+        strategy=spec.distributed.strategy, strategy_params=spec.distributed.strategy_params,
     )
 
 

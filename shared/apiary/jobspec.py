@@ -7,8 +7,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from apiary.strategies import DEFAULT_STRATEGY
+
 ENTRYPOINT_RE = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
 DEFAULT_FUNCTION = "fl_train_model"
+FEDPROX = "fedprox"  # the strategy whose parameter the training loop needs (env PROXIMAL_MU)
 
 
 def parse_entrypoint(entrypoint: str) -> tuple[str, str]:
@@ -28,6 +31,10 @@ class DistributedConfig(BaseModel):
     max_workers: int = Field(default=1, ge=1, le=10_000)
     aggregation_timeout: float = Field(default=600.0, gt=0, le=7 * 24 * 3600)
     fault_tolerance: int = Field(default=1, ge=0)
+    # Checked against the strategy registry by `strategy_errors`, where the strategies are loaded (the
+    # scheduler): the tracker validates requests too and must not load torch.
+    strategy: str = Field(default=DEFAULT_STRATEGY, min_length=1, max_length=100)
+    strategy_params: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _min_le_max(self) -> DistributedConfig:
@@ -141,6 +148,9 @@ class JobSpec(BaseModel):
         env["STEPS_PER_ROUND"] = self.distributed.steps_per_round
         env["ROUND"] = round_index
         env["NUM_ROUNDS"] = self.distributed.num_rounds
+        if self.distributed.strategy == FEDPROX:
+            # The proximal term lives in the training loop: the user's code (or the built-in trainer) reads it.
+            env["PROXIMAL_MU"] = float(self.distributed.strategy_params.get("proximal_mu", 0.0))
         return env
 
 
@@ -166,3 +176,21 @@ def field_errors(error: ValidationError) -> list[FieldError]:
 def describe_errors(errors: list[FieldError]) -> str:
     """One line naming each bad field."""
     return "; ".join(f"{e.field}: {e.message}" for e in errors)
+
+
+def strategy_errors(spec: JobSpec) -> list[FieldError]:
+    """The job's strategy checked against the registry and the job's sizes: one error per bad field, none
+    if it can run. Imports the strategies (and torch), so only the scheduler calls it."""
+    from apiary.strategies import base
+
+    distributed = spec.distributed
+    try:
+        base.lookup(distributed.strategy)
+    except ValueError as e:
+        return [FieldError(field="distributed.strategy", message=str(e))]
+    try:
+        strategy = base.create(distributed.strategy, distributed.strategy_params)
+        strategy.check_job(spec.num_shards, distributed.min_workers)
+    except ValueError as e:
+        return [FieldError(field="distributed.strategy_params", message=str(e))]
+    return []

@@ -48,3 +48,14 @@ class NullLogger:
 
     def info(self, message: str, *args: Any) -> None:
         """Ignore a log line."""
+
+
+def proximal_term(model: torch.nn.Module, global_weights: Mapping[str, torch.Tensor], mu: float) -> torch.Tensor:
+    """FedProx's proximal term, `mu / 2 * sum ||w - w_global||^2` over the trainable parameters: add it to
+    the loss (with `mu` from env PROXIMAL_MU) to keep local training near the round's global weights."""
+    total = torch.zeros(())
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            anchor = global_weights[name].to(device=param.device, dtype=param.dtype)
+            total = total.to(param.device) + (param - anchor).pow(2).sum()
+    return mu / 2 * total

@@ -5,7 +5,11 @@ the global model's spec and the update format, `accept` for each contribution as
 `finish` once; `state` / `load_state` carry server state (momentum, moments, ...) as tensors, which
 the aggregator stores with the round so a restart resumes exactly. The base class validates every
 contribution against the round and honours the update format, so a strategy says only how it folds
-(`_fold`) and what it makes of the round (`_aggregate`).
+(`_fold`) and what it makes of the round (`_aggregate`, or `_read_back` for one that cannot fold).
+
+Server state outlives `begin`: restore it with `load_state` before the round's `finish` (before or
+after `begin`), and store `state()` after `finish`. A strategy with `streaming = False` keeps only
+sample counts while contributions arrive; its `finish` reads them back through `stored`.
 """
 
 from __future__ import annotations
@@ -59,6 +63,22 @@ class StoredContributions(Protocol):
         """Tensor `name` of every contribution, in `samples` order."""
 
 
+class ContributionList:
+    """StoredContributions over contributions held in memory (tests, benchmarks, small rounds)."""
+
+    def __init__(self, contributions: Sequence[Contribution]) -> None:
+        self._contributions = list(contributions)
+
+    @property
+    def samples(self) -> Sequence[int]:
+        """Each contribution's sample count, in the order `tensor` returns them."""
+        return [c.samples for c in self._contributions]
+
+    def tensor(self, name: str) -> list[torch.Tensor]:
+        """Tensor `name` of every contribution, in `samples` order."""
+        return [c.weights[name] for c in self._contributions]
+
+
 class NoParams(BaseModel):
     """The parameters of a strategy that takes none."""
 
@@ -85,6 +105,7 @@ class Strategy(ABC):
 
     def check_job(self, num_shards: int, min_workers: int) -> None:
         """Raise ValueError (one line) when a job with these sizes can never meet this strategy's needs."""
+        return None  # most strategies fit any job
 
     def begin(self, spec: WeightSpec, update_format: UpdateFormat) -> None:
         """Start a round whose global weights have `spec` and whose updates come as `update_format`."""
@@ -106,9 +127,20 @@ class Strategy(ABC):
         """Whether `finish` needs the round's global weights (the aggregator reads them only then)."""
         return self.format is UpdateFormat.ADAPTER
 
-    def finish(self, global_weights: Mapping[str, torch.Tensor] | None = None) -> RoundResult:
-        """The round's new global weights and metrics; the round cannot accept anything afterwards."""
-        update = self._aggregate(global_weights)
+    def finish(
+        self, global_weights: Mapping[str, torch.Tensor] | None = None, stored: StoredContributions | None = None
+    ) -> RoundResult:
+        """The round's new global weights and metrics; the round cannot accept anything afterwards.
+
+        `stored` (the accepted contributions, in any order) is read only by strategies that do not
+        stream; `global_weights` is needed where `wants_global_weights()` says so.
+        """
+        if self.streaming:
+            update = self._aggregate(global_weights)
+        elif stored is None:
+            raise ValueError(f"strategy {self.name!r} reads the round's contributions back at the close: pass `stored`")
+        else:
+            update = self._read_back(stored, global_weights)
         if self.format is UpdateFormat.ADAPTER:
             if global_weights is None:
                 raise ValueError("an adapter round needs the global weights to put its average in")
@@ -121,11 +153,12 @@ class Strategy(ABC):
         return None
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The server state that outlives a round, as tensors (none by default)."""
+        """The server state that outlives a round, as tensors (none by default); store it before the next
+        round's `finish`, which may update these tensors in place."""
         return {}
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Restore what `state` returned after an earlier round."""
+        """Restore what `state` returned after an earlier round (before this round's `finish`)."""
         if state:
             raise ValueError(f"strategy {self.name!r} keeps no server state, got {sorted(state)[:3]}")
 
@@ -139,7 +172,13 @@ class Strategy(ABC):
 
     @abstractmethod
     def _aggregate(self, global_weights: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        """The new values of the tensors the round's contributions carry."""
+        """The new values of the tensors the round's contributions carry (streaming strategies)."""
+
+    def _read_back(
+        self, stored: StoredContributions, global_weights: Mapping[str, torch.Tensor] | None
+    ) -> dict[str, torch.Tensor]:
+        """The new values of the round's tensors, read back from `stored` (strategies that do not stream)."""
+        raise NotImplementedError(f"strategy {self.name!r} sets streaming = False but does not read back")
 
 
 def weighted_metrics(items: list[tuple[int, Mapping[str, float]]]) -> dict[str, float]:

@@ -1,0 +1,109 @@
+"""The RabbitMQ bus: the port's operations, composed from the connection, topology, publisher and subscribers."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from aio_pika.abc import AbstractRobustConnection
+
+from apiary.bus.base import DEAD_LETTER_QUEUE, Bus, Delivery, Handler, Reroute, Subscription
+from apiary.bus.rabbitmq.connection import Connection
+from apiary.bus.rabbitmq.publisher import Publisher
+from apiary.bus.rabbitmq.rehold import Lease
+from apiary.bus.rabbitmq.subscriber import RabbitSubscription
+from apiary.bus.rabbitmq.topology import Topology
+
+
+class RabbitBus(Bus):
+    """The bus on RabbitMQ through aio-pika, reconnecting by itself after a broker restart.
+
+    `lease_renewal` (seconds, or None for never) is how often a running handler's delivery is re-held
+    (see `apiary.bus.rabbitmq.rehold`); `retry_delay` is the pause before a `Retryable` is requeued.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        exchange: str = "apiary",
+        retry_delay: float = 0.5,
+        lease_renewal: float | None = 600.0,
+        publish_timeout: float = 30.0,
+        reconnect_interval: float = 2.0,
+        connection_name: str | None = None,
+    ) -> None:
+        if not exchange or len(exchange) > 200:
+            raise ValueError(f"exchange name {exchange!r} is invalid: expected 1 to 200 characters")
+        self.url = url
+        self.exchange = exchange
+        self.retry_delay = retry_delay
+        self.lease_renewal = lease_renewal
+        self.publish_timeout = publish_timeout
+        self.reconnect_interval = reconnect_interval
+        self.connection_name = connection_name or f"apiary {exchange} pid {os.getpid()}"
+        self._link = Connection(url, name=self.connection_name, reconnect_interval=reconnect_interval)
+        self._topology = Topology(self._link, exchange)
+        self._publisher = Publisher(self._link, self._topology, timeout=publish_timeout)
+        self._subscriptions: set[RabbitSubscription] = set()
+
+    @property
+    def _connection(self) -> AbstractRobustConnection | None:
+        """The robust connection, None until connected (tests close it to play a dying process)."""
+        return self._link.robust
+
+    def queue_name(self, name: str) -> str:
+        """The broker's name for a logical queue."""
+        return self._topology.queue_name(name)
+
+    async def connect(self) -> None:
+        if self._link.robust is not None:
+            return
+        await self._link.open(self.exchange)
+        await self.declare_queue(DEAD_LETTER_QUEUE, [])
+
+    async def close(self) -> None:
+        for sub in list(self._subscriptions):
+            await sub.cancel()
+        await self._link.close()
+
+    async def declare_queue(self, name: str, bindings: Sequence[str], *, expires: float | None = None,
+                            reroute: Reroute | None = None) -> None:
+        await self._topology.declare(name, bindings, expires=expires, reroute=reroute)
+
+    async def _publish(self, message: Delivery, delay: float | None) -> None:
+        await self._publisher.publish(message, delay)
+
+    async def consume(self, queue: str, handler: Handler, *, prefetch: int = 16) -> Subscription:
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be at least 1, got {prefetch}")
+        name = self.queue_name(queue)
+        if await self._topology.ready_count(name) is None:
+            raise ValueError(f"queue {queue!r} is not declared")
+        channel = await self._link.consumer_channel()
+        await channel.set_qos(prefetch_count=1)
+        amqp_queue = await channel.declare_queue(name, passive=True)
+        lease = None
+        if self.lease_renewal:
+            lease = Lease(self._publisher, self._topology, channel, amqp_queue.name, self.lease_renewal)
+        sub = RabbitSubscription(amqp_queue, channel, handler, prefetch, publisher=self._publisher, lease=lease,
+                                 retry_delay=self.retry_delay, on_cancel=self._subscriptions.discard)
+        self._subscriptions.add(sub)
+        try:
+            await sub.start()
+        except BaseException:
+            await sub.cancel()
+            raise
+        return sub
+
+    async def purge(self, queue: str) -> int:
+        return await self._topology.purge(queue)
+
+    async def queue_size(self, queue: str) -> int:
+        return await self._topology.ready_count(self.queue_name(queue)) or 0
+
+    async def delete_namespace(self) -> None:
+        """Delete every queue this bus declared and its exchange (for tests and teardown)."""
+        for sub in list(self._subscriptions):
+            await sub.cancel()
+        await self._topology.delete_all()

@@ -1,0 +1,84 @@
+"""The link to RabbitMQ: one robust connection, its confirming channel with the exchange, and channels on it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import aio_pika
+import aiormq
+from aio_pika.abc import AbstractRobustChannel, AbstractRobustConnection, AbstractRobustExchange
+from aiormq.exceptions import AMQPConnectionError
+
+NOT_CONNECTED = "RabbitBus is not connected: call connect() first"
+
+
+def where(url: str) -> str:
+    """The broker's host:port in a URL, without its credentials (for error messages)."""
+    parts = urlsplit(url)
+    return f"{parts.hostname or 'localhost'}:{parts.port or 5672}"
+
+
+class Connection:
+    """A connection that reconnects by itself after a broker restart, restoring its channels."""
+
+    def __init__(self, url: str, *, name: str, reconnect_interval: float) -> None:
+        self.url = url
+        self.name = name
+        self.reconnect_interval = reconnect_interval
+        self.robust: AbstractRobustConnection | None = None
+        self._channel: AbstractRobustChannel | None = None
+        self._exchange: AbstractRobustExchange | None = None
+
+    async def open(self, exchange: str) -> None:
+        """Connect, and declare the durable topic exchange on a channel with publisher confirms."""
+        try:
+            self.robust = await aio_pika.connect_robust(
+                self.url,
+                client_properties={"connection_name": self.name},
+                timeout=10,
+                reconnect_interval=self.reconnect_interval,
+            )
+        except (TimeoutError, OSError, AMQPConnectionError) as e:
+            raise ConnectionError(
+                f"cannot reach RabbitMQ at {where(self.url)}: {e or type(e).__name__};"
+                " check APIARY_BUS_URL and that the broker is running"
+            ) from e
+        self._channel = await self.robust.channel(publisher_confirms=True, on_return_raises=True)
+        self._exchange = await self._channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC, durable=True)
+
+    async def close(self) -> None:
+        """Close the connection and every channel on it."""
+        if self.robust is not None:
+            with contextlib.suppress(Exception):
+                await self.robust.close()
+        self.robust = self._channel = self._exchange = None
+
+    def publishing(self) -> tuple[AbstractRobustChannel, AbstractRobustExchange]:
+        """The confirming channel and the exchange on it."""
+        if self._channel is None or self._exchange is None:
+            raise RuntimeError(NOT_CONNECTED)
+        return self._channel, self._exchange
+
+    async def consumer_channel(self) -> AbstractRobustChannel:
+        """A channel of its own for one subscription (restored with its consumers after a reconnect)."""
+        if self.robust is None:
+            raise RuntimeError(NOT_CONNECTED)
+        return await self.robust.channel(publisher_confirms=False)
+
+    @contextlib.asynccontextmanager
+    async def admin(self) -> AsyncIterator[aiormq.abc.AbstractChannel]:
+        """A plain channel for calls that may fail with a channel error (it is thrown away after)."""
+        if self.robust is None:
+            raise RuntimeError(NOT_CONNECTED)
+        await self.robust.ready()
+        transport = self.robust.transport
+        if transport is None:
+            raise ConnectionError(f"RabbitMQ at {where(self.url)} is not connected")
+        channel = await transport.connection.channel(publisher_confirms=False)
+        try:
+            yield channel
+        finally:
+            if not channel.is_closed:
+                await channel.close()

@@ -1,0 +1,135 @@
+"""Where messages wait on the broker: the port's durable queues, a queue per delay, and private hold queues.
+
+Names: a logical queue `name` is the durable queue `{exchange}.{name}`; dead letters go to `{exchange}.dead`
+through the default exchange; a delayed publish waits in `{exchange}.delay.{ms}.{routing_key}` (a queue per
+delay value, since RabbitMQ only expires the head of a queue) and dead-letters into the exchange when its TTL
+runs out; a re-held delivery waits in `{exchange}.hold.<uuid>` (see `rehold`).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from aio_pika.abc import AbstractRobustChannel, AbstractRobustQueue
+from aiormq.exceptions import ChannelNotFoundEntity
+
+from apiary.bus.base import DEAD_LETTER_QUEUE, Reroute
+from apiary.bus.rabbitmq.connection import Connection
+
+log = logging.getLogger("apiary.bus.rabbitmq")
+
+_MAX_NAME_BYTES = 255  # AMQP's limit on a queue name
+
+
+def milliseconds(seconds: float) -> int:
+    """A duration as the broker takes it: whole milliseconds, at least one."""
+    return max(1, round(seconds * 1000))
+
+
+def queue_arguments(exchange: str, expires: float | None, reroute: Reroute | None) -> dict[str, Any] | None:
+    """The arguments of a port queue: its idle expiry, and where a message no consumer took in time goes."""
+    arguments: dict[str, Any] = {}
+    if expires is not None:
+        arguments["x-expires"] = milliseconds(expires)
+    if reroute is not None:
+        # RabbitMQ expires a message only at the head of its queue: fine for these queues, whose
+        # messages all wait the same time.
+        arguments.update({"x-message-ttl": milliseconds(reroute.after),
+                          "x-dead-letter-exchange": exchange, "x-dead-letter-routing-key": reroute.to})
+    return arguments or None
+
+
+def delay_queue(exchange: str, routing_key: str, delay: float) -> tuple[str, dict[str, Any]]:
+    """The name and arguments of the queue where a message for `routing_key` waits `delay` seconds."""
+    ms = milliseconds(delay)
+    name = f"{exchange}.delay.{ms}.{routing_key}"
+    if len(name.encode()) > _MAX_NAME_BYTES:
+        raise ValueError(f"delay queue name {name[:60]!r}… is over 255 bytes: use a shorter routing key")
+    # The queue goes once idle well past its TTL; each delayed publish redeclares it, renewing that.
+    return name, {"x-message-ttl": ms, "x-dead-letter-exchange": exchange,
+                  "x-dead-letter-routing-key": routing_key, "x-expires": ms + 600_000}
+
+
+def hold_arguments(origin: str, every: float) -> dict[str, Any]:
+    """The arguments of a hold queue: a copy left there by a dead process expires back to `origin` at once."""
+    return {
+        "x-message-ttl": round(min(max(every, 1.0), 30.0) * 1000),
+        "x-dead-letter-exchange": "",
+        "x-dead-letter-routing-key": origin,
+        "x-expires": round((3 * every + 60) * 1000),
+    }
+
+
+class Topology:
+    """Declares, counts, purges and deletes the queues of one exchange, remembering those it declared."""
+
+    def __init__(self, connection: Connection, exchange: str) -> None:
+        self._connection = connection
+        self.exchange = exchange
+        self.declared: set[str] = set()
+
+    def queue_name(self, name: str) -> str:
+        """The broker's name for a logical queue."""
+        return f"{self.exchange}.{name}"
+
+    async def declare(self, name: str, bindings: Sequence[str], *, expires: float | None = None,
+                      reroute: Reroute | None = None) -> None:
+        """Declare a port queue, durable, bound to the exchange with these topic patterns."""
+        channel, exchange = self._connection.publishing()
+        arguments = queue_arguments(self.exchange, expires, reroute)
+        queue = await channel.declare_queue(self.queue_name(name), durable=True, arguments=arguments)
+        self.declared.add(queue.name)
+        for pattern in bindings:
+            await queue.bind(exchange, pattern)
+
+    async def declare_delay(self, routing_key: str, delay: float) -> str:
+        """Declare (again: that renews its expiry) the queue a delayed message waits in; return its name."""
+        name, arguments = delay_queue(self.exchange, routing_key, delay)
+        channel, _ = self._connection.publishing()
+        await channel.declare_queue(name, durable=True, robust=False, arguments=arguments)
+        self.declared.add(name)
+        return name
+
+    async def declare_hold(self, channel: AbstractRobustChannel, origin: str, every: float) -> AbstractRobustQueue:
+        """Declare a private queue on `channel` to re-hold a delivery of `origin` through."""
+        name = f"{self.exchange}.hold.{uuid.uuid4().hex}"
+        queue = await channel.declare_queue(name, durable=True, robust=False, arguments=hold_arguments(origin, every))
+        self.declared.add(name)
+        return queue
+
+    async def ready_count(self, name: str) -> int | None:
+        """How many messages are ready in the broker's queue `name`; None if there is no such queue."""
+        async with self._connection.admin() as channel:
+            try:
+                ok = await channel.queue_declare(name, passive=True)
+            except ChannelNotFoundEntity:
+                return None
+            return int(ok.message_count or 0)
+
+    async def purge(self, queue: str) -> int:
+        """Drop the ready messages of a logical queue; return how many."""
+        async with self._connection.admin() as channel:
+            try:
+                ok = await channel.queue_purge(self.queue_name(queue))
+            except ChannelNotFoundEntity:
+                raise ValueError(f"queue {queue!r} is not declared") from None
+            return int(ok.message_count or 0)
+
+    async def delete(self, name: str) -> None:
+        """Delete the broker's queue `name`; a failure is only logged (it expires or is swept later)."""
+        async with self._connection.admin() as channel:
+            try:
+                await channel.queue_delete(name)
+                self.declared.discard(name)
+            except Exception as e:
+                log.warning("could not delete queue %s: %s", name, e)
+
+    async def delete_all(self) -> None:
+        """Delete every queue declared here, the dead-letter queue and the exchange."""
+        for name in sorted(self.declared | {self.queue_name(DEAD_LETTER_QUEUE)}):
+            await self.delete(name)
+        async with self._connection.admin() as channel:
+            await channel.exchange_delete(self.exchange)

@@ -1,0 +1,88 @@
+"""The RabbitMQ adapter's pure parts: queue arguments (expiry, reroute, a queue per delay, hold queues) and
+the headers a copy carries through the broker and loses again on delivery."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+from aio_pika.abc import AbstractIncomingMessage
+
+from apiary.bus import Delivery, Reroute
+from apiary.bus.rabbitmq import wire
+from apiary.bus.rabbitmq.topology import delay_queue, hold_arguments, queue_arguments
+
+
+def _received(message: Any, *, routing_key: str, redelivered: bool = False,
+              extra: dict[str, Any] | None = None) -> AbstractIncomingMessage:
+    """What the broker hands a consumer for a message it was sent (with headers it may add)."""
+    return cast(AbstractIncomingMessage, SimpleNamespace(
+        body=message.body, headers={**(message.headers or {}), **(extra or {})},
+        content_type=message.content_type, message_id=message.message_id,
+        routing_key=routing_key, redelivered=redelivered,
+    ))
+
+
+def test_a_plain_queue_has_no_arguments_and_a_rerouting_one_dead_letters_into_the_exchange() -> None:
+    # Execute
+    plain = queue_arguments("apiary", None, None)
+    rerouting = queue_arguments("apiary", 30.0, Reroute(after=2.0, to="assign.pool"))
+
+    # Assert
+    assert plain is None
+    assert rerouting == {"x-expires": 30_000, "x-message-ttl": 2000, "x-dead-letter-exchange": "apiary",
+                         "x-dead-letter-routing-key": "assign.pool"}
+
+
+def test_each_delay_has_its_own_queue_that_routes_back_under_the_same_key() -> None:
+    # Execute
+    name, arguments = delay_queue("apiary", "round.timeout", 0.0001)
+
+    # Assert: at least a millisecond, and the queue outlives its TTL by ten minutes.
+    assert name == "apiary.delay.1.round.timeout"
+    assert arguments == {"x-message-ttl": 1, "x-dead-letter-exchange": "apiary",
+                         "x-dead-letter-routing-key": "round.timeout", "x-expires": 600_001}
+
+
+def test_a_delay_queue_name_over_the_broker_limit_is_refused() -> None:
+    # Execute / Assert
+    with pytest.raises(ValueError, match="over 255 bytes"):
+        delay_queue("apiary", "k" * 250, 1.0)
+
+
+def test_a_hold_queue_returns_its_copy_to_the_origin_within_thirty_seconds() -> None:
+    # Execute
+    often, rarely = hold_arguments("apiary.assign.pool", 0.5), hold_arguments("apiary.assign.pool", 600.0)
+
+    # Assert: the TTL is clamped to 1..30 s; the queue itself goes once unused for three renewals and a minute.
+    assert (often["x-message-ttl"], rarely["x-message-ttl"]) == (1000, 30_000)
+    assert (often["x-dead-letter-exchange"], often["x-dead-letter-routing-key"]) == ("", "apiary.assign.pool")
+    assert rarely["x-expires"] == (3 * 600 + 60) * 1000
+
+
+def test_a_held_copy_is_delivered_under_its_original_key_as_redelivered_without_internal_headers() -> None:
+    # Prepare: a message first delivered under job.requested, then copied into a hold queue.
+    sent = wire.outgoing(Delivery("job.requested", b"x", headers={"job_id": "j1"}))
+    first = _received(sent, routing_key="job.requested")
+    copy = wire.held_copy(first, "job.requested")
+
+    # Execute: the copy comes back through the default exchange, with the broker's x-death headers.
+    broker_headers = {"x-death": [], "x-first-death-queue": "apiary.hold.1"}
+    delivery = wire.incoming(_received(copy, routing_key="apiary.hold.1", extra=broker_headers))
+
+    # Assert
+    assert (delivery.routing_key, delivery.body, delivery.redelivered) == ("job.requested", b"x", True)
+    assert delivery.headers == {"job_id": "j1"}
+    assert delivery.message_id == sent.message_id is not None
+
+
+def test_a_dead_letter_says_why_and_under_which_key_it_came() -> None:
+    # Execute
+    letter = wire.dead_letter(Delivery("worker.done", b"x", headers={"job_id": "j1"}), "bad weights")
+
+    # Assert
+    assert letter.headers is not None
+    assert letter.headers["x-apiary-reason"] == "bad weights"
+    assert letter.headers["x-apiary-routing-key"] == "worker.done"
+    assert letter.headers["job_id"] == "j1"

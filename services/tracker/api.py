@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
+from apiary.bus import Bus
 from apiary.bus.base import Unroutable
 from apiary.bus.typed import publish_event
 from apiary.contracts import JobCancelRequested, JobRequested
@@ -18,7 +19,7 @@ from apiary.jobspec import FieldError, describe_errors
 from services.tracker import schemas
 from services.tracker.publish import publish_job_request
 from services.tracker.schemas import NOT_FOUND, PREFIX, no_job
-from services.tracker.stream import stream_routes
+from services.tracker.stream import LiveTracker, stream_routes
 from services.tracker.views import (
     TERMINAL,
     job_metrics,
@@ -29,15 +30,20 @@ from services.tracker.views import (
     workers_view,
 )
 
-if TYPE_CHECKING:
-    from services.tracker.service import Tracker
-
 STATIC = Path(__file__).with_name("static")
 NO_SCHEDULER: dict[int | str, dict[str, Any]] = {
     503: {"model": schemas.Problem, "description": "no scheduler is listening"}}
 
 
-def create_app(tracker: Tracker) -> FastAPI:
+class ApiTracker(LiveTracker, Protocol):
+    """What the API needs of the tracker: what its live streams read, and the bus it publishes on."""
+
+    @property
+    def bus(self) -> Bus:
+        """The bus that job requests and cancels are published on."""
+
+
+def create_app(tracker: ApiTracker) -> FastAPI:
     """The API and the dashboard, reading the tracker's tables and publishing on its bus."""
     app = FastAPI(
         title="Apiary tracker",
@@ -55,7 +61,7 @@ def create_app(tracker: Tracker) -> FastAPI:
     return app
 
 
-def _job_commands(tracker: Tracker) -> APIRouter:
+def _job_commands(tracker: ApiTracker) -> APIRouter:
     """Submitting and cancelling jobs: both publish on the tracker's bus."""
     router = APIRouter()
 
@@ -97,7 +103,7 @@ def _job_commands(tracker: Tracker) -> APIRouter:
     return router
 
 
-def _job_reads(tracker: Tracker) -> APIRouter:
+def _job_reads(tracker: ApiTracker) -> APIRouter:
     """The jobs list, one job's detail and its metrics as chart series."""
     router = APIRouter()
 
@@ -127,7 +133,7 @@ def _job_reads(tracker: Tracker) -> APIRouter:
     return router
 
 
-def _worker_routes(tracker: Tracker) -> APIRouter:
+def _worker_routes(tracker: ApiTracker) -> APIRouter:
     """The workers the tracker has seen."""
     router = APIRouter()
 
@@ -173,4 +179,4 @@ def request_errors(items: Sequence[Any]) -> list[FieldError]:
     return out
 
 
-__all__ = ["PREFIX", "create_app", "request_errors"]
+__all__ = ["PREFIX", "ApiTracker", "create_app", "request_errors"]

@@ -12,7 +12,7 @@ import httpx
 from services.tracker.client import TrackerClient
 
 if TYPE_CHECKING:
-    from services.tracker.service import Tracker
+    from services.tracker.api import ApiTracker
 
 Message = dict[str, Any]
 
@@ -99,7 +99,7 @@ class _Body(httpx.AsyncByteStream):
             await self.task
 
 
-def in_process_client(tracker: Tracker) -> TrackerClient:
+def in_process_client(tracker: ApiTracker) -> TrackerClient:
     """A client of this tracker's API that never leaves the process (no port, no socket)."""
     from services.tracker.api import create_app
 

@@ -5,16 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter, Header
 from fastapi.responses import StreamingResponse
 
+from apiary.db import Database
 from services.tracker import schemas
 from services.tracker.views import TERMINAL, job_metrics, job_status, job_view, list_jobs, workers_view
-
-if TYPE_CHECKING:
-    from services.tracker.service import Tracker
 
 # Live streams coalesce bursts of events into at most one update per interval.
 MIN_INTERVAL = 0.25
@@ -24,7 +22,27 @@ KEEPALIVE = 15.0
 LOOKBACK = 512
 
 
-def stream_routes(tracker: Tracker) -> APIRouter:
+class LiveTracker(Protocol):
+    """What the live streams read of the tracker: its tables, and the signal that they changed."""
+
+    @property
+    def db(self) -> Database:
+        """The tracker's database (its views)."""
+
+    @property
+    def changed(self) -> asyncio.Condition:
+        """Notified after each change the tracker records."""
+
+    @property
+    def version(self) -> int:
+        """Bumped with every notification, so a waiter can tell whether it missed one."""
+
+    @property
+    def closing(self) -> asyncio.Event:
+        """Set when the tracker stops: live streams end."""
+
+
+def stream_routes(tracker: LiveTracker) -> APIRouter:
     """`GET /training-jobs/{id}/events` (one job, live) and `GET /stream` (jobs list and workers, live)."""
     router = APIRouter()
 
@@ -62,7 +80,7 @@ def sse(event: str, data: str, event_id: int | None = None) -> str:
     return f"{head}data: {data}\n\n"
 
 
-async def changes(tracker: Tracker) -> AsyncIterator[bool]:
+async def changes(tracker: LiveTracker) -> AsyncIterator[bool]:
     """True at once and after each change the tracker records (bursts coalesced), False as a keepalive
     when nothing changed for a while; ends when the tracker stops. Waits on `tracker.changed`."""
     seen = -1
@@ -93,7 +111,7 @@ class MetricsFeed:
         self.floor = self.cursor = after
         self.sent: set[int] = set()
 
-    async def read(self, tracker: Tracker) -> dict[str, Any] | None:
+    async def read(self, tracker: LiveTracker) -> dict[str, Any] | None:
         """The job's metrics with only unsent points (None if the job is unknown)."""
         data = await job_metrics(tracker.db, self.job_id, self.name, max(self.floor, self.cursor - LOOKBACK))
         if data is None:
@@ -108,11 +126,11 @@ class MetricsFeed:
         return data
 
 
-async def _workers_json(tracker: Tracker) -> str:
+async def _workers_json(tracker: LiveTracker) -> str:
     return json.dumps([schemas.WorkerView.model_validate(w).model_dump() for w in await workers_view(tracker.db)])
 
 
-async def _job_stream(tracker: Tracker, job_id: str, metric: str, after: int) -> AsyncIterator[str]:
+async def _job_stream(tracker: LiveTracker, job_id: str, metric: str, after: int) -> AsyncIterator[str]:
     feed = MetricsFeed(job_id, metric, after)
     last_job = last_rounds = ""
     async for fresh in changes(tracker):
@@ -137,7 +155,7 @@ async def _job_stream(tracker: Tracker, job_id: str, metric: str, after: int) ->
             return
 
 
-async def _overview_stream(tracker: Tracker) -> AsyncIterator[str]:
+async def _overview_stream(tracker: LiveTracker) -> AsyncIterator[str]:
     last_jobs = ""
     async for fresh in changes(tracker):
         if not fresh:
@@ -150,4 +168,4 @@ async def _overview_stream(tracker: Tracker) -> AsyncIterator[str]:
         yield sse("workers", await _workers_json(tracker))
 
 
-__all__ = ["MetricsFeed", "changes", "sse", "stream_routes"]
+__all__ = ["LiveTracker", "MetricsFeed", "changes", "sse", "stream_routes"]

@@ -8,22 +8,44 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from opentelemetry.trace import Span
 
 from apiary import telemetry
-from apiary.bus import publish_event
+from apiary.backoff import while_unavailable
+from apiary.bus import Bus, publish_event
 from apiary.contracts import Assignment, ObjectRef, WorkerDone
 from apiary.jobspec import parse_entrypoint
-from apiary.trainers import TrainCall, TrainerError, TrainResult
+from apiary.settings import Settings
+from apiary.trainers import TrainCall, Trainer, TrainerError, TrainResult
 from services.worker import transfers
 from services.worker.progress import ProgressStream
 
-if TYPE_CHECKING:
-    from services.worker.service import Worker
-
 log = logging.getLogger("apiary.worker")
+
+
+class Slot(Protocol):
+    """What an assignment's run needs of the worker that took it; the run updates its throughput and count."""
+
+    bus: Bus
+    settings: Settings
+    worker_id: str
+    cache: Path
+    samples_per_s: float | None
+    completed: int
+
+    def span_attributes(self, a: Assignment) -> dict[str, Any]:
+        """What every span of an assignment says about it."""
+
+    def skip_ended(self, a: Assignment) -> None:
+        """Log that an assignment of a job that ended is not trained."""
+
+    def trainer_for(self, a: Assignment) -> Trainer:
+        """The trainer for the assignment's job; TrainerError if there is none."""
+
+    async def failed(self, a: Assignment, error: str) -> None:
+        """Report that the assignment failed, and why."""
 
 
 class Workspace:
@@ -48,7 +70,7 @@ class Workspace:
 class AssignmentRun:
     """Download, train, upload, report one assignment; a failed step reports worker.failed and ends it."""
 
-    def __init__(self, worker: Worker, assignment: Assignment) -> None:
+    def __init__(self, worker: Slot, assignment: Assignment) -> None:
         self.worker, self.a = worker, assignment
         self.space = Workspace(worker.cache / "jobs" / assignment.job_id)
 
@@ -148,10 +170,14 @@ class AssignmentRun:
         a, worker = self.a, self.worker
         worker.samples_per_s = result.samples * max(1, int(a.env.get("EPOCHS") or 1)) / max(duration, 1e-6)
         ref = ObjectRef(key=a.result_key, size=result.size, sha256=result.sha256)
-        await publish_event(worker.bus, WorkerDone(
+        done = WorkerDone(
             job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=worker.worker_id, shard=a.shard,
             result=ref, samples=result.samples, metrics=result.metrics, duration_s=duration,
-        ))
+        )
+        # The trained shard is worth keeping through a broker outage: the report waits for the broker,
+        # rather than the whole assignment running again.
+        await while_unavailable(lambda: publish_event(worker.bus, done), worker.settings.dependency_backoff(),
+                                f"worker {worker.worker_id}: report of round {a.round} shard {a.shard}", log)
         worker.completed += 1
         log.info("worker %s: job %s round %d shard %d done in %.2fs (%d samples)", worker.worker_id,
                  a.job_id, a.round, a.shard, duration, result.samples)

@@ -130,50 +130,74 @@ def split(
         raise DatasetError(f"dataset has {n} samples, fewer than the {num_shards} shards asked for")
     rng = random.Random(seed)
     if strategy == "random":
-        order = list(range(n))
-        rng.shuffle(order)
-        return [sorted(order[i::num_shards]) for i in range(num_shards)]
+        return _random_split(n, num_shards, rng)
     if strategy == "group":
-        groups: dict[str, list[int]] = defaultdict(list)
-        for i, sample in enumerate(samples):
-            if group_key not in sample:
-                raise DatasetError(f"group split: sample #{i} has no {group_key!r} field")
-            groups[str(sample[group_key])].append(i)
-        if len(groups) < num_shards:
-            raise DatasetError(f"group split: {len(groups)} groups cannot fill {num_shards} shards")
-        names = sorted(groups)
-        rng.shuffle(names)
-        shards: list[list[int]] = [[] for _ in range(num_shards)]
-        # Largest groups first onto the lightest shard keeps shards roughly equal.
-        for name in sorted(names, key=lambda g: -len(groups[g])):
-            min(shards, key=len).extend(groups[name])
-        return [sorted(s) for s in shards]
+        return _group_split(samples, num_shards, rng, group_key)
     if strategy == "label_skew":
-        by_label: dict[str, list[int]] = defaultdict(list)
-        for i, sample in enumerate(samples):
-            if "label" not in sample:
-                raise DatasetError(f"label_skew split: sample #{i} has no 'label' field")
-            by_label[str(sample["label"])].append(i)
-        shards = [[] for _ in range(num_shards)]
-        for label in sorted(by_label):
-            items = by_label[label]
-            rng.shuffle(items)
-            props = [rng.gammavariate(alpha, 1.0) for _ in range(num_shards)]
-            total = sum(props) or 1.0
-            cuts, acc = [], 0.0
-            for p in props[:-1]:
-                acc += p / total
-                cuts.append(round(acc * len(items)))
-            bounds = [0, *cuts, len(items)]
-            for s in range(num_shards):
-                shards[s].extend(items[bounds[s] : bounds[s + 1]])
-        # Every shard must train on something: move one sample from the largest to each empty one.
-        for s in range(num_shards):
-            if not shards[s]:
-                donor = max(shards, key=len)
-                shards[s].append(donor.pop())
-        return [sorted(s) for s in shards]
+        return _label_skew_split(samples, num_shards, rng, alpha)
     raise DatasetError(f"unknown split strategy {strategy!r}: use random, label_skew or group")
+
+
+def _random_split(n: int, num_shards: int, rng: random.Random) -> list[list[int]]:
+    """Shuffled indices dealt round-robin: shard sizes differ by at most one."""
+    order = list(range(n))
+    rng.shuffle(order)
+    return [sorted(order[i::num_shards]) for i in range(num_shards)]
+
+
+def _group_split(samples: Sequence[dict[str, Any]], num_shards: int, rng: random.Random,
+                 group_key: str) -> list[list[int]]:
+    """Whole groups (by `group_key`) per shard, so no group is seen by two shards."""
+    groups = _index_by(samples, group_key, "group")
+    if len(groups) < num_shards:
+        raise DatasetError(f"group split: {len(groups)} groups cannot fill {num_shards} shards")
+    names = sorted(groups)
+    rng.shuffle(names)
+    shards: list[list[int]] = [[] for _ in range(num_shards)]
+    # Largest groups first onto the lightest shard keeps shards roughly equal.
+    for name in sorted(names, key=lambda g: -len(groups[g])):
+        min(shards, key=len).extend(groups[name])
+    return [sorted(s) for s in shards]
+
+
+def _label_skew_split(samples: Sequence[dict[str, Any]], num_shards: int, rng: random.Random,
+                      alpha: float) -> list[list[int]]:
+    """Each label's samples spread over the shards in Dirichlet(`alpha`) proportions (smaller is more skewed)."""
+    by_label = _index_by(samples, "label", "label_skew")
+    shards: list[list[int]] = [[] for _ in range(num_shards)]
+    for label in sorted(by_label):
+        items = by_label[label]
+        rng.shuffle(items)
+        bounds = _dirichlet_bounds(len(items), num_shards, rng, alpha)
+        for s in range(num_shards):
+            shards[s].extend(items[bounds[s] : bounds[s + 1]])
+    # Every shard must train on something: move one sample from the largest to each empty one.
+    for s in range(num_shards):
+        if not shards[s]:
+            donor = max(shards, key=len)
+            shards[s].append(donor.pop())
+    return [sorted(s) for s in shards]
+
+
+def _dirichlet_bounds(count: int, num_shards: int, rng: random.Random, alpha: float) -> list[int]:
+    """Cut points of `count` items into `num_shards` runs, sized by one Dirichlet(`alpha`) draw."""
+    props = [rng.gammavariate(alpha, 1.0) for _ in range(num_shards)]
+    total = sum(props) or 1.0
+    cuts, acc = [], 0.0
+    for p in props[:-1]:
+        acc += p / total
+        cuts.append(round(acc * count))
+    return [0, *cuts, count]
+
+
+def _index_by(samples: Sequence[dict[str, Any]], key: str, split_name: str) -> dict[str, list[int]]:
+    """Sample indices by the (string) value of `key`; every sample must have it."""
+    by_value: dict[str, list[int]] = defaultdict(list)
+    for i, sample in enumerate(samples):
+        if key not in sample:
+            raise DatasetError(f"{split_name} split: sample #{i} has no {key!r} field")
+        by_value[str(sample[key])].append(i)
+    return by_value
 
 
 def write_shard(source: DatasetSource, manifest: Manifest, indices: Sequence[int], shard: dict[str, Any],

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from opentelemetry.trace import Span
 
 from apiary import telemetry
+from apiary.backoff import while_unavailable
 from apiary.bus import Bus, publish_event
 from apiary.contracts import Assignment, ObjectRef, WorkerDone
 from apiary.jobspec import parse_entrypoint
@@ -169,10 +170,14 @@ class AssignmentRun:
         a, worker = self.a, self.worker
         worker.samples_per_s = result.samples * max(1, int(a.env.get("EPOCHS") or 1)) / max(duration, 1e-6)
         ref = ObjectRef(key=a.result_key, size=result.size, sha256=result.sha256)
-        await publish_event(worker.bus, WorkerDone(
+        done = WorkerDone(
             job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=worker.worker_id, shard=a.shard,
             result=ref, samples=result.samples, metrics=result.metrics, duration_s=duration,
-        ))
+        )
+        # The trained shard is worth keeping through a broker outage: the report waits for the broker,
+        # rather than the whole assignment running again.
+        await while_unavailable(lambda: publish_event(worker.bus, done), worker.settings.dependency_backoff(),
+                                f"worker {worker.worker_id}: report of round {a.round} shard {a.shard}", log)
         worker.completed += 1
         log.info("worker %s: job %s round %d shard %d done in %.2fs (%d samples)", worker.worker_id,
                  a.job_id, a.round, a.shard, duration, result.samples)

@@ -1,5 +1,6 @@
 """An assignment's files: the shard (downloaded and unpacked once per job) and the global weights
-fetched, the trained weights and the run's files uploaded; all by presigned URL."""
+fetched, the trained weights and the run's files uploaded; all by presigned URL, each retried through
+transient failures until the round's deadline."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ async def fetch_shard(a: Assignment, job_dir: Path) -> tuple[Path, int]:
     if shard_cached(a, job_dir):
         return root, 0
     archive = job_dir / f"shard-{a.shard:04d}.zip"
-    await transfer.download(a.shard_url, archive, a.shard_sha256)
+    await transfer.download(a.shard_url, archive, a.shard_sha256, deadline=a.deadline)
     size = archive.stat().st_size
     await asyncio.to_thread(extract_shard, archive, root)
     archive.unlink(missing_ok=True)
@@ -41,12 +42,12 @@ async def fetch_shard(a: Assignment, job_dir: Path) -> tuple[Path, int]:
 
 def fetch_weights(a: Assignment, target: Path) -> asyncio.Future[None]:
     """Start downloading the round's global weights to `target`."""
-    return asyncio.ensure_future(transfer.download(a.weights_url, target, a.weights_sha256))
+    return asyncio.ensure_future(transfer.download(a.weights_url, target, a.weights_sha256, deadline=a.deadline))
 
 
 async def upload_outputs(a: Assignment, result: Path, size: int, out_dir: Path, work: Path) -> int:
     """Upload the trained weights (`size` bytes) and the run's files; the bytes sent."""
-    await transfer.upload(a.upload_url, result)
+    await transfer.upload(a.upload_url, result, deadline=a.deadline)
     return size + await _upload_files(a, out_dir, work)
 
 
@@ -55,7 +56,7 @@ async def _upload_files(a: Assignment, out_dir: Path, work: Path) -> int:
         return 0
     archive = work / "files.zip"
     await asyncio.to_thread(_pack, out_dir, archive)
-    await transfer.upload(a.files_upload_url, archive)
+    await transfer.upload(a.files_upload_url, archive, deadline=a.deadline)
     return archive.stat().st_size
 
 

@@ -1,5 +1,6 @@
 """The transactional outbox: events are stored with the state change that causes them, in one
-transaction, then published; a service that dies in between publishes them when it restarts.
+transaction, then published; a service that dies in between publishes them when it restarts, and
+one whose broker is away publishes them from the background as soon as it is back.
 Consumers are idempotent, so a message published twice does no harm.
 """
 
@@ -17,10 +18,13 @@ from typing import Any, Unpack
 from pydantic import BaseModel
 
 from apiary import telemetry
+from apiary.backoff import Backoff, while_unavailable
 from apiary.bus import Bus
 from apiary.bus.typed import Routing
 from apiary.contracts import encode
 from apiary.db import Database, Executor
+from apiary.errors import DependencyUnavailable
+from apiary.settings import Settings
 
 log = logging.getLogger("apiary.outbox")
 
@@ -50,9 +54,11 @@ def outbox_migration(table: str) -> str:
 class Outbox:
     """A service's pending events, published in the order they were added."""
 
-    def __init__(self, db: Database, bus: Bus, table: str) -> None:
+    def __init__(self, db: Database, bus: Bus, table: str, *, retry: Backoff | None = None) -> None:
         self._db, self._bus, self._table = db, bus, table
         self._lock = asyncio.Lock()
+        self._retry = retry or Settings().dependency_backoff()
+        self._retrying: asyncio.Task[None] | None = None
 
     async def add(self, tx: Executor, event: BaseModel, **routing: Unpack[Routing]) -> None:
         """Queue an event inside the caller's transaction (with the current trace context, unless
@@ -89,23 +95,64 @@ class Outbox:
         """Publish every pending event, in the order added; return how many were published.
 
         The publishes go out together (the broker confirms them as a batch) and are deleted in one
-        statement; any that failed stay for the next flush.
+        statement; any that failed stay for the next flush. If the broker (or the database) is away,
+        the events stay and a flush in the background publishes them once it is back: the caller's
+        committed work is neither undone nor held up by it. Any other failure is raised.
         """
+        try:
+            sent, error = await self._flush_once()
+        except DependencyUnavailable as e:
+            sent, error = 0, e
+        if isinstance(error, DependencyUnavailable):
+            self._flush_later(error)
+        elif error is not None:
+            raise error
+        return sent
+
+    async def close(self) -> None:
+        """Stop the background flush, if one waits; the events it holds stay for the next start."""
+        task, self._retrying = self._retrying, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _flush_once(self) -> tuple[int, BaseException | None]:
+        """Publish what is pending; how many went out, and the first failure of those that did not."""
         async with self._lock:
             rows = await self._db.fetch(
                 f"SELECT id, routing_key, body, headers, deliver_at FROM {self._table} ORDER BY id"
             )
             if not rows:
-                return 0
+                return 0, None
             results = await asyncio.gather(*(self._publish(row) for row in rows), return_exceptions=True)
             sent = [row["id"] for row, result in zip(rows, results, strict=True) if result is None]
             if sent:
                 marks = ", ".join(f"${i}" for i in range(1, len(sent) + 1))
                 await self._db.execute(f"DELETE FROM {self._table} WHERE id IN ({marks})", *sent)
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
-            return len(sent)
+            failures = [r for r in results if isinstance(r, BaseException)]
+            # A failure that waiting will not cure is the one to report.
+            failures.sort(key=lambda r: isinstance(r, DependencyUnavailable))
+            return len(sent), failures[0] if failures else None
+
+    def _flush_later(self, error: DependencyUnavailable) -> None:
+        if self._retrying is not None and not self._retrying.done():
+            return
+        log.warning("outbox %s: %s; its events are published once %s is back", self._table, error.reason,
+                    error.dependency)
+        self._retrying = asyncio.get_running_loop().create_task(self._flush_when_back(),
+                                                                name=f"outbox:{self._table}")
+
+    async def _flush_when_back(self) -> None:
+        async def attempt() -> None:
+            _, error = await self._flush_once()
+            if error is not None:
+                raise error
+
+        try:
+            await while_unavailable(attempt, self._retry, f"outbox {self._table}", log)
+        except Exception as e:
+            # Not a dependency: left for the next flush, which raises it to its caller.
+            log.error("outbox %s: background flush failed: %s", self._table, e)
 
     async def _publish(self, row: dict[str, Any]) -> None:
         delay = None

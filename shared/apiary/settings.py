@@ -8,6 +8,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from apiary.backoff import Backoff
+
 
 class Settings(BaseSettings):
     """Where the bus, database and storage are, and how a process behaves."""
@@ -32,6 +34,14 @@ class Settings(BaseSettings):
     http_host: str = "127.0.0.1"
     http_port: int = 8080
     presign_ttl: int = Field(default=24 * 3600, ge=60)
+    # While a dependency is away, work waiting on it is retried after retry_initial s, doubling up to
+    # retry_cap s: a small cap, so that work resumes within seconds of the dependency's return.
+    retry_initial: float = Field(default=0.25, gt=0)
+    retry_cap: float = Field(default=4.0, gt=0)
+
+    def dependency_backoff(self) -> Backoff:
+        """How long work waits between tries while a dependency is away (no limit on tries)."""
+        return Backoff(base=self.retry_initial, cap=max(self.retry_cap, self.retry_initial))
 
     def resolved_database_url(self) -> str:
         """The database URL, defaulting to a SQLite file under `home`."""

@@ -1,34 +1,41 @@
 """Moving bytes by URL, for processes that hold no storage credentials (workers).
 
-One HTTP client (httpx) with timeouts. Transient failures (connection errors, 5xx, 429) are
-retried with capped exponential backoff; a download that breaks off resumes where it stopped with
-a `Range` request, so a multi-GB checkpoint is not fetched again from its first byte; uploads
-stream from the file. `file:` URLs (the embedded storage) are copied.
+One HTTP client (httpx) with timeouts (a server that stops answering fails the read in
+`TIMEOUT.read` s). Transient failures (connection errors, timeouts, 5xx, 429) are retried with
+capped exponential backoff, `RETRY.attempts` times or, given a `deadline`, until then; a download
+that breaks off resumes where it stopped with a `Range` request, so a multi-GB checkpoint is not
+fetched again from its first byte; uploads stream from the file. `file:` URLs (the embedded
+storage) are copied.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import ssl
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 from urllib.parse import unquote, urlparse
 
 import httpx
 
+from apiary.backoff import Backoff
 from apiary.storage.base import sha256_file
 from apiary.storage.local import atomic_copy
 
 T = TypeVar("T")
 
+log = logging.getLogger("apiary.transfer")
+
 # Some S3 servers reject or stall on a PUT body labelled as a web form.
 OCTET_STREAM = "application/octet-stream"
-TIMEOUT = httpx.Timeout(60.0, connect=10.0)  # per connect / read / write, not for the whole transfer
+# Per connect / read / write, not for the whole transfer: a frozen server is given up on (and retried)
+# within half a minute, while a slow one that still sends something keeps going.
+TIMEOUT = httpx.Timeout(30.0, connect=10.0)
 # What another attempt may cure: the network, and a server that is failing or busy.
 _TRANSIENT_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 
@@ -41,20 +48,10 @@ class _Transient(Exception):
     """A response worth another attempt (5xx, 429, or a resume the server would not serve)."""
 
 
-@dataclass(frozen=True)
-class Backoff:
-    """How transient failures are retried: `attempts` in all, waiting `base` * 2^n s, at most `cap`."""
+# A small cap: a transfer resumes within seconds of the server's return.
+RETRY = Backoff(cap=4.0)
 
-    attempts: int = 5
-    base: float = 0.25
-    cap: float = 8.0
-
-    def delay(self, failures: int) -> float:
-        """Seconds to wait after the `failures`-th failure in a row (1 for the first)."""
-        return min(self.cap, self.base * 2 ** (failures - 1))
-
-
-RETRY = Backoff()
+__all__ = ["OCTET_STREAM", "RETRY", "TIMEOUT", "Backoff", "TransferError", "download", "probe", "upload"]
 
 _client: httpx.Client | None = None
 _client_lock = threading.Lock()
@@ -88,19 +85,23 @@ def _check(response: httpx.Response, what: str, url: str) -> None:
         raise TransferError(f"{what} {_where(url)} failed: HTTP {response.status_code}")
 
 
-def _with_retries(what: str, url: str, attempt: Callable[[], T]) -> T:
-    """Run `attempt` until it succeeds, retrying transient failures with capped exponential backoff;
-    any failure that is left becomes a TransferError."""
-    for failures in range(1, RETRY.attempts + 1):
+def _with_retries(what: str, url: str, attempt: Callable[[], T], deadline: float | None = None) -> T:
+    """Run `attempt` until it succeeds, retrying transient failures with capped exponential backoff,
+    `RETRY.attempts` times in all or, given a `deadline` (epoch seconds), for as long as a wait would
+    end before it; any failure that is left becomes a TransferError."""
+    failures = 0
+    while True:
         try:
             return attempt()
         except (_Transient, *_TRANSIENT_ERRORS) as e:
-            if failures == RETRY.attempts:
+            failures += 1
+            wait = RETRY.delay(failures)
+            if (failures >= RETRY.attempts) if deadline is None else (time.time() + wait >= deadline):
                 raise TransferError(f"{what} {_where(url)} failed after {failures} attempts: {e}") from e
-            time.sleep(RETRY.delay(failures))
+            log.warning("%s %s failed (%s); retrying in %g s", what, _where(url), e, wait)
+            time.sleep(wait)
         except (OSError, httpx.HTTPError) as e:
             raise TransferError(f"{what} {_where(url)} failed: {e}") from e
-    raise AssertionError("unreachable")
 
 
 class _Partial:
@@ -139,7 +140,7 @@ def _fetch(url: str, part: _Partial) -> None:
             part.write(chunk)
 
 
-def _download(url: str, target: Path) -> str:
+def _download(url: str, target: Path, deadline: float | None) -> str:
     target.parent.mkdir(parents=True, exist_ok=True)
     if url.startswith("file:"):
         source = _local(url)
@@ -151,7 +152,7 @@ def _download(url: str, target: Path) -> str:
     try:
         with open(tmp, "wb") as out:
             part = _Partial(out)
-            _with_retries("download from", url, lambda: _fetch(url, part))
+            _with_retries("download from", url, lambda: _fetch(url, part), deadline)
         tmp.replace(target)
     finally:
         tmp.unlink(missing_ok=True)  # left only by a download that failed
@@ -165,11 +166,11 @@ def _put(url: str, source: Path) -> None:
     _check(response, "upload to", url)
 
 
-def _upload(url: str, source: Path) -> None:
+def _upload(url: str, source: Path, deadline: float | None) -> None:
     if url.startswith("file:"):
         atomic_copy(source, _local(url))
         return
-    _with_retries("upload to", url, lambda: _put(url, source))
+    _with_retries("upload to", url, lambda: _put(url, source), deadline)
 
 
 def _probe(url: str, limit: int) -> bytes | None:
@@ -199,14 +200,16 @@ async def probe(url: str, limit: int = 64 * 1024) -> bytes | None:
     return await asyncio.to_thread(_probe, url, limit)
 
 
-async def download(url: str, target: Path, sha256: str | None = None) -> None:
-    """Fetch a URL to a file, resuming after transient failures, and check its sha256."""
-    digest = await asyncio.to_thread(_download, url, target)
+async def download(url: str, target: Path, sha256: str | None = None, *, deadline: float | None = None) -> None:
+    """Fetch a URL to a file, resuming after transient failures (until `deadline`, epoch seconds, if
+    given), and check its sha256."""
+    digest = await asyncio.to_thread(_download, url, target, deadline)
     if sha256 is not None and digest != sha256:
         target.unlink(missing_ok=True)
         raise TransferError(f"sha256 mismatch for {target.name}: expected {sha256[:12]}…, got {digest[:12]}…")
 
 
-async def upload(url: str, source: Path) -> None:
-    """PUT a file to a URL, streamed from disk, retrying transient failures."""
-    await asyncio.to_thread(_upload, url, source)
+async def upload(url: str, source: Path, *, deadline: float | None = None) -> None:
+    """PUT a file to a URL, streamed from disk, retrying transient failures (until `deadline`, epoch
+    seconds, if given)."""
+    await asyncio.to_thread(_upload, url, source, deadline)

@@ -11,6 +11,7 @@ from functools import lru_cache
 from typing import Any
 
 from apiary.contracts import MSGPACK, DecodeError
+from apiary.errors import DependencyUnavailable
 
 log = logging.getLogger("apiary.bus")
 
@@ -39,6 +40,13 @@ class Unroutable(Retryable):
     """
 
 
+class BrokerUnavailable(DependencyUnavailable):
+    """A publish could not reach the broker (connection lost, no confirm in time): not the message's fault.
+
+    Unlike Unroutable, the broker is away, not the consumer: waiting for it is the cure.
+    """
+
+
 class Outcome(enum.Enum):
     """What happens to a delivery after its handler ran."""
 
@@ -48,12 +56,16 @@ class Outcome(enum.Enum):
 
 
 def decide(error: BaseException | None, redelivered: bool) -> tuple[Outcome, str | None]:
-    """Ack, requeue or dead-letter, by exception type: the only place this is decided."""
+    """Ack, requeue or dead-letter, by exception type: the only place this is decided.
+
+    Only a message that can never succeed is dead-lettered: a dependency being away (DependencyUnavailable,
+    Retryable) is never the message's fault, however often it is delivered.
+    """
     if error is None:
         return Outcome.ACK, None
     if isinstance(error, DecodeError | Poison):
         return Outcome.DEAD, str(error)
-    if isinstance(error, Decline | Retryable):
+    if isinstance(error, Decline | Retryable | DependencyUnavailable):
         return Outcome.REQUEUE, str(error)
     if redelivered:
         return Outcome.DEAD, f"handler failed twice: {type(error).__name__}: {error}"
@@ -125,6 +137,10 @@ class Bus(ABC):
     (RabbitMQ prefixes them with the exchange name so several deployments can share a broker).
     """
 
+    # What `_publish` raises when the broker is away; `publish` raises BrokerUnavailable for them. An
+    # adapter adds its client's own connection and channel errors.
+    unavailable: tuple[type[Exception], ...] = (ConnectionError, TimeoutError)
+
     @abstractmethod
     async def connect(self) -> None:
         """Open the connection and declare the exchange and dead-letter queue."""
@@ -155,13 +171,21 @@ class Bus(ABC):
         message_id: str | None = None,
         delay: float | None = None,
     ) -> None:
-        """Publish persistently and wait for the broker's confirm; raise Unroutable if no queue matches.
+        """Publish persistently and wait for the broker's confirm; raise Unroutable if no queue matches,
+        BrokerUnavailable if the broker cannot be reached.
 
         With `delay` (seconds) the message is routed only after that long, even across restarts.
         """
         message = Delivery(routing_key=routing_key, body=bytes(body), headers=dict(headers or {}),
                            content_type=content_type, message_id=message_id)
-        await self._publish(message, delay if delay and delay > 0 else None)
+        try:
+            await self._publish(message, delay if delay and delay > 0 else None)
+        except (Unroutable, DependencyUnavailable):
+            raise
+        except self.unavailable as e:
+            reason = str(e) or type(e).__name__
+            raise BrokerUnavailable(f"cannot publish {routing_key}: the broker is unreachable: {reason}",
+                                    dependency="the message broker", reason=reason) from e
 
     @abstractmethod
     async def _publish(self, message: Delivery, delay: float | None) -> None:

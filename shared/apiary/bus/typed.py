@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypedDict, Unpack
 
 from pydantic import BaseModel
 
 from apiary import telemetry
+from apiary.backoff import Backoff, while_unavailable
 from apiary.bus.base import Bus, Delivery, Poison, Reroute, Subscription, topic_matches
 from apiary.contracts import decode, encode
+from apiary.settings import Settings
+
+log = logging.getLogger("apiary.bus")
 
 EventHandler = Callable[[Any, Delivery], Awaitable[None]]
 Next = Callable[[], Awaitable[None]]
@@ -69,12 +74,20 @@ async def subscribe(
     expires: float | None = None,
     reroute: Reroute | None = None,
     middleware: Sequence[Middleware] = (),
+    retry: Backoff | None = None,
 ) -> Subscription:
     """Declare `queue` bound to the handlers' patterns (see `Bus.declare_queue` for `expires` and
-    `reroute`) and dispatch each decoded event, through the `middleware` (not `Raw` deliveries)."""
-    await bus.declare_queue(queue, list(handlers), expires=expires, reroute=reroute)
+    `reroute`) and dispatch each decoded event, through the `middleware` (not `Raw` deliveries).
 
-    async def dispatch(delivery: Delivery) -> None:
+    A handler that fails because a dependency is away (DependencyUnavailable) is run again, after a
+    wait growing by `retry` (default: the `APIARY_RETRY_*` settings), for as long as it stays away. The
+    delivery stays unacked meanwhile, so `prefetch` keeps the consumer from taking new work; stopping the
+    subscription cancels the wait and the message goes back to its queue.
+    """
+    await bus.declare_queue(queue, list(handlers), expires=expires, reroute=reroute)
+    backoff = retry or Settings().dependency_backoff()
+
+    async def handle(delivery: Delivery) -> None:
         for pattern, handler in handlers.items():
             if topic_matches(pattern, delivery.routing_key):
                 # The message's trace context is current while it is handled, so what the handler
@@ -87,5 +100,8 @@ async def subscribe(
                     await _through(middleware, event, delivery, handler)
                 return
         raise Poison(f"queue {queue} has no handler for {delivery.routing_key!r}")
+
+    async def dispatch(delivery: Delivery) -> None:
+        await while_unavailable(lambda: handle(delivery), backoff, f"{queue}: {delivery.routing_key}", log)
 
     return await bus.consume(queue, dispatch, prefetch=prefetch)

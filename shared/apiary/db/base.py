@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+from apiary.errors import DependencyUnavailable
+
 # `{autoid}` in a migration becomes an auto-incrementing primary key in each dialect.
 AUTOID = {
     "sqlite": "INTEGER PRIMARY KEY AUTOINCREMENT",
@@ -19,8 +21,8 @@ AUTOID = {
 }
 
 
-class DatabaseUnavailable(Exception):
-    """The database cannot be reached now; the caller may retry later."""
+class DatabaseUnavailable(DependencyUnavailable):
+    """The database cannot be reached now (down, restarting, refusing connections); the caller may retry later."""
 
 
 class Executor(ABC):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -123,21 +123,20 @@ class PostgresDatabase(Database):
 
     def _unavailable(self, e: BaseException) -> DatabaseUnavailable:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        where = f"PostgreSQL at {_where(self.url)}"
         return DatabaseUnavailable(
-            f"cannot use PostgreSQL at {_where(self.url)}: {reason};"
-            " check APIARY_DATABASE_URL and that the server is running"
+            f"cannot use {where}: {reason}; check APIARY_DATABASE_URL and that the server is running",
+            dependency=where, reason=reason,
         )
 
     async def connect(self) -> None:
         if self._pool is not None:
             return
-        try:
+        with self._classified():
             self._pool = await asyncpg.create_pool(
                 self.url, min_size=self._min_size, max_size=self._max_size, timeout=self._connect_timeout,
                 reset=_reset,
             )
-        except _UNAVAILABLE as e:
-            raise self._unavailable(e) from e
         try:
             # Created here, under the lock, so that services migrating at once do not race on it.
             async with self.transaction() as tx:
@@ -158,7 +157,8 @@ class PostgresDatabase(Database):
 
     def _require(self) -> asyncpg.Pool:
         if self._pool is None:
-            raise DatabaseUnavailable("PostgreSQL database is not connected")
+            raise DatabaseUnavailable("PostgreSQL database is not connected",
+                                      dependency=f"PostgreSQL at {_where(self.url)}", reason="not connected")
         return self._pool
 
     async def _args(self, conn: asyncpg.Connection, sql: str, args: Sequence[Any]) -> Sequence[Any]:
@@ -171,17 +171,24 @@ class PostgresDatabase(Database):
             self._param_types[sql] = types
         return [_coerce(i, t, a) for i, (t, a) in enumerate(zip(types, args, strict=False), start=1)]
 
-    async def _run_on(self, conn: asyncpg.Connection, call: Callable[..., Awaitable[T]], sql: str,
-                      args: Sequence[Any]) -> T:
-        """`call` (conn.execute or conn.fetch) with the arguments converted; a lost connection,
-        whatever asyncpg calls it (an admin shutdown can surface as an InternalClientError), is the
-        database being unavailable."""
+    @contextlib.contextmanager
+    def _classified(self, conn: asyncpg.Connection | None = None) -> Iterator[None]:
+        """A lost connection, whatever asyncpg calls it (an admin shutdown can surface as an
+        InternalClientError or an InterfaceError), is the database being unavailable."""
         try:
-            return await call(sql, *await self._args(conn, sql, args))
+            yield
+        except DatabaseUnavailable:
+            raise
         except Exception as e:
-            if isinstance(e, _UNAVAILABLE) or conn.is_closed():
+            if isinstance(e, _UNAVAILABLE) or (conn is not None and conn.is_closed()):
                 raise self._unavailable(e) from e
             raise
+
+    async def _run_on(self, conn: asyncpg.Connection, call: Callable[..., Awaitable[T]], sql: str,
+                      args: Sequence[Any]) -> T:
+        """`call` (conn.execute or conn.fetch) with the arguments converted."""
+        with self._classified(conn):
+            return await call(sql, *await self._args(conn, sql, args))
 
     async def _execute_on(self, conn: asyncpg.Connection, sql: str, args: Sequence[Any]) -> int:
         status: str = await self._run_on(conn, conn.execute, sql, args)
@@ -196,14 +203,15 @@ class PostgresDatabase(Database):
     @asynccontextmanager
     async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
         pool = self._require()
-        try:
+        with self._classified():
             conn = await pool.acquire(timeout=self._connect_timeout)
-        except _UNAVAILABLE as e:
-            raise self._unavailable(e) from e
         try:
             yield conn
         finally:
-            await pool.release(conn)
+            # A connection the server dropped fails its reset; the pool replaces it, and the caller's
+            # own error (or result) is what counts.
+            with contextlib.suppress(*_UNAVAILABLE, asyncpg.exceptions.InterfaceError):
+                await pool.release(conn)
 
     async def execute(self, sql: str, *args: Any) -> int:
         async with self._connection() as conn:
@@ -222,10 +230,8 @@ class PostgresDatabase(Database):
         # The in-process lock keeps waiting transactions from holding pool connections.
         async with self._tx_lock, self._connection() as conn:
             tx = conn.transaction()
-            try:
+            with self._classified(conn):
                 await tx.start()
-            except _UNAVAILABLE as e:
-                raise self._unavailable(e) from e
             try:
                 yield _Tx(self, conn)
             except BaseException:
@@ -234,8 +240,6 @@ class PostgresDatabase(Database):
                     await tx.rollback()
                 raise
             else:
-                try:
+                with self._classified(conn):
                     await tx.commit()
-                except _UNAVAILABLE as e:
-                    raise self._unavailable(e) from e
 

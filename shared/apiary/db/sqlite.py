@@ -74,7 +74,8 @@ class SqliteDatabase(Database):
         try:
             self._conn = await aiosqlite.connect(self._path or ":memory:", isolation_level=None)
         except sqlite3.Error as e:
-            raise DatabaseUnavailable(f"cannot open SQLite database {self._path!r}: {e}") from e
+            raise DatabaseUnavailable(f"cannot open SQLite database {self._path!r}: {e}",
+                                      dependency=f"SQLite at {self._path!r}", reason=str(e)) from e
         await self._conn.execute("PRAGMA journal_mode=WAL")
         await self._conn.execute("PRAGMA busy_timeout=30000")
         await self._conn.execute("PRAGMA synchronous=NORMAL")
@@ -86,7 +87,8 @@ class SqliteDatabase(Database):
 
     def _connection(self) -> aiosqlite.Connection:
         if self._conn is None:
-            raise DatabaseUnavailable("SQLite database is not connected")
+            raise DatabaseUnavailable("SQLite database is not connected", dependency=f"SQLite at {self._path!r}",
+                                      reason="not connected")
         return self._conn
 
     async def execute(self, sql: str, *args: Any) -> int:

@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 from apiary.contracts import ObjectRef
+from apiary.errors import DependencyUnavailable
 
 CHUNK = 8 * 1024 * 1024
 
@@ -15,8 +16,8 @@ class ObjectNotFound(KeyError):
     """No object is stored under the key."""
 
 
-class StorageUnavailable(Exception):
-    """Storage cannot be reached now; the caller may retry later."""
+class StorageUnavailable(DependencyUnavailable):
+    """Storage cannot be reached now (unreachable, timing out, failing or throttling); the caller may retry later."""
 
 
 def sha256_file(path: Path) -> str:

@@ -18,10 +18,11 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import boto3
+from boto3.exceptions import RetriesExceededError, S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.credentials import ReadOnlyCredentials
-from botocore.exceptions import ClientError, NoCredentialsError, ReadTimeoutError
+from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError, NoCredentialsError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from apiary.contracts import ObjectRef
@@ -34,6 +35,12 @@ MULTIPART_THRESHOLD = 8 * 1024 * 1024
 SHA256_METADATA = "sha256"
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 _NO_BUCKET = {"NoSuchBucket"}
+# Answers that say "not now" rather than "never": throttling and server-side timeouts (S3 sends some as 4xx).
+_BUSY = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestLimitExceeded",
+         "ServiceUnavailable", "InternalError"}
+# Failures to reach the server or read its answer (connect, read timeout, a connection cut mid-body),
+# and a managed download that ran out of s3transfer's own retries.
+_UNREACHABLE = (BotoConnectionError, HTTPClientError, IncompleteReadError, NoCredentialsError, RetriesExceededError)
 
 
 def _code(e: ClientError) -> str:
@@ -42,6 +49,17 @@ def _code(e: ClientError) -> str:
 
 def _status(e: ClientError) -> int:
     return int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+
+
+def transient(e: BaseException) -> bool:
+    """Whether a boto3 failure (left after botocore's own retries) may pass if the call is made again later."""
+    if isinstance(e, S3UploadFailedError):
+        # boto3's managed upload rewraps the client error in a message; the original is its context.
+        cause = e.__cause__ or e.__context__
+        return cause is not None and transient(cause)
+    if isinstance(e, ClientError):
+        return _status(e) >= 500 or _status(e) == 429 or _code(e) in _BUSY
+    return isinstance(e, _UNREACHABLE)
 
 
 class S3Storage(Storage):
@@ -86,18 +104,19 @@ class S3Storage(Storage):
         return self.endpoint_url or f"S3 ({self.region})"
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run a blocking boto3 call in a thread; connection failures become StorageUnavailable."""
+        """Run a blocking boto3 call in a thread; transient failures become StorageUnavailable."""
         try:
             return await asyncio.to_thread(fn, *args, **kwargs)
-        except (BotoConnectionError, ReadTimeoutError, NoCredentialsError) as e:
-            raise StorageUnavailable(
-                f"cannot reach bucket {self.bucket!r} at {self._where()}: {e};"
-                " check APIARY_STORAGE_URL, APIARY_S3_ENDPOINT_URL and the credentials"
-            ) from e
-        except ClientError as e:
-            if _status(e) >= 500:
-                raise StorageUnavailable(f"{self._where()} failed for bucket {self.bucket!r}: {e}") from e
-            raise
+        except Exception as e:
+            if not transient(e):
+                raise
+            where = f"S3 bucket {self.bucket!r} at {self._where()}"
+            if isinstance(e, ClientError | S3UploadFailedError):
+                message = f"{self._where()} failed for bucket {self.bucket!r}: {e}"
+            else:
+                message = (f"cannot reach bucket {self.bucket!r} at {self._where()}: {e};"
+                           " check APIARY_STORAGE_URL, APIARY_S3_ENDPOINT_URL and the credentials")
+            raise StorageUnavailable(message, dependency=where, reason=str(e)) from e
 
     async def ensure_bucket(self) -> None:
         """Create the bucket if it does not exist yet."""

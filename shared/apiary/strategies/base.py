@@ -79,10 +79,14 @@ class ContributionList:
         return [c.weights[name] for c in self._contributions]
 
 
-class NoParams(BaseModel):
-    """The parameters of a strategy that takes none."""
+class StrategyParams(BaseModel):
+    """A strategy's parameters: unknown names are refused, values are checked by their constraints."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NoParams(StrategyParams):
+    """The parameters of a strategy that takes none."""
 
 
 class Strategy(ABC):

@@ -4,6 +4,7 @@ of the round's contributions, `w = sum(n_i * w_i) / sum(n_i)`, folded as they ar
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from pydantic import BaseModel
@@ -17,7 +18,7 @@ class FedAvg(Strategy):
     """Federated averaging (McMahan et al., 2017); keeps no server state between rounds."""
 
     name = "federated_averaging"
-    aliases = ("fedavg",)
+    aliases: ClassVar[tuple[str, ...]] = ("fedavg",)  # its subclasses name themselves only
 
     def __init__(self, params: BaseModel | None = None) -> None:
         super().__init__(params)

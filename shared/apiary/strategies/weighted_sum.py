@@ -76,11 +76,17 @@ class WeightedSum:
         if self.spoiled:
             raise ValueError(f"this sum is spoiled: {self.spoiled}; rebuild it from the accepted contributions")
 
-    def finish(self) -> dict[str, torch.Tensor]:
+    def finish(self, cast: bool = True) -> dict[str, torch.Tensor]:
         """The weighted average, computed in place in the accumulator (no second model in memory);
-        the accumulator cannot be folded into afterwards."""
+        the accumulator cannot be folded into afterwards.
+
+        With `cast=False` each mean stays in its accumulator's precision (`as_dtype` with `dtypes`
+        casts it back later), for strategies that compute further on it.
+        """
         self._readable()
-        out = {name: _as_dtype(acc.div_(self.total_samples), self._dtypes[name]) for name, acc in self._sum.items()}
+        out = {name: acc.div_(self.total_samples) for name, acc in self._sum.items()}
+        if cast:
+            out = {name: as_dtype(mean, self._dtypes[name]) for name, mean in out.items()}
         self._sum = {}
         self.count = -1
         return out
@@ -88,7 +94,12 @@ class WeightedSum:
     def result(self) -> dict[str, torch.Tensor]:
         """The weighted average, in each tensor's original dtype."""
         self._readable()
-        return {name: _as_dtype(acc / self.total_samples, self._dtypes[name]) for name, acc in self._sum.items()}
+        return {name: as_dtype(acc / self.total_samples, self._dtypes[name]) for name, acc in self._sum.items()}
+
+    @property
+    def dtypes(self) -> dict[str, torch.dtype]:
+        """Each folded tensor's original dtype."""
+        return dict(self._dtypes)
 
     def _readable(self) -> None:
         self._usable()
@@ -96,7 +107,7 @@ class WeightedSum:
             raise ValueError("no contribution was folded: nothing to average")
 
 
-def _as_dtype(mean: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def as_dtype(mean: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A mean back in its tensor's dtype: floats cast, booleans by majority, integers rounded."""
     if dtype.is_floating_point:
         return mean.to(dtype)

@@ -17,7 +17,6 @@ from pydantic import BaseModel, Field, create_model
 from apiary.strategies.base import StrategyParams
 from apiary.strategies.server_opt import ServerOptimizer
 
-
 FIELDS = {
     "eta": ({"gt": 0.0}, "server learning rate"),
     "eta_l": ({"gt": 0.0}, "workers' learning rate (not used by the server step)"),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from apiary import keys, telemetry
@@ -10,12 +12,14 @@ from apiary.contracts import RoundAggregated, RoundFailed
 from apiary.outbox import Outbox
 from apiary.status import ContributionStatus, RoundStatus
 from apiary.storage import Storage
+from apiary.strategies.base import RoundResult
 from apiary.weights import dumps as dump_weights
 from apiary.weights import loads as load_weights
 from apiary.weights import spec_of
 from services.aggregator.decisions import failure_reason, refusals
 from services.aggregator.rounds import OpenRounds, RoundState
 from services.aggregator.store import AggregatorStore
+from services.aggregator.stored import StoredRound
 
 log = logging.getLogger("apiary.aggregator")
 
@@ -49,11 +53,11 @@ class RoundCloser:
             refused = refusals(rows)
             reason = failure_reason(len(accepted), len(state.shards), agg["min_workers"], refused,
                                     timed_out=timed_out)
+            if reason is None:
+                reason = await self._aggregate(state, accepted, refused, timed_out=timed_out)
             if reason is not None:
                 telemetry.fail(span, "round.failed", reason)
                 await self._fail(state, reason, len(accepted))
-            else:
-                await self._aggregate(state, accepted, refused, timed_out=timed_out)
 
     async def _fail(self, state: RoundState, reason: str, reported: int) -> None:
         job_id, round_index, attempt = state.key
@@ -66,28 +70,46 @@ class RoundCloser:
         await self._outbox.flush()
 
     async def _aggregate(self, state: RoundState, accepted: list[dict[str, Any]], refused: dict[str, str], *,
-                         timed_out: bool) -> None:
+                         timed_out: bool) -> str | None:
+        """Store the round's result and the strategy's new server state, and announce them; or, if the
+        strategy cannot aggregate what arrived (Krum with too few contributions, say), why the round fails."""
         job_id, round_index, attempt = state.key
         # finish() consumes the running state: should closing fail after it, the retry re-folds from storage.
         self._rounds.drop(state.key)
-        strategy = state.strategy
-        global_weights = None
-        if strategy.wants_global_weights():
-            global_weights = load_weights(await self._storage.get_bytes(state.agg["weights_key"]))
-        result = strategy.finish(global_weights)
-        del global_weights
+        try:
+            result = await self._finish(state, accepted)
+        except ValueError as e:
+            return f"strategy {state.strategy.name} cannot aggregate this round: {e}"
         data = dump_weights(result.weights)
         ref = await self._storage.put_bytes(keys.global_weights(job_id, round_index), data)
         self._rounds.remember_spec(ref, spec_of(data))
+        server_state = state.strategy.state()
+        # Stored before the round's row names it: a crash in between leaves an object the retry rewrites.
+        state_key = (await self._storage.put_bytes(keys.strategy_state(job_id, round_index),
+                                                   dump_weights(server_state))).key if server_state else None
         done = RoundAggregated(
             job_id=job_id, round=round_index, attempt=attempt, weights=ref,
             contributors=sorted(r["shard"] for r in accepted), total_samples=result.total_samples,
             metrics=result.metrics, rejected=refused, trained_by={r["shard"]: r["worker_id"] for r in accepted},
         )
         async with self._store.db.transaction() as tx:
-            await self._store.close(tx, state.key, RoundStatus.AGGREGATED, result_key=ref.key)
+            await self._store.close(tx, state.key, RoundStatus.AGGREGATED, result_key=ref.key, state_key=state_key)
             await self._outbox.add(tx, done)
         self._rounds.drop(state.key)
         log.info("job %s: round %d aggregated from %d shards (%d samples)%s", job_id, round_index,
                  len(accepted), done.total_samples, " at timeout" if timed_out else "")
         await self._outbox.flush()
+        return None
+
+    async def _finish(self, state: RoundState, accepted: list[dict[str, Any]]) -> RoundResult:
+        """The strategy's result: from its running state, or, for one that cannot fold, from the round's
+        contributions read back from storage tensor by tensor."""
+        strategy = state.strategy
+        global_weights = None
+        if strategy.wants_global_weights():
+            global_weights = load_weights(await self._storage.get_bytes(state.agg["weights_key"]))
+        if strategy.streaming:
+            return strategy.finish(global_weights)
+        with tempfile.TemporaryDirectory(prefix="apiary-round-") as folder:
+            stored = await StoredRound.download(self._storage, accepted, Path(folder))
+            return strategy.finish(global_weights, stored=stored)

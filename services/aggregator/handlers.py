@@ -69,7 +69,7 @@ class Aggregator(Component):
             spec = self._rounds.known_spec(event.weights)
             if inserted and spec is not None:
                 # A new round whose weights this aggregator wrote: nothing to read back before its results.
-                self._rounds.begin(row, spec)
+                await self._rounds.begin(row, spec)
 
     async def on_worker_failed(self, event: contracts.WorkerFailed, delivery: Delivery) -> None:
         """The user's code failed on a shard: that shard settles without weights."""

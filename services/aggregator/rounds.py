@@ -72,9 +72,9 @@ class OpenRounds:
         while len(self._specs) > SPEC_CACHE:
             del self._specs[next(iter(self._specs))]
 
-    def begin(self, agg: dict[str, Any], spec: WeightSpec) -> RoundState:
+    async def begin(self, agg: dict[str, Any], spec: WeightSpec) -> RoundState:
         """Hold a round that has just started: nothing settled, its strategy begun."""
-        state = _fresh(agg, spec)
+        state = await self._fresh(agg, spec)
         self._rounds[state.key] = state
         return state
 
@@ -86,7 +86,7 @@ class OpenRounds:
         if spec is None:
             spec = spec_of(await self._storage.get_bytes(base.key))
             self.remember_spec(base, spec)
-        state = _fresh(agg, spec)
+        state = await self._fresh(agg, spec)
         for row in await self._store.contributions(*state.key):
             if ContributionStatus(row["status"]).settles:
                 state.settled[row["shard"]] = row["status"]
@@ -98,10 +98,13 @@ class OpenRounds:
         self._rounds[state.key] = state
         return state
 
-
-def _fresh(agg: dict[str, Any], spec: WeightSpec) -> RoundState:
-    """A round's state with nothing taken in: the strategy its row names, begun on the round's spec."""
-    name, params = strategy_of(agg)
-    strategy = create(name, params)
-    strategy.begin(spec, update_format(agg))
-    return RoundState(agg=agg, shards=frozenset(from_json(agg["shards"])), strategy=strategy)
+    async def _fresh(self, agg: dict[str, Any], spec: WeightSpec) -> RoundState:
+        """A round's state with nothing taken in: the strategy its row names, begun on the round's spec,
+        with the server state the job's previous round left (so a restarted aggregator resumes exactly)."""
+        name, params = strategy_of(agg)
+        strategy = create(name, params)
+        strategy.begin(spec, update_format(agg))
+        state_key = await self._store.previous_state_key(agg["job_id"], agg["round"])
+        if state_key is not None:
+            strategy.load_state(load_weights(await self._storage.get_bytes(state_key)))
+        return RoundState(agg=agg, shards=frozenset(from_json(agg["shards"])), strategy=strategy)

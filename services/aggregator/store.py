@@ -37,6 +37,8 @@ MIGRATIONS = [
     # The round's update format and strategy; NULL in rows from before (use_peft, FedAvg) and still written.
     "ALTER TABLE aggregations ADD COLUMN update_format TEXT; ALTER TABLE aggregations ADD COLUMN strategy TEXT;"
     " ALTER TABLE aggregations ADD COLUMN strategy_params TEXT",
+    # Where the strategy's server state after the round is stored (NULL: it keeps none).
+    "ALTER TABLE aggregations ADD COLUMN state_key TEXT",
 ]
 
 COLUMNS = ("job_id", "round", "attempt", "shards", "min_workers", "weights_key", "weights_size", "weights_sha256",
@@ -107,14 +109,24 @@ class AggregatorStore:
             telemetry.headers_for().get("traceparent"),
         )
 
+    async def previous_state_key(self, job_id: str, round_index: int) -> str | None:
+        """Where the strategy's server state after the job's last aggregated round before this one is stored."""
+        row = await self.db.fetchrow(
+            "SELECT state_key FROM aggregations WHERE job_id = $1 AND round < $2 AND status = $3"
+            " ORDER BY round DESC LIMIT 1",
+            job_id, round_index, str(RoundStatus.AGGREGATED),
+        )
+        return row["state_key"] if row is not None else None
+
     @staticmethod
     async def close(tx: Executor, key: tuple[str, int, int], status: RoundStatus, *, reason: str | None = None,
-                    result_key: str | None = None) -> None:
-        """Mark a round attempt aggregated (with its result) or failed (with the reason), in `tx`."""
+                    result_key: str | None = None, state_key: str | None = None) -> None:
+        """Mark a round attempt aggregated (with its result and the strategy's state) or failed (with the
+        reason), in `tx`."""
         await tx.execute(
-            "UPDATE aggregations SET status = $4, reason = $5, result_key = $6, closed_at = $7"
+            "UPDATE aggregations SET status = $4, reason = $5, result_key = $6, closed_at = $7, state_key = $8"
             " WHERE job_id = $1 AND round = $2 AND attempt = $3",
-            *key, str(status), reason, result_key, time.time(),
+            *key, str(status), reason, result_key, time.time(), state_key,
         )
 
     async def end_job(self, job_id: str, status: RoundStatus, reason: str) -> int:

@@ -24,8 +24,16 @@ def render_job(view: dict[str, Any], started: float | None = None) -> Group:
         f"   round {view['round']}/{view.get('num_rounds') or '?'}",
         f" (attempt {view['attempt']})" if view.get("attempt", 1) > 1 else "",
         f"   {time.time() - started:.0f}s" if started else "",
+        (f"   {strategy_text(view)}", "dim") if view.get("strategy") else "",
     )
     return Group(title, _shards_table(view), _rounds_table(view))
+
+
+def strategy_text(view: dict[str, Any]) -> str:
+    """The job's strategy and its parameters in one line: `fedadam (eta=0.1, tau=0.001)`."""
+    params = view.get("strategy_params") or {}
+    listed = ", ".join(f"{k}={v}" for k, v in params.items())
+    return f"{view.get('strategy')}" + (f" ({listed})" if listed else "")
 
 
 def _shards_table(view: dict[str, Any]) -> Table:
@@ -82,4 +90,4 @@ def print_summary(result: dict[str, Any]) -> None:
         console.print(f"[red]reason:[/red] {result['reason']}")
 
 
-__all__ = ["STATE_STYLE", "print_summary", "render_job", "summary"]
+__all__ = ["STATE_STYLE", "print_summary", "render_job", "strategy_text", "summary"]

@@ -8,6 +8,7 @@ from typing import Any
 
 from apiary.component import to_json
 from apiary.db import Executor
+from apiary.strategies import DEFAULT_STRATEGY
 from services.tracker import store
 
 View = Callable[[Executor, dict[str, Any], float], Awaitable[None]]
@@ -25,6 +26,11 @@ async def _job_requested(tx: Executor, b: dict[str, Any], ts: float) -> None:
     if isinstance(b.get("job_id"), str):
         await store.job_requested(tx, b["job_id"], str(b.get("name", "")),
                                   (b.get("distributed") or {}).get("num_rounds"), ts)
+        distributed = b.get("distributed") or {}
+        strategy, params = distributed.get("strategy", DEFAULT_STRATEGY), distributed.get("strategy_params", {})
+        if isinstance(strategy, str) and isinstance(params, dict):
+            # Shown before the first round starts (a request the scheduler rejects keeps what it asked for).
+            await store.job_strategy(tx, b["job_id"], strategy, params)
 
 
 async def _job_accepted(tx: Executor, b: dict[str, Any], ts: float) -> None:
@@ -42,6 +48,7 @@ async def _round_start(tx: Executor, b: dict[str, Any], ts: float) -> None:
     await store.ensure_job(tx, b["job_id"], ts)
     await store.job_running(tx, b["job_id"], b["round"], b["attempt"], b["num_rounds"], ts)
     await store.round_started(tx, b["job_id"], b["round"], b["attempt"], [int(s) for s in b["shards"]], ts)
+    await store.job_strategy(tx, b["job_id"], b.get("strategy", DEFAULT_STRATEGY), b.get("strategy_params", {}))
 
 
 async def _worker_progress(tx: Executor, b: dict[str, Any], ts: float) -> None:

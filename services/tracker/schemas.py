@@ -104,6 +104,8 @@ class JobDetail(BaseModel):
     num_shards: int | None
     reason: str | None
     errors: list[FieldError] = Field(description="each bad field, when the request was rejected")
+    strategy: str | None = Field(description="the aggregation strategy, by its registered name")
+    strategy_params: dict[str, Any] = Field(description="the strategy's parameters, as the request gave them")
     final_model: str | None
     metrics: dict[str, float]
     created_at: float

@@ -40,6 +40,8 @@ MIGRATIONS = [
     """,
     # The step a shard's training reached, for the per-worker progress table.
     "ALTER TABLE shard_views ADD COLUMN step BIGINT",
+    # The job's aggregation strategy and its parameters, from its request and then its rounds.
+    "ALTER TABLE job_views ADD COLUMN strategy TEXT; ALTER TABLE job_views ADD COLUMN strategy_params TEXT",
 ]
 
 SHARD_ROWS_PER_INSERT = 500  # well under SQLite's and PostgreSQL's limits on parameters per statement
@@ -60,6 +62,12 @@ async def job_requested(tx: Executor, job_id: str, name: str, num_rounds: int | 
         " VALUES ($1, $2, 'requested', $3, $4, $4) ON CONFLICT DO NOTHING",
         job_id, name, num_rounds, ts,
     )
+
+
+async def job_strategy(tx: Executor, job_id: str, strategy: str, params: dict[str, Any]) -> None:
+    """The job's aggregation strategy and its parameters."""
+    await tx.execute("UPDATE job_views SET strategy = $2, strategy_params = $3 WHERE job_id = $1",
+                     job_id, strategy, to_json(params))
 
 
 async def ensure_job(tx: Executor, job_id: str, ts: float) -> None:

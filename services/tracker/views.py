@@ -37,6 +37,7 @@ async def job_view(db: Executor, job_id: str) -> dict[str, Any] | None:
         return None
     job["metrics"] = from_json(job["metrics"], {})
     job["errors"] = from_json(job["errors"], [])
+    job["strategy_params"] = from_json(job["strategy_params"], {})
     rounds = await db.fetch(
         "SELECT round, attempt, status, metrics, reason, started_at, ended_at FROM round_views"
         " WHERE job_id = $1 ORDER BY round, attempt", job_id,

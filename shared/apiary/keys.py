@@ -18,6 +18,11 @@ def global_weights(job_id: str, round_index: int) -> str:
     return f"jobs/{job_id}/rounds/{round_index:04d}/global.safetensors"
 
 
+def strategy_state(job_id: str, round_index: int) -> str:
+    """The strategy's server state (momentum, moments, ...) after `round_index`, beside its global weights."""
+    return f"jobs/{job_id}/rounds/{round_index:04d}/strategy-state.safetensors"
+
+
 def contribution(job_id: str, round_index: int, attempt: int, shard_index: int) -> str:
     """One worker's returned weights for one shard."""
     return f"jobs/{job_id}/rounds/{round_index:04d}/attempt-{attempt}/shard-{shard_index:04d}.safetensors"

@@ -6,12 +6,18 @@ import asyncio
 import json
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
+from pydantic import BaseModel
 
 from apiary import keys
+from apiary.strategies import base
+from apiary.strategies.base import Contribution, StoredContributions, Strategy
+from apiary.strategies.weighted_sum import WeightedSum
 from apiary.weights import loads
 from services.worker import Worker
 from tests.faults.support import process_alive
@@ -296,3 +302,131 @@ async def test_a_worker_started_after_a_job_ended_skips_its_assignments_still_qu
     assert events == []
 
 
+
+
+class _Momentum(Strategy):
+    """Test-only stateful strategy: FedAvg's step plus half the previous round's (server state: velocity)."""
+
+    name = "test_momentum"
+
+    def __init__(self, params: BaseModel | None = None) -> None:
+        super().__init__(params)
+        self._sum, self._velocity = WeightedSum(), dict[str, torch.Tensor]()
+
+    def _begin(self) -> None:
+        self._sum = WeightedSum()
+
+    def _fold(self, contribution: Contribution) -> None:
+        self._sum.fold(contribution.weights, contribution.samples)
+
+    def wants_global_weights(self) -> bool:
+        return True
+
+    def _aggregate(self, global_weights: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        assert global_weights is not None
+        average = self._sum.finish()
+        for name, value in average.items():
+            if value.is_floating_point():
+                previous = self._velocity.get(name)
+                step = value - global_weights[name]
+                self._velocity[name] = step if previous is None else 0.5 * previous + step
+                average[name] = global_weights[name] + self._velocity[name]
+        return average
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return dict(self._velocity)
+
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        self._velocity = {name: tensor.clone() for name, tensor in state.items()}
+
+
+class _Median(Strategy):
+    """Test-only strategy that cannot fold: the element-wise median, read back from storage at the close."""
+
+    name = "test_median"
+    streaming = False
+
+    def _begin(self) -> None:
+        pass
+
+    def _fold(self, contribution: Contribution) -> None:
+        pass
+
+    def _aggregate(self, global_weights: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        raise AssertionError("a strategy that does not stream is finished from the stored contributions")
+
+    def _read_back(self, stored: StoredContributions,
+                   global_weights: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        return {name: torch.stack(stored.tensor(name)).median(dim=0).values for name in self.spec}
+
+
+class _Refusing(_Momentum):
+    """Test-only strategy that cannot aggregate any round (as Krum with too few contributions)."""
+
+    name = "test_refusing"
+
+    def _aggregate(self, global_weights: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        raise ValueError("needs more contributions than arrived")
+
+
+@pytest.fixture
+def test_strategies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test-only strategies, registered for this test alone."""
+    base.known()  # the real ones first, so a later discovery does not run over these
+    for cls in (_Momentum, _Median, _Refusing):
+        monkeypatch.setitem(base._REGISTRY, cls.name, cls)
+
+
+async def test_a_stateful_strategy_carries_its_server_state_from_round_to_round(
+        embedded: StackFactory, toy_dataset: Path, test_strategies: None) -> None:
+    async with embedded(workers=3) as stack:
+        job_id = await stack.submit(toy_request(toy_dataset, num_rounds=3, strategy="test_momentum"))
+        view = await stack.wait(job_id, timeout=120)
+        rows = await stack.ports.db.fetch(
+            "SELECT round, state_key FROM aggregations WHERE job_id = $1 ORDER BY round", job_id)
+        final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
+        last_state = loads(await stack.ports.storage.get_bytes(rows[-1]["state_key"]))
+
+    assert view["status"] == "completed", view.get("reason")
+    assert [(r["round"], r["state_key"]) for r in rows] == [
+        (i, keys.strategy_state(job_id, i)) for i in (1, 2, 3)]
+    step = (5 * 1 + 4 * 2 + 4 * 3) / 13  # FedAvg's step each round; velocity 1, 1.5, 1.75 steps
+    torch.testing.assert_close(final["layer.bias"], torch.tensor([0.0, 1.0]) + 4.25 * step)
+    torch.testing.assert_close(last_state["layer.bias"], torch.full((2,), 1.75 * step))
+    assert view["strategy"] == "test_momentum" and view["strategy_params"] == {}
+
+
+async def test_a_strategy_that_cannot_fold_reads_the_stored_contributions_back(
+        embedded: StackFactory, toy_dataset: Path, test_strategies: None) -> None:
+    async with embedded(workers=3) as stack:
+        job_id = await stack.submit(toy_request(toy_dataset, num_rounds=2, strategy="test_median"))
+        view = await stack.wait(job_id, timeout=120)
+        final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
+
+    assert view["status"] == "completed", view.get("reason")
+    # Shards add 1, 2 and 3 each round: the median moves every float weight by 2 a round.
+    torch.testing.assert_close(final["layer.bias"], torch.tensor([4.0, 5.0]))
+    assert int(final["steps"]) == 2
+
+
+async def test_a_strategy_that_cannot_aggregate_fails_the_round_with_its_reason(
+        embedded: StackFactory, toy_dataset: Path, test_strategies: None) -> None:
+    async with embedded(workers=3) as stack:
+        job_id = await stack.submit(toy_request(toy_dataset, num_rounds=2, strategy="test_refusing"))
+        view = await stack.wait(job_id, timeout=120)
+        rounds = await stack.ports.db.fetch(
+            "SELECT round, status, reason FROM aggregations WHERE job_id = $1 ORDER BY round", job_id)
+
+    assert view["status"] == "failed"
+    assert [(r["round"], r["status"]) for r in rounds] == [(1, "failed")]
+    assert rounds[0]["reason"] == "strategy test_refusing cannot aggregate this round: needs more contributions" \
+        " than arrived"
+
+
+async def test_an_unknown_strategy_is_rejected_naming_the_field(embedded: StackFactory, toy_dataset: Path) -> None:
+    async with embedded(workers=1) as stack:
+        view = await stack.wait(await stack.submit(toy_request(toy_dataset, strategy="fedmagic")), timeout=30)
+
+    assert view["status"] == "rejected"
+    assert [e["field"] for e in view["errors"]] == ["distributed.strategy"]
+    assert "unknown strategy 'fedmagic'; known: " in view["errors"][0]["message"]

@@ -183,6 +183,7 @@ function jobPage(jobId) {
   // The page skeleton stays; render() only refreshes its parts, so charts do not flicker.
   const parts = {
     title: h("h1", {}), id: h("div", { class: "muted mono small" }, jobId), status: h("span", {}),
+    strategy: h("div", { class: "muted small", id: "strategy" }),
     actions: h("div", { class: "actions" }), banner: h("div", {}),
     round: h("div", { class: "stat-value", id: "round-counter" }, "–"), roundBar: h("div", {}),
     roundSub: h("div", { class: "stat-sub" }), reported: h("div", { class: "stat-value" }, "–"),
@@ -206,7 +207,8 @@ function jobPage(jobId) {
   app.replaceChildren(
     h("a", { class: "back", href: "#/" }, "← All jobs"),
     h("section", { class: "job-head" },
-      h("div", {}, h("div", { class: "title-row" }, parts.title, parts.status), parts.id), parts.actions),
+      h("div", {}, h("div", { class: "title-row" }, parts.title, parts.status), parts.id, parts.strategy),
+      parts.actions),
     parts.banner,
     h("section", { class: "stats" },
       stat("Round", parts.round, parts.roundSub, parts.roundBar),
@@ -236,10 +238,17 @@ function jobPage(jobId) {
     }
   }
 
+  /* The job's strategy and its parameters, as `apiary status` prints them: fedadam (eta=0.1, tau=0.001). */
+  function strategyText(job) {
+    const params = Object.entries(job.strategy_params || {}).map(([k, v]) => `${k}=${v}`).join(", ");
+    return params ? `${job.strategy} (${params})` : job.strategy;
+  }
+
   function renderHead(job) {
     document.title = `${job.name || job.job_id} · Apiary`;
     parts.title.textContent = job.name || job.job_id;
     parts.status.replaceChildren(badge(job.status));
+    parts.strategy.textContent = job.strategy ? `strategy ${strategyText(job)}` : "";
     parts.actions.replaceChildren(TERMINAL.includes(job.status) ? "" :
       h("button", { class: "danger", id: "cancel", onclick: (e) => cancel(e.currentTarget) }, "Cancel job"));
     const banner = [];

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, create_model
 from apiary.strategies.base import StrategyParams
 from apiary.strategies.server_opt import ServerOptimizer
 
-FIELDS = {
+FIELDS: dict[str, tuple[dict[str, Any], str]] = {  # name: (constraints, description)
     "eta": ({"gt": 0.0}, "server learning rate"),
     "eta_l": ({"gt": 0.0}, "workers' learning rate (not used by the server step)"),
     "beta_1": ({"ge": 0.0, "lt": 1.0}, "first moment decay"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 import pytest
 from boto3.exceptions import S3UploadFailedError
@@ -24,8 +25,8 @@ from apiary.storage.s3 import transient
 
 
 def _client_error(code: str, status: int) -> ClientError:
-    return ClientError({"Error": {"Code": code, "Message": code},
-                        "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
+    response: Any = {"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+    return ClientError(response, "GetObject")
 
 
 # --- The decision ------------------------------------------------------------------------------------

@@ -23,8 +23,11 @@ import torch
 from apiary import keys
 from apiary.bus.base import ORIGINAL_KEY_HEADER, REASON_HEADER
 from apiary.contracts import MSGPACK, Event, ObjectRef, encode
+from apiary.strategies.base import Contribution, create
+from apiary.strategies.format import UpdateFormat
 from apiary.weights import dumps as dump_weights
 from apiary.weights import loads as load_weights
+from apiary.weights import spec_of_tensors
 from tests.fixtures.cluster import REPO, Cluster
 from tests.toyjobs.toy import fl_init_weights
 
@@ -81,6 +84,26 @@ def expected_weights(rounds: Rounds) -> dict[str, torch.Tensor]:
         step = sum(n * (s + 1) for s, n in accepted.items()) / sum(accepted.values())
         for tensor in weights.values():
             tensor.add_(step if tensor.is_floating_point() else 1)
+    return weights
+
+
+def replayed_weights(strategy: str, params: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The toy's final weights under a strategy, as an undisturbed run computes them: each round's
+    accepted contributions (`rows`, the aggregator's in the order recorded) replayed through the same
+    strategy, its server state carried from round to round."""
+    weights = fl_init_weights({})
+    state: dict[str, torch.Tensor] = {}
+    for round_index in sorted({r["round"] for r in rows}):
+        aggregator = create(strategy, params)
+        aggregator.begin(spec_of_tensors(weights), UpdateFormat.FULL)
+        aggregator.load_state(state)
+        for row in rows:
+            if row["round"] == round_index and row["status"] == "accepted":
+                returned = {k: v.clone().add_(row["shard"] + 1 if v.is_floating_point() else 1)
+                            for k, v in weights.items()}
+                aggregator.accept(Contribution(returned, row["samples"]))
+        weights = aggregator.finish(weights).weights
+        state = {k: v.clone() for k, v in aggregator.state().items()}
     return weights
 
 

@@ -7,7 +7,17 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.faults.support import Faults, assert_weights, expected_weights, new_id, process_alive, toy_job
+import torch
+
+from tests.faults.support import (
+    Faults,
+    assert_weights,
+    expected_weights,
+    new_id,
+    process_alive,
+    replayed_weights,
+    toy_job,
+)
 
 Record = Callable[[str, str, str, int], None]
 Data = Callable[[int], Path]
@@ -105,6 +115,40 @@ def test_aggregator_killed_after_contributions_were_recorded_resumes_without_dou
     outcome("aggregator kill -9 after 2 of 3 contributions recorded",
             "restarted aggregator rebuilds the sum from stored contributions; each round aggregated once",
             f"{job['status']}; rounds aggregated once each, 3 accepted rows per round; {weights}", double)
+
+
+def test_aggregator_killed_mid_fedadam_job_ends_with_the_weights_of_an_undisturbed_run(
+        faults: Faults, toy_data: Data, outcome: Record) -> None:
+    cluster = faults.cluster
+    cluster.start(workers=3)
+    job_id = new_id("kill-aggregator-fedadam")
+    request = toy_job(job_id, toy_data(15), rounds=4, min_workers=3, max_workers=3,
+                      config={"mode": "slow", "slow_seconds": 4, "fail_shards": [0]})
+    request["distributed"]["strategy"] = "fedadam"
+    cluster.publish_job(request)
+    sizes = faults.shard_sizes(job_id)
+    cluster.wait_for(lambda: faults.accepted(job_id).get((2, 1)), 120, "a contribution of round 2 to be recorded")
+
+    cluster.kill("aggregator", signal.SIGKILL)
+    recorded = sorted(faults.accepted(job_id)[(2, 1)])
+    at_kill = faults.aggregations(job_id)[1]["status"]
+    cluster.start_service("aggregator")
+    job = cluster.wait_job(job_id)
+
+    assert job["status"] == "completed", job["reason"]
+    assert at_kill == "open" and 0 not in recorded, "the kill came mid-round 2 (shard 0 trains slowly)"
+    assert faults.accepted(job_id) == {(r, 1): sizes for r in (1, 2, 3, 4)}
+    states = [a["state_key"] for a in faults.aggregations(job_id)]
+    assert all(states), "every round stored FedAdam's moments"
+    final, undisturbed = faults.final_weights(job_id), replayed_weights("fedadam", {}, faults.contributions(job_id))
+    assert set(final) == set(undisturbed)
+    assert all(torch.equal(final[name], undisturbed[name]) for name in final), (final, undisturbed)
+    double = faults.double_counted(job_id)
+    assert double == 0
+    outcome("aggregator kill -9 mid-job of a FedAdam job (after a round-2 contribution was recorded)",
+            "restarted aggregator reloads round 1's moments and re-folds round 2; final weights bit-identical",
+            f"{job['status']}; shards {recorded} of round 2 recorded before the kill; 4 rounds aggregated once,"
+            f" moments stored each round; final weights equal to an undisturbed run's", double)
 
 
 def test_scheduler_killed_between_rounds_and_mid_round_resumes_the_job(

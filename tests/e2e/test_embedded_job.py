@@ -396,10 +396,11 @@ async def test_a_stateful_strategy_carries_its_server_state_from_round_to_round(
     assert view["strategy"] == "test_momentum" and view["strategy_params"] == {}
 
 
+@pytest.mark.parametrize("strategy", ["test_median", "fedmedian"])
 async def test_a_strategy_that_cannot_fold_reads_the_stored_contributions_back(
-        embedded: StackFactory, toy_dataset: Path, test_strategies: None) -> None:
+        embedded: StackFactory, toy_dataset: Path, test_strategies: None, strategy: str) -> None:
     async with embedded(workers=3) as stack:
-        job_id = await stack.submit(toy_request(toy_dataset, num_rounds=2, strategy="test_median"))
+        job_id = await stack.submit(toy_request(toy_dataset, num_rounds=2, strategy=strategy))
         view = await stack.wait(job_id, timeout=120)
         final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
 

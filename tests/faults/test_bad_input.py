@@ -87,6 +87,24 @@ def test_malformed_job_request_is_rejected_naming_each_bad_field(faults: Faults,
             f"rejected: {view['reason'][:90]}…", 0)
 
 
+def test_a_strategy_the_job_cannot_satisfy_is_rejected_before_it_starts(faults: Faults, outcome: Record) -> None:
+    cluster = faults.cluster
+    cluster.start(workers=0)
+    job_id = new_id("krum-too-many-malicious")
+
+    cluster.publish_job({"job_id": job_id, "name": "krum", "entrypoint": "pkg.train", "dataset": "x",
+                         "distributed": {"min_workers": 3, "max_workers": 5, "strategy": "krum",
+                                         "strategy_params": {"num_malicious_nodes": 2}}})
+    view = cluster.wait_for(lambda: (v := faults.status_cli(job_id)[0]) and v["status"] == "rejected" and v, 60,
+                            "the job to be rejected")
+
+    assert [e["field"] for e in view["errors"]] == ["distributed.strategy_params"], view["errors"]
+    assert view["reason"].startswith("job request rejected: distributed.strategy_params: ")
+    assert view["strategy"] == "krum" and cluster.job(job_id) is None
+    outcome("krum whose num_malicious_nodes the job's 5 workers cannot satisfy (2f+3)",
+            "job.rejected naming distributed.strategy_params, before sharding", f"rejected: {view['reason'][:90]}…", 0)
+
+
 def _forged(base: dict[str, torch.Tensor], shard: int) -> dict[str, torch.Tensor]:
     """What the toy would return for this shard in round 1: a valid contribution to corrupt."""
     return {k: v + (shard + 1 if v.is_floating_point() else 1) for k, v in base.items()}

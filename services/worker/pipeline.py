@@ -120,7 +120,7 @@ class AssignmentRun:
 
     def _call(self, data_root: Path) -> TrainCall:
         a, space = self.a, self.space
-        module, function = parse_entrypoint(a.entrypoint)
+        module, function = parse_entrypoint(a.entrypoint) if a.entrypoint else ("", "")
         return TrainCall(
             module=module, function=function, weights_path=str(space.weights), result_path=str(space.result),
             out_dir=str(space.out_dir), env=a.env,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -123,6 +123,20 @@ class RoundStart(RoundEvent):
         return data
 
 
+class ModelRef(BaseModel):
+    """A registered base model a built-in trainer starts from: where a worker fetches it (presigned), how to
+    check it, and what it is (`hf`: a zipped Hugging Face model folder; `gguf`: one GGUF file)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    model_id: int
+    url: str
+    sha256: str
+    size: int
+    format: Literal["hf", "gguf", "safetensors"]
+    filename: str
+
+
 class Assignment(RoundEvent):
     """`assign.pool`, `assign.worker.<id>` or `assign.prefer.<id>`: train one shard for one round."""
 
@@ -139,7 +153,9 @@ class Assignment(RoundEvent):
     upload_url: str
     result_key: str
     files_upload_url: str | None = None
-    entrypoint: str
+    entrypoint: str | None = None  # None: the job runs a built-in trainer (see `trainer`)
+    trainer: str | None = None  # the built-in trainer's name, for a job without an entrypoint
+    base_model: ModelRef | None = None  # what a built-in trainer starts from
     env: dict[str, Any]
     deadline: float
     pinned_worker: str | None = None

@@ -251,6 +251,7 @@ class WorkerOnline(WorkerPresence):
     routing_key: ClassVar[str] = "worker.online"
     hostname: str = ""
     gpu: dict[str, Any] | None = None
+    kind: str | None = None  # "own" (the user's machine) or "platform" (ours); None: undeclared
 
 
 class WorkerHeartbeat(WorkerPresence):
@@ -261,6 +262,7 @@ class WorkerHeartbeat(WorkerPresence):
     shard: int | None = None
     gpu: dict[str, Any] | None = None
     samples_per_s: float | None = None
+    kind: str | None = None  # as declared in worker.online
 
 
 class WorkerOffline(WorkerPresence):

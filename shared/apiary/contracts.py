@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from apiary.jobspec import FieldError, JobSpec
 from apiary.strategies import DEFAULT_STRATEGY
@@ -77,10 +77,14 @@ class JobRejected(Event):
     errors: list[FieldError] = Field(default_factory=list)
 
 
+# A registry id as text, as the services store it: a request's integer 42 travels as "42".
+IdText = Annotated[str, BeforeValidator(lambda value: str(value) if isinstance(value, int) else value)]
+
+
 class ShardRequested(Event):
     routing_key: ClassVar[str] = "shard.requested"
     dataset: str | None = None
-    dataset_id: str | None = None
+    dataset_id: IdText | None = None  # a registered dataset: "42" (older ones a hex string)
     num_shards: int
     strategy: str = "random"
     seed: int = 0
@@ -97,7 +101,7 @@ class ShardInfo(ObjectRef):
 
 class JobSharded(Event):
     routing_key: ClassVar[str] = "job.sharded"
-    dataset_id: str | None = None
+    dataset_id: IdText | None = None
     shards: list[ShardInfo] = Field(default_factory=list)
     error: str | None = None
 

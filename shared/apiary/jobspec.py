@@ -2,16 +2,43 @@
 
 from __future__ import annotations
 
+import difflib
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from apiary.strategies import DEFAULT_STRATEGY
+from apiary.trainers.causal_lm_config import CausalLMConfig
 
 ENTRYPOINT_RE = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
 DEFAULT_FUNCTION = "fl_train_model"
 FEDPROX = "fedprox"  # the strategy whose parameter the training loop needs (env PROXIMAL_MU)
+CAUSAL_LM = "causal_lm"  # the built-in trainer a job without an entrypoint runs
+LEGACY_ID_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")  # the hex ids datasets had before ids were integers
+
+
+def _registry_id(value: Any) -> Any:
+    """A registry id: a JSON integer or a string of digits is the integer; an older hex id stays a string."""
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    if isinstance(value, str) and not LEGACY_ID_RE.match(value):
+        raise ValueError("expected an integer id (or a string of digits)")
+    return value
+
+
+# A registered dataset's or model's id (see `_registry_id`).
+RegistryId = Annotated[int | str, BeforeValidator(_registry_id)]
 
 
 def parse_entrypoint(entrypoint: str) -> tuple[str, str]:
@@ -25,6 +52,8 @@ class DistributedConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    # false: one ordinary training on a single worker over the whole dataset (one shard).
+    enabled: bool = True
     num_rounds: int = Field(default=1, ge=1, le=100_000)
     steps_per_round: int | None = Field(default=None, ge=1)
     min_workers: int = Field(default=1, ge=1)
@@ -38,6 +67,9 @@ class DistributedConfig(BaseModel):
 
     @model_validator(mode="after")
     def _min_le_max(self) -> DistributedConfig:
+        if not self.enabled:
+            # Not federated: one worker trains the one shard, whatever sizes the request names.
+            self.min_workers = self.max_workers = 1
         if self.min_workers > self.max_workers:
             raise ValueError(
                 f"min_workers ({self.min_workers}) must not exceed max_workers ({self.max_workers})"
@@ -56,26 +88,46 @@ class SplitConfig(BaseModel):
     key: str = Field(default="group", description="sample field that names the group, for group")
 
 
+OWN, PLATFORM = "own", "platform"  # the kinds a worker declares: the user's machine, or ours
+
+
 class WorkerSelection(BaseModel):
-    """Where shards train: any worker from the pool, or each shard on one named worker."""
+    """Where shards train: any worker from the pool, each shard on one named worker (`pinned`), or on the
+    listed own and platform workers (`mixed`: one shard each, like pinned)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["pool", "pinned"] = "pool"
+    mode: Literal["pool", "pinned", "mixed"] = "pool"
     workers: list[str] = Field(default_factory=list)
+    # mixed: integers name the workers whose id is that number.
+    worker_ids: list[int | str] = Field(default_factory=list)
+    parsyn_worker_ids: list[int | str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _pinned_needs_workers(self) -> WorkerSelection:
         if self.mode == "pinned" and not self.workers:
             raise ValueError("mode 'pinned' needs 'workers': the worker id for each shard")
-        if len(set(self.workers)) != len(self.workers):
-            raise ValueError("'workers' names a worker twice")
+        if self.mode == "mixed" and not (self.worker_ids or self.parsyn_worker_ids):
+            raise ValueError("mode 'mixed' needs 'worker_ids' (own workers) or 'parsyn_worker_ids' (platform ones)")
+        if self.mode != "mixed" and (self.worker_ids or self.parsyn_worker_ids):
+            raise ValueError("'worker_ids' and 'parsyn_worker_ids' are for mode 'mixed'")
+        named = self.pinned
+        if len(set(named)) != len(named):
+            raise ValueError(f"'{'workers' if self.mode == 'pinned' else 'worker_ids'}' names a worker twice")
         return self
 
     @property
     def pinned(self) -> list[str]:
-        """The worker each shard trains on, or [] in pool mode."""
+        """The worker each shard trains on (own ones first in mixed mode), or [] in pool mode."""
+        if self.mode == "mixed":
+            return [str(w) for w in (*self.worker_ids, *self.parsyn_worker_ids)]
         return list(self.workers) if self.mode == "pinned" else []
+
+    @property
+    def kinds(self) -> dict[str, str]:
+        """The kind each listed worker must have declared (mixed mode only; empty otherwise)."""
+        own = {str(w): OWN for w in self.worker_ids}
+        return {**own, **{str(w): PLATFORM for w in self.parsyn_worker_ids}}
 
 
 class JobSpec(BaseModel):
@@ -84,21 +136,37 @@ class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=200)
-    entrypoint: str
+    entrypoint: str | None = None  # None: the built-in trainer (causal_lm) fine-tunes the registered model
     dataset: str | None = None
-    dataset_id: str | None = None
+    dataset_id: RegistryId | None = None
     model: str | None = None
-    model_id: str | None = None
+    model_id: RegistryId | None = None
     config: dict[str, Any] = Field(default_factory=dict)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     worker_selection: WorkerSelection = Field(default_factory=WorkerSelection)
     split: SplitConfig = Field(default_factory=SplitConfig)
     use_peft: bool = False
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _built_in_config(cls, data: Any, handler: ModelWrapValidatorHandler[JobSpec]) -> JobSpec:
+        # A job without an entrypoint has its config checked key by key against the built-in trainer's,
+        # reported beside the request's other errors (`config.lora_rr: unknown field (did you mean lora_r?)`).
+        config_errors = _built_in_errors(data)
+        try:
+            spec = handler(data)
+        except ValidationError as e:
+            if not config_errors:
+                raise
+            raise _merged(cls.__name__, e, config_errors) from None
+        if config_errors:
+            raise ValidationError.from_exception_data(cls.__name__, config_errors)
+        return spec
+
     @field_validator("entrypoint")
     @classmethod
-    def _entrypoint_shape(cls, value: str) -> str:
-        if not ENTRYPOINT_RE.match(value):
+    def _entrypoint_shape(cls, value: str | None) -> str | None:
+        if value is not None and not ENTRYPOINT_RE.match(value):
             raise ValueError("expected 'package.module:function' (function defaults to fl_train_model)")
         return value
 
@@ -129,13 +197,29 @@ class JobSpec(BaseModel):
 
     @property
     def module(self) -> str:
-        """The entrypoint's module path."""
-        return parse_entrypoint(self.entrypoint)[0]
+        """The entrypoint's module path ("" for a built-in job)."""
+        return parse_entrypoint(self.entrypoint or "")[0]
 
     @property
     def function(self) -> str:
         """The entrypoint's function name."""
-        return parse_entrypoint(self.entrypoint)[1]
+        return parse_entrypoint(self.entrypoint or "")[1]
+
+    @property
+    def trainer(self) -> str | None:
+        """The built-in trainer a job without an entrypoint runs; None for user code."""
+        return CAUSAL_LM if self.entrypoint is None else None
+
+    @property
+    def built_in(self) -> CausalLMConfig | None:
+        """The built-in trainer's config (validated already), or None for a user-code job."""
+        return CausalLMConfig.model_validate(self.config) if self.entrypoint is None else None
+
+    @property
+    def adapter_only(self) -> bool:
+        """Whether only adapter weights travel each round (`use_peft`, at the top or in a built-in config)."""
+        built_in = self.built_in
+        return self.use_peft or (built_in is not None and built_in.use_peft)
 
     @property
     def num_shards(self) -> int:
@@ -152,6 +236,47 @@ class JobSpec(BaseModel):
             # The proximal term lives in the training loop: the user's code (or the built-in trainer) reads it.
             env["PROXIMAL_MU"] = float(self.distributed.strategy_params.get("proximal_mu", 0.0))
         return env
+
+
+def _built_in_errors(data: Any) -> list[InitErrorDetails]:
+    """A request without an entrypoint fine-tunes a registered model: without one either, the entrypoint is
+    missing; with one, its config's errors for the built-in trainer, located under `config`."""
+    if not isinstance(data, dict) or data.get("entrypoint") is not None:
+        return []
+    if not (data.get("model") or data.get("model_id")):
+        # The one line a request naming neither code nor a model gets (a built-in job needs model_id).
+        return [{"type": "missing", "loc": ("entrypoint",), "input": data}]
+    if not isinstance(data.get("config", {}), dict):
+        return []
+    try:
+        CausalLMConfig.model_validate(data.get("config", {}))
+    except ValidationError as e:
+        return [_config_error(item) for item in e.errors()]
+    return []
+
+
+def _config_error(item: Any) -> InitErrorDetails:
+    """One of CausalLMConfig's errors, under `config`; an unknown key names the closest known one."""
+    loc = ("config", *item["loc"])
+    if item["type"] != "extra_forbidden":
+        error = PydanticCustomError("config_value", "{msg}", {"msg": item["msg"].removeprefix("Value error, ")})
+        return {"type": error, "loc": loc, "input": item["input"]}
+    close = difflib.get_close_matches(str(item["loc"][-1]), list(CausalLMConfig.model_fields), n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return {"type": PydanticCustomError("unknown_field", f"unknown field{hint}"), "loc": loc, "input": item["input"]}
+
+
+def _merged(title: str, error: ValidationError, extra: list[InitErrorDetails]) -> ValidationError:
+    """A request's own errors and its built-in config's, as one error."""
+    own: list[InitErrorDetails] = [
+        {"type": PydanticCustomError(item["type"], "{msg}", {"msg": item["msg"]}), "loc": item["loc"],
+         "input": item["input"]}
+        for item in error.errors()
+    ]
+    # In the request's field order, as pydantic reports its own errors.
+    order = {name: i for i, name in enumerate(JobSpec.model_fields)}
+    merged = sorted([*own, *extra], key=lambda item: order.get(str(item["loc"][0]) if item["loc"] else "", -1))
+    return ValidationError.from_exception_data(title, merged)
 
 
 class FieldError(BaseModel):

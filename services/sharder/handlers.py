@@ -6,12 +6,16 @@ import asyncio
 import logging
 import tempfile
 import time
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 from apiary import keys
 from apiary.bus import Delivery
 from apiary.contracts import JobSharded, ShardInfo, ShardRequested
 from apiary.dataset import DatasetError, DatasetSource, split, write_shard
+from apiary.dataset_text import TextDataset, write_text_shard
 from apiary.db import Database
 from apiary.outbox import KeyedLocks, Outbox
 from apiary.registry import dataset_info
@@ -84,18 +88,32 @@ class ShardHandlers:
         return target
 
 
+# Writes one shard's zip from the dataset's indices and the shard's facts; returns its sample count.
+WriteShard = Callable[[Sequence[int], dict[str, Any], Path], int]
+
+
 def split_to_files(event: ShardRequested, path: Path, out: Path) -> list[tuple[Path, int]]:
-    """Split the dataset at `path` as the request asks, one zip per shard under `out`: (zip, samples)."""
+    """Split the dataset at `path` as the request asks, one zip per shard under `out`: (zip, samples). A text
+    dataset's records are split exactly as a manifest's samples."""
+    text = TextDataset.open(path)
+    if text is not None:
+        return _write_shards(event, text.records, out, partial(write_text_shard, text))
     source = DatasetSource(path)
     try:
         manifest = source.manifest()
-        parts = split(manifest.samples, event.num_shards, strategy=event.strategy, seed=event.seed,
-                      alpha=event.alpha, group_key=event.group_key)
-        files = []
-        for index, indices in enumerate(parts):
-            target = out / f"shard-{index:04d}.zip"
-            info = {"index": index, "count": event.num_shards, "seed": event.seed, "strategy": event.strategy}
-            files.append((target, write_shard(source, manifest, indices, info, target)))
-        return files
+        return _write_shards(event, manifest.samples, out, partial(write_shard, source, manifest))
     finally:
         source.close()
+
+
+def _write_shards(event: ShardRequested, samples: Sequence[dict[str, Any]], out: Path,
+                  write: WriteShard) -> list[tuple[Path, int]]:
+    """Split `samples` seeded as the request asks and write each shard under `out`."""
+    parts = split(samples, event.num_shards, strategy=event.strategy, seed=event.seed, alpha=event.alpha,
+                  group_key=event.group_key)
+    files = []
+    for index, indices in enumerate(parts):
+        target = out / f"shard-{index:04d}.zip"
+        info = {"index": index, "count": event.num_shards, "seed": event.seed, "strategy": event.strategy}
+        files.append((target, write(indices, info, target)))
+    return files

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from pprint import pformat
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -205,7 +206,7 @@ def test_a_dependency_blinking_mid_round_loses_nothing(
         "status": ("completed", None),
         "rounds": [(r, 1, "aggregated", list(range(SHARDS)), "before its deadline") for r in range(1, ROUNDS + 1)],
         "dead letters": [],
-    }
+    }, pformat(observed, width=200)
     assert all(n for what, n in met.items() if case.startswith(what)), f"the outage met nothing: {met}"
     weights, double = faults.check_exact(job_id, [sizes] * ROUNDS)
     extra = seconds - baseline - lasted

@@ -14,6 +14,7 @@ from apiary.trainers.base import (
     register_trainer,
     trainer_name,
 )
+from apiary.trainers.causal_lm import CausalLMTrainer
 from apiary.trainers.child import EVALUATE_FUNCTION, INIT_FUNCTION, UserCodeError
 from apiary.trainers.environment import OPENMP_WAIT, quiet_openmp
 from apiary.trainers.user_function import UserCodeRunner
@@ -24,6 +25,7 @@ __all__ = [
     "INIT_FUNCTION",
     "OPENMP_WAIT",
     "USER_FUNCTION",
+    "CausalLMTrainer",
     "MetricsCallback",
     "TrainCall",
     "TrainResult",

@@ -35,6 +35,8 @@ class TrainCall:
     dataset: dict[str, Any]
     round: dict[str, Any]
     job: dict[str, Any]
+    # The job's base model in the worker's cache (a model folder or a .gguf file), for built-in trainers.
+    model_path: str | None = None
 
 
 @dataclass

@@ -29,7 +29,7 @@ class UserCodeError(TrainerError):
     """The user's function failed; the message is one line saying how and where."""
 
 
-class _ChildLogger:
+class ChildLogger:
     """The `logger` the user's function receives: metrics stream to the parent."""
 
     def __init__(self, conn: Connection) -> None:
@@ -89,7 +89,7 @@ def _resolve(module: str, function: str, *, optional: bool = False) -> Callable[
 _device: list[str] = []
 
 
-def _training_device(conn: Connection) -> str:
+def training_device(conn: Connection) -> str:
     """`cuda:0` where this child can use a GPU (the worker's, when it was given one), else `cpu`."""
     if not _device:
         import torch
@@ -111,21 +111,27 @@ def _run_train(call: TrainCall, conn: Connection) -> dict[str, Any]:
     # operation that would wake its thread pool.
     initial = w.loads(bytearray(Path(call.weights_path).read_bytes()), copy=False)
     payload = {"env": dict(call.env), "initial_weights": initial, "dataset": dict(call.dataset),
-               "round": dict(call.round), "job": dict(call.job), "device": _training_device(conn)}
+               "round": dict(call.round), "job": dict(call.job), "device": training_device(conn)}
     Path(call.out_dir).mkdir(parents=True, exist_ok=True)
-    result = fn(payload, call.out_dir, _ChildLogger(conn))
+    result = fn(payload, call.out_dir, ChildLogger(conn))
     if not isinstance(result, dict) or "weights" not in result or "samples" not in result:
         raise UserCodeError(f"{call.function} must return a dict with 'weights' and 'samples'")
-    data = _saved_weights(call.function, result["weights"])
-    tmp = Path(call.result_path + ".part")
-    tmp.write_bytes(data)
-    tmp.replace(call.result_path)
+    size, sha256 = save_result(call.result_path, result["weights"], call.function)
     samples = result["samples"]
     if isinstance(samples, bool) or not isinstance(samples, int):
         with contextlib.suppress(Exception):
             samples = int(samples) if float(samples) == int(samples) else samples
     metrics = {k: float(v) for k, v in (result.get("metrics") or {}).items() if _is_number(v)}
-    return {"samples": samples, "metrics": metrics, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return {"samples": samples, "metrics": metrics, "size": size, "sha256": sha256}
+
+
+def save_result(result_path: str, weights: Any, function: str) -> tuple[int, str]:
+    """Write the trained weights to `result_path` whole (through a .part file); their size and sha256."""
+    data = _saved_weights(function, weights)
+    tmp = Path(result_path + ".part")
+    tmp.write_bytes(data)
+    tmp.replace(result_path)
+    return len(data), hashlib.sha256(data).hexdigest()
 
 
 def _saved_weights(function: str, weights: Any) -> bytes:
@@ -175,7 +181,14 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="apiary-parent-watch", daemon=True).start()
 
 
+# Built-in trainers' calls, imported in the child when first made (their libraries are heavy).
+_BUILT_IN_CALLS = {"causal_lm.train": "apiary.trainers.causal_lm_train"}
+
+
 def _run(kind: str, args: Any, conn: Connection) -> dict[str, Any]:
+    if kind in _BUILT_IN_CALLS:
+        result: dict[str, Any] = importlib.import_module(_BUILT_IN_CALLS[kind]).run_train(args, conn)
+        return result
     if kind == "train":
         return _run_train(args, conn)
     if kind == "init":
@@ -206,7 +219,7 @@ def child_main(conn: Connection, code_paths: list[str], variables: dict[str, str
             return
         try:
             conn.send(("result", _run(kind, args, conn)))
-        except UserCodeError as e:
+        except TrainerError as e:
             conn.send(("error", str(e)))
         except BaseException as e:
             conn.send(("error", describe(e)))

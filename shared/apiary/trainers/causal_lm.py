@@ -1,0 +1,63 @@
+"""The built-in causal-LM trainer (`causal_lm`, for jobs without an entrypoint): fine-tunes the job's
+base model with LoRA (or all its weights) in a child process, with the user-function trainer's process
+machinery (signals, exit with the worker, timeout); the round itself is causal_lm_train's."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from apiary.strategies.format import UpdateFormat
+from apiary.trainers.base import (
+    BUILT_IN,
+    MetricsCallback,
+    TrainCall,
+    Trainer,
+    TrainerError,
+    TrainerSetup,
+    TrainResult,
+    register_trainer,
+)
+from apiary.trainers.causal_lm_config import CausalLMConfig
+from apiary.trainers.process import ChildProcess
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+class CausalLMTrainer(Trainer):
+    """A warm child process that fine-tunes the base model for one assignment at a time."""
+
+    def __init__(self, setup: TrainerSetup) -> None:
+        self._child = ChildProcess([], setup.name, dict(setup.environment))
+        self._lock = asyncio.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id, while one runs."""
+        return self._child.pid
+
+    async def start(self) -> None:
+        """Start the child now rather than on the first call."""
+        await asyncio.to_thread(self._child.ensure)
+
+    async def stop(self) -> None:
+        """Stop the child."""
+        await asyncio.to_thread(self._child.kill)
+
+    def update_format(self, env: Mapping[str, Any]) -> UpdateFormat:
+        """Adapter tensors alone with `use_peft` (the config's default), else all weights."""
+        peft = env.get("USE_PEFT", CausalLMConfig.model_fields["use_peft"].default)
+        return UpdateFormat.of(adapter_only=peft is True or str(peft).lower() in _TRUE)
+
+    async def train(self, call: TrainCall, *, timeout: float | None = None,
+                    on_metrics: MetricsCallback | None = None) -> TrainResult:
+        """Fine-tune on the call's shard; TrainerError with one clear line if that fails."""
+        if not call.model_path:
+            raise TrainerError("the causal_lm trainer needs the job's base model, and the assignment names none")
+        async with self._lock:
+            out = await self._child.call("causal_lm.train", call, timeout, on_metrics)
+        return TrainResult(samples=out["samples"], size=out["size"], sha256=out["sha256"], metrics=out["metrics"])
+
+
+register_trainer(BUILT_IN, CausalLMTrainer)

@@ -1,0 +1,138 @@
+"""The causal-LM trainer's round, run in the training child: load the base from the worker's cache, wrap
+it with LoRA (or train all weights), start from the round's global weights, train on the shard with
+autocast on the worker's device, and write back only what travels (the adapter, or all weights)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from apiary.trainers import causal_lm_data as data
+from apiary.trainers import causal_lm_model as lm
+from apiary.trainers.base import TrainCall, TrainerError
+from apiary.trainers.causal_lm_config import CausalLMConfig
+
+CONFIG_FIELDS = tuple(CausalLMConfig.model_fields)
+
+
+def config_from_env(env: dict[str, Any]) -> CausalLMConfig:
+    """The job's trainer config from its env (config keys arrive upper-cased); TrainerError if invalid."""
+    values = {k.lower(): v for k, v in env.items() if k.lower() in CONFIG_FIELDS}
+    try:
+        return CausalLMConfig.model_validate(values)
+    except ValueError as e:
+        raise TrainerError(f"config is not valid for the causal_lm trainer: {str(e).splitlines()[0]}") from e
+
+
+def precision(device: str, mixed_precision: str) -> Any:
+    """The autocast dtype for `mixed_precision` on `device` (None for `no`); TrainerError if it cannot."""
+    import torch
+
+    if mixed_precision == "no":
+        return None
+    if mixed_precision == "fp16" and device == "cpu":
+        raise TrainerError("mixed_precision fp16 is not supported on this worker's CPU: use bf16 or no")
+    if mixed_precision == "bf16" and device != "cpu" and not torch.cuda.is_bf16_supported():
+        raise TrainerError(f"mixed_precision bf16 is not supported on this worker's GPU ({device}): use fp16 or no")
+    return torch.bfloat16 if mixed_precision == "bf16" else torch.float16
+
+
+def run_round(call: TrainCall, device: str, log_metrics: Callable[..., None]) -> tuple[dict[str, Any], int,
+                                                                                         dict[str, float]]:
+    """Train one round; the tensors that travel, the training records' count and {loss, val_loss}."""
+    from apiary import weights as w
+
+    if not call.model_path:
+        raise TrainerError("the causal_lm trainer needs the job's base model, and none was given")
+    cfg = config_from_env(call.env)
+    dtype = precision(device, cfg.mixed_precision)
+    records = data.read_records(Path(call.dataset["data_root"]))
+    model, tokenizer = lm.load_base(Path(call.model_path))
+    if cfg.use_peft:
+        model = lm.with_lora(model, cfg)
+    lm.set_weights(model, w.loads(Path(call.weights_path).read_bytes()), adapter=cfg.use_peft)
+    examples = [data.encode(r, tokenizer, cfg.max_seq_length) for r in records]
+    train_idx, val_idx = data.split_validation(len(examples), cfg.validation_split, cfg.seed)
+    steps = call.env.get("STEPS_PER_ROUND")
+    total = data.micro_batches(len(train_idx), cfg.batch_size, cfg.epochs, int(steps) if steps else None,
+                               cfg.gradient_accumulation_steps)
+    loop = _Loop(model.to(device), cfg, device, dtype, tokenizer.pad_token_id)
+    seed = cfg.seed + int(call.round.get("index", 0))
+    try:
+        loss = loop.train([examples[i] for i in train_idx], total, seed, log_metrics)
+        metrics = {"loss": loss}
+        if val_idx:
+            metrics["val_loss"] = loop.evaluate([examples[i] for i in val_idx])
+    except Exception as e:
+        if type(e).__name__ == "OutOfMemoryError":
+            raise TrainerError(f"out of GPU memory on {device} (batch_size {cfg.batch_size}, max_seq_length "
+                               f"{cfg.max_seq_length}): lower them or use a larger GPU") from e
+        raise
+    tensors = lm.adapter_tensors(model) if cfg.use_peft else lm.full_tensors(model)
+    return tensors, len(train_idx), metrics
+
+
+class _Loop:
+    """The optimizer's loop over batches, and the validation pass, under autocast."""
+
+    def __init__(self, model: Any, cfg: CausalLMConfig, device: str, dtype: Any, pad_id: int) -> None:
+        import torch
+
+        self.model, self.cfg, self.device, self.dtype, self.pad_id = model, cfg, device, dtype, pad_id
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate)
+        warmup = cfg.warmup_steps
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+        # fp16 gradients underflow without scaling; bf16 and float32 need none.
+        self.scaler = torch.amp.GradScaler(device.split(":")[0], enabled=dtype is torch.float16)
+
+    def _loss(self, batch: list[data.Example]) -> Any:
+        import torch
+
+        tensors = {k: v.to(self.device) for k, v in data.collate(batch, self.pad_id).items()}
+        with torch.autocast(self.device.split(":")[0], dtype=self.dtype, enabled=self.dtype is not None):
+            return self.model(**tensors).loss
+
+    def train(self, examples: list[data.Example], total: int, seed: int, log_metrics: Callable[..., None]) -> float:
+        """Run `total` batches (an optimizer step every gradient_accumulation_steps); their mean loss."""
+        import torch
+
+        torch.manual_seed(seed)
+        self.model.train()
+        accumulation, losses = self.cfg.gradient_accumulation_steps, []
+        order: Iterator[list[int]] = data.batches(list(range(len(examples))), self.cfg.batch_size, seed)
+        for i in range(total):
+            loss = self._loss([examples[j] for j in next(order)])
+            self.scaler.scale(loss / accumulation).backward()
+            losses.append(float(loss.detach()))
+            if (i + 1) % accumulation == 0 or i + 1 == total:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.schedule.step()
+                log_metrics(step=math.ceil((i + 1) / accumulation), loss=losses[-1])
+        return sum(losses) / len(losses)
+
+    def evaluate(self, examples: list[data.Example]) -> float:
+        """The mean loss over the held-out records, one batch at a time."""
+        import torch
+
+        self.model.eval()
+        size, losses = self.cfg.batch_size, []
+        with torch.no_grad():
+            for start in range(0, len(examples), size):
+                losses.append(float(self._loss(examples[start:start + size])))
+        return sum(losses) / len(losses)
+
+
+def run_train(call: TrainCall, conn: Connection) -> dict[str, Any]:
+    """The child's `causal_lm.train` call: train, write the result file, and say what it holds."""
+    from apiary.trainers.child import ChildLogger, save_result, training_device
+
+    tensors, samples, metrics = run_round(call, training_device(conn), ChildLogger(conn).log_metrics)
+    size, sha256 = save_result(call.result_path, tensors, "causal_lm")
+    return {"samples": samples, "metrics": metrics, "size": size, "sha256": sha256}

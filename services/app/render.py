@@ -52,12 +52,22 @@ def _shards_table(view: dict[str, Any]) -> Table:
 
 def _rounds_table(view: dict[str, Any]) -> Table:
     rounds = Table(box=None, pad_edge=False, show_header=True, header_style="dim")
-    for column in ("round", "status", "aggregated metrics"):
+    for column in ("round", "status", "loss", "val_loss", "other aggregated metrics"):
         rounds.add_column(column)
     for r in view.get("rounds", [])[-5:]:
-        text = ", ".join(f"{k}={v:.4g}" for k, v in (r.get("metrics") or {}).items()) or (r.get("reason") or "")
-        rounds.add_row(f"{r['round']}" + (f".{r['attempt']}" if r["attempt"] > 1 else ""), r["status"], text)
+        metrics = r.get("metrics") or {}
+        others = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k not in _ROUND_COLUMNS)
+        rounds.add_row(f"{r['round']}" + (f".{r['attempt']}" if r["attempt"] > 1 else ""), r["status"],
+                       *(_number(metrics.get(name)) for name in _ROUND_COLUMNS), others or (r.get("reason") or ""))
     return rounds
+
+
+# The training loss and the held-out (validation) loss, sample-weighted over the round's workers, side by side.
+_ROUND_COLUMNS = ("loss", "val_loss")
+
+
+def _number(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, int | float) else "-"
 
 
 def summary(view: dict[str, Any], duration: float) -> dict[str, Any]:

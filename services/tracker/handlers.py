@@ -98,7 +98,8 @@ async def _job_failed(tx: Executor, b: dict[str, Any], ts: float) -> None:
 
 
 async def _worker_online(tx: Executor, b: dict[str, Any], ts: float) -> None:
-    await store.touch_worker(tx, b["worker_id"], ts, state="idle", hostname=b.get("hostname"), gpu=b.get("gpu"))
+    await store.touch_worker(tx, b["worker_id"], ts, state="idle", hostname=b.get("hostname"), gpu=b.get("gpu"),
+                             kind=_kind(b))
 
 
 async def _worker_heartbeat(tx: Executor, b: dict[str, Any], ts: float) -> None:
@@ -107,7 +108,12 @@ async def _worker_heartbeat(tx: Executor, b: dict[str, Any], ts: float) -> None:
         await store.shard_taken(tx, b["job_id"], b.get("round"), b["shard"], b["worker_id"], ts)
     await store.touch_worker(tx, b["worker_id"], ts, state=b.get("state"), job_id=b.get("job_id"),
                              round_index=b.get("round"), shard=b.get("shard"), gpu=b.get("gpu"),
-                             samples_per_s=b.get("samples_per_s"))
+                             samples_per_s=b.get("samples_per_s"), kind=_kind(b))
+
+
+def _kind(b: dict[str, Any]) -> str | None:
+    kind = b.get("kind")
+    return kind if isinstance(kind, str) else None
 
 
 async def _worker_offline(tx: Executor, b: dict[str, Any], ts: float) -> None:

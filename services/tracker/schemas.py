@@ -191,6 +191,8 @@ class WorkerView(BaseModel):
 
     worker_id: str
     hostname: str | None
+    kind: str | None = Field(default=None, description="own (the user's machine) or platform (ours), as the worker"
+                             " declared it when it started; null: undeclared")
     status: str = Field(description="online or offline")
     state: str | None = Field(description="idle, training or stopped")
     last_heartbeat: float = Field(description="when the tracker last heard from the worker")

@@ -42,6 +42,8 @@ MIGRATIONS = [
     "ALTER TABLE shard_views ADD COLUMN step BIGINT",
     # The job's aggregation strategy and its parameters, from its request and then its rounds.
     "ALTER TABLE job_views ADD COLUMN strategy TEXT; ALTER TABLE job_views ADD COLUMN strategy_params TEXT",
+    # The kind a worker declared when it started (own: the user's machine; platform: ours), for mixed jobs.
+    "ALTER TABLE workers ADD COLUMN kind TEXT",
 ]
 
 SHARD_ROWS_PER_INSERT = 500  # well under SQLite's and PostgreSQL's limits on parameters per statement
@@ -195,8 +197,8 @@ async def record_metrics(tx: Executor, b: dict[str, Any], ts: float) -> None:
 async def touch_worker(tx: Executor, worker_id: str, ts: float, *, state: str | None = None,
                        hostname: str | None = None, job_id: str | None = None, round_index: int | None = None,
                        shard: int | None = None, gpu: dict[str, Any] | None = None,
-                       samples_per_s: float | None = None) -> None:
-    """A worker was seen: online, in this state, on this job's shard (none when not given)."""
+                       samples_per_s: float | None = None, kind: str | None = None) -> None:
+    """A worker was seen: online, in this state, on this job's shard (none when not given), of this kind."""
     await tx.execute(
         "INSERT INTO workers (worker_id, hostname, status, state, first_seen, last_seen)"
         " VALUES ($1, $2, 'online', $3, $4, $4) ON CONFLICT DO NOTHING",
@@ -205,9 +207,10 @@ async def touch_worker(tx: Executor, worker_id: str, ts: float, *, state: str | 
     await tx.execute(
         "UPDATE workers SET status = 'online', state = COALESCE($2, state), hostname = COALESCE($3, hostname),"
         " job_id = $4, round = $5, shard = $6, gpu = COALESCE($7, gpu),"
-        " samples_per_s = COALESCE($8, samples_per_s), last_seen = $9 WHERE worker_id = $1",
+        " samples_per_s = COALESCE($8, samples_per_s), last_seen = $9, kind = COALESCE($10, kind)"
+        " WHERE worker_id = $1",
         worker_id, state, hostname, job_id, round_index, shard, to_json(gpu) if gpu else None,
-        float(samples_per_s) if samples_per_s is not None else None, ts,
+        float(samples_per_s) if samples_per_s is not None else None, ts, kind,
     )
 
 

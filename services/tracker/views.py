@@ -159,6 +159,7 @@ async def workers_view(db: Executor, now: float | None = None) -> list[dict[str,
         out.append({
             "worker_id": w["worker_id"],
             "hostname": w["hostname"],
+            "kind": w["kind"],
             "status": w["status"],
             "state": w["state"],
             "last_heartbeat": w["last_seen"],

@@ -95,14 +95,23 @@ function scheduler(render) {
   };
 }
 
+/* The sample-weighted validation loss of each aggregated round (x = round), where the workers reported one. */
+function valLossPoints(job) {
+  if (!job) return [];
+  return job.rounds.filter((r) => r.status === "aggregated" && typeof r.metrics.val_loss === "number")
+    .map((r) => ({ x: r.round, y: r.metrics.val_loss }));
+}
+
 /* ---------- workers table (both pages) ---------- */
+
+const KIND_TITLE = { own: "the user's own machine", platform: "a platform worker" };
 
 function workersTable(workers, receivedAt) {
   if (!workers.length) return h("p", { class: "empty" }, "No worker has announced itself yet.");
   const age = (w) => w.seconds_since_heartbeat + (Date.now() - receivedAt) / 1000;
   return h("table", { class: "grid", id: "workers-table" },
     h("thead", {}, h("tr", {},
-      ["Worker", "Status", "Assignment", "GPU utilisation", "GPU memory", "Throughput", "Last heartbeat"]
+      ["Worker", "Kind", "Status", "Assignment", "GPU utilisation", "GPU memory", "Throughput", "Last heartbeat"]
         .map((c) => h("th", {}, c)))),
     h("tbody", {}, workers.map((w) => {
       const state = w.status === "offline" ? "offline" : w.state || "idle";
@@ -110,6 +119,8 @@ function workersTable(workers, receivedAt) {
       const gpu = w.gpu;
       return h("tr", { dataset: { worker: w.worker_id } },
         h("td", {}, h("div", { class: "strong" }, w.worker_id), h("div", { class: "muted small" }, w.hostname || "")),
+        h("td", { class: "kind" }, w.kind ? h("span", { class: `kind-${w.kind}`, title: KIND_TITLE[w.kind] || "" }, w.kind)
+          : h("span", { class: "muted", title: "the worker declared no kind" }, "—")),
         h("td", {}, badge(state)),
         h("td", {}, a ? h("a", { href: `#/jobs/${encodeURIComponent(a.job_id)}` },
           `${a.job_id} · round ${a.round ?? "?"} · shard ${a.shard ?? "?"}`) : h("span", { class: "muted" }, "—")),
@@ -191,7 +202,7 @@ function jobPage(jobId) {
     lossSub: h("div", { class: "stat-sub" }), elapsed: h("div", { class: "stat-value" }, "–"),
     elapsedSub: h("div", { class: "stat-sub" }),
     workerChart: document.createElementNS("http://www.w3.org/2000/svg", "svg"),
-    workerLegend: h("div", { class: "legend" }),
+    workerLegend: h("div", { class: "legend" }), roundLegend: h("div", { class: "legend" }),
     controls: h("div", { class: "controls" }),
     roundChart: document.createElementNS("http://www.w3.org/2000/svg", "svg"),
     progress: h("div", {}), progressHead: h("span", { class: "muted" }), workers: h("div", {}),
@@ -219,7 +230,8 @@ function jobPage(jobId) {
       h("div", { class: "card" }, h("div", { class: "card-head" }, h("h2", {}, "Loss per worker"), parts.controls),
         parts.workerChart, parts.workerLegend),
       h("div", { class: "card" }, h("div", { class: "card-head" }, h("h2", {}, "Aggregated loss per round"),
-        h("span", { class: "muted small" }, "sample-weighted over workers")), parts.roundChart)),
+        h("span", { class: "muted small" }, "sample-weighted over workers")), parts.roundChart,
+        parts.roundLegend)),
     h("section", { class: "card" }, h("div", { class: "card-head" }, h("h2", {}, "Workers in this round"),
       parts.progressHead), parts.progress),
     h("section", { class: "card" }, h("div", { class: "card-head" }, h("h2", {}, "Workers")), parts.workers),
@@ -318,13 +330,14 @@ function jobPage(jobId) {
   function renderRounds(job) {
     if (!job.rounds.length) { parts.rounds.replaceChildren(h("p", { class: "empty" }, "No round yet.")); return; }
     parts.rounds.replaceChildren(h("table", { class: "grid" },
-      h("thead", {}, h("tr", {}, ["Round", "Status", "Loss", "Other metrics", "Duration"].map((c) => h("th", {}, c)))),
+      h("thead", {}, h("tr", {}, ["Round", "Status", "Loss", "Val loss", "Other metrics", "Duration"].map((c) => h("th", {}, c)))),
       h("tbody", {}, job.rounds.slice().reverse().map((r) => h("tr", {},
         h("td", { class: "num" }, `${r.round}${r.attempt > 1 ? ` (attempt ${r.attempt})` : ""}`),
         h("td", {}, badge(r.status)),
         h("td", { class: "num" }, num(r.metrics.loss)),
+        h("td", { class: "num val-loss" }, num(r.metrics.val_loss)),
         h("td", { class: r.reason ? "error-text" : "muted" }, r.reason || Object.entries(r.metrics)
-          .filter(([k]) => k !== "loss").map(([k, v]) => `${k} ${num(v)}`).join(" · ") || "—"),
+          .filter(([k]) => k !== "loss" && k !== "val_loss").map(([k, v]) => `${k} ${num(v)}`).join(" · ") || "—"),
         h("td", { class: "num muted" }, r.started_at && r.ended_at ? duration(r.ended_at - r.started_at) : "…"))))));
   }
 
@@ -355,7 +368,8 @@ function jobPage(jobId) {
   }
 
   function renderControls() {
-    const values = [...state.curves.values()].flat().map((p) => p.y).concat(state.rounds.map((r) => r.y));
+    const values = [...state.curves.values()].flat().map((p) => p.y).concat(state.rounds.map((r) => r.y))
+      .concat(valLossPoints(state.job).map((p) => p.y));
     const logY = state.logY ?? Charts.wantsLog(values);
     const toggle = (label, active, onclick, title) =>
       h("button", { class: `toggle${active ? " on" : ""}`, onclick, title }, label);
@@ -392,9 +406,18 @@ function jobPage(jobId) {
       empty: "waiting for the workers' first loss reports…",
     });
     Charts.legend(parts.workerLegend, legend);
-    Charts.line(parts.roundChart, [{ name: "aggregated loss", color: "#e5a00d", width: 2.5, dots: true,
-      points: state.rounds.map((r) => ({ x: r.x, y: r.y, group: 0, label: `round ${r.x}` })) }],
-    { xLabel: "round", yLabel: "loss", logY, xTicks: "rounds", roundsPad: true, empty: "no round aggregated yet" });
+    const roundSeries = [{ name: "aggregated loss", color: "#e5a00d", width: 2.5, dots: true,
+      points: state.rounds.map((r) => ({ x: r.x, y: r.y, group: 0, label: `round ${r.x}` })) }];
+    const validation = valLossPoints(state.job);
+    // Validation loss is drawn only for jobs whose workers report it (the built-in trainer does).
+    if (validation.length) {
+      roundSeries.push({ name: "validation loss", color: "#2f6fde", width: 2, dash: "6 3", dots: true,
+        points: validation.map((p) => ({ ...p, group: 0, label: `validation, round ${p.x}` })) });
+    }
+    Charts.line(parts.roundChart, roundSeries,
+      { xLabel: "round", yLabel: "loss", logY, xTicks: "rounds", roundsPad: true, empty: "no round aggregated yet" });
+    Charts.legend(parts.roundLegend, validation.length
+      ? roundSeries.map((s) => ({ name: s.name, color: s.color, dot: true })) : []);
   }
 
   const render = scheduler(() => {

@@ -102,6 +102,8 @@ def worker(
     worker_id: str = typer.Option(None, "--id", help="This worker's id (default: APIARY_WORKER_ID or host name)."),
     gpu: int = typer.Option(None, "--gpu", help="The GPU this worker trains on, counted as CUDA counts them "
                             "(among CUDA_VISIBLE_DEVICES where that is set). Default: the first one, if any."),
+    kind: str = typer.Option(None, "--kind", help="What this worker is, for mixed worker selection: 'own' "
+                             "(the user's machine) or 'platform' (ours). Default: undeclared."),
 ) -> None:
     """Run one worker: it takes pool assignments and those pinned to its id, until SIGTERM."""
     from services.worker.gpu import GpuChoiceError, require_gpu
@@ -112,6 +114,10 @@ def worker(
         overrides["worker_id"] = worker_id
     if gpu is not None:
         overrides["gpu"] = gpu
+    if kind is not None:
+        if kind not in ("own", "platform"):
+            fail(f"--kind {kind!r} is not a worker kind: expected 'own' or 'platform'")
+        overrides["worker_kind"] = kind
     settings = Settings(**overrides)
     try:
         if settings.gpu is not None:
@@ -188,26 +194,54 @@ def cancel(
 
 dataset_app = typer.Typer(help="Datasets kept in storage, for jobs to name by dataset_id.", no_args_is_help=True)
 app.add_typer(dataset_app, name="dataset")
+model_app = typer.Typer(help="Models kept in storage, for jobs to name by model_id.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
 
 
 @dataset_app.command("upload")
 def dataset_upload(
-    path: Path = typer.Argument(..., help="A dataset folder or zip file with a manifest.json."),
+    path: Path = typer.Argument(..., help="A dataset folder or zip with a manifest.json, or a JSONL file of text "
+                                "records (or a folder or zip holding one)."),
     name: str = typer.Option(None, "--name", help="A name for people (default: the folder or file name)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: dataset_id, name, uri, sha256, size."),
 ) -> None:
-    """Store a dataset; print its dataset_id and URI."""
-    from apiary.registry import upload_dataset
-    from services.app.ports import Ports
-
-    settings = Settings()
-
-    async def go() -> dict[str, Any]:
-        return await upload_dataset(Ports(settings).storage, path, name=name)
-
-    info = guard(lambda: run_async(go()))
+    """Register a dataset; print its dataset_id and URI."""
+    info = _register("datasets", path, name)
+    if as_json:
+        print(json.dumps(_summary(info, "dataset_id")))
+        return
     print(f"{info['dataset_id']} {info['uri']}")
     console.print(f"[dim]{info['num_samples']} samples, {info['size']} bytes; use it with "
                   f"dataset_id: {info['dataset_id']}[/dim]")
+
+
+@model_app.command("add")
+def model_add(
+    path: Path = typer.Argument(..., help="A Hugging Face model folder, a .gguf file or a .safetensors checkpoint."),
+    name: str = typer.Option(None, "--name", help="A name for people (default: the folder or file name)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: model_id, name, uri, sha256, size."),
+) -> None:
+    """Register a model; print its model_id and URI."""
+    info = _register("models", path, name)
+    if as_json:
+        print(json.dumps(_summary(info, "model_id")))
+        return
+    print(f"{info['model_id']} {info['uri']}")
+    console.print(f"[dim]{info['format']} model, {info['size']} bytes; use it with model_id: {info['model_id']}[/dim]")
+
+
+def _register(kind: str, path: Path, name: str | None) -> dict[str, Any]:
+    """Register a model or dataset through the tracker's API, or fail in one line."""
+    from services.app.registries import register
+
+    quiet_client_logs()
+    return guard(lambda: run_async(register(ApiSettings(), kind, path, name)))
+
+
+def _summary(info: dict[str, Any], id_field: str) -> dict[str, Any]:
+    from services.app.registries import summary
+
+    return summary(info, id_field)
 
 
 def main() -> None:

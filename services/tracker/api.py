@@ -18,6 +18,8 @@ from apiary.contracts import JobCancelRequested, JobRequested
 from apiary.jobspec import FieldError, describe_errors
 from services.tracker import schemas
 from services.tracker.publish import publish_job_request
+from services.tracker.registry_routes import Registries, RegistryTracker, registry_routes
+from services.tracker.registry_store import Kind
 from services.tracker.schemas import NOT_FOUND, PREFIX, no_job
 from services.tracker.stream import LiveTracker, stream_routes
 from services.tracker.views import (
@@ -35,8 +37,9 @@ NO_SCHEDULER: dict[int | str, dict[str, Any]] = {
     503: {"model": schemas.Problem, "description": "no scheduler is listening"}}
 
 
-class ApiTracker(LiveTracker, Protocol):
-    """What the API needs of the tracker: what its live streams read, and the bus it publishes on."""
+class ApiTracker(LiveTracker, RegistryTracker, Protocol):
+    """What the API needs of the tracker: what its live streams read, its storage (the registries), and the
+    bus it publishes on."""
 
     @property
     def bus(self) -> Bus:
@@ -54,14 +57,16 @@ def create_app(tracker: ApiTracker) -> FastAPI:
         redoc_url=None,
     )
     app.add_exception_handler(RequestValidationError, _invalid_request)  # type: ignore[arg-type]
-    for router in (_job_commands(tracker), _job_reads(tracker), _worker_routes(tracker), stream_routes(tracker)):
+    registries = Registries(tracker)
+    for router in (_job_commands(tracker, registries), _job_reads(tracker), _worker_routes(tracker),
+                   stream_routes(tracker), registry_routes(registries)):
         app.include_router(router, prefix=PREFIX)
     app.include_router(_dashboard_routes())
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
 
 
-def _job_commands(tracker: ApiTracker) -> APIRouter:
+def _job_commands(tracker: ApiTracker, registries: Registries) -> APIRouter:
     """Submitting and cancelling jobs: both publish on the tracker's bus."""
     router = APIRouter()
 
@@ -71,6 +76,10 @@ def _job_commands(tracker: ApiTracker) -> APIRouter:
     async def submit_job(request: JobRequested) -> JSONResponse:
         """Publish a job request (`job.requested`); the job id is the request's, or a new one."""
         body = request.model_dump(mode="json", exclude_unset=True, exclude={"v"})
+        unknown = await _unregistered(registries, request)
+        if unknown:
+            problem = schemas.Problem(detail=f"request rejected: {describe_errors(unknown)}", errors=unknown)
+            return JSONResponse(problem.model_dump(), status_code=422)
         if request.job_id is not None and await job_status(tracker.db, request.job_id) is not None:
             raise HTTPException(409, f"job id {request.job_id!r} is already taken: choose another")
         try:
@@ -101,6 +110,16 @@ def _job_commands(tracker: ApiTracker) -> APIRouter:
         return {"job_id": job_id, "status": "cancelling" if status is not None else "unknown"}
 
     return router
+
+
+async def _unregistered(registries: Registries, request: JobRequested) -> list[FieldError]:
+    """One error per integer model_id or dataset_id that no registration has (older hex ids are the
+    sharder's to check)."""
+    named: list[tuple[Kind, int | str | None]] = [("models", request.model_id), ("datasets", request.dataset_id)]
+    return [FieldError(field=f"{kind[:-1]}_id", message=f"{kind[:-1]} {item_id} is unknown: list them at "
+                         f"{PREFIX}/{kind}")
+              for kind, item_id in named
+              if isinstance(item_id, int) and not await registries.known(kind, item_id)]
 
 
 def _job_reads(tracker: ApiTracker) -> APIRouter:

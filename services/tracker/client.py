@@ -6,6 +6,7 @@ import asyncio
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -114,6 +115,16 @@ class TrackerClient:
                     yield json.loads(data)
                 elif event == "end":
                     return
+
+    async def register(self, kind: str, file: Path, name: str) -> dict[str, Any]:
+        """Register a model or dataset file (`kind`: models or datasets; POST /{kind}): its record, with its id."""
+        return dict(await self._call("POST", f"/{kind}", params={"name": name, "filename": file.name},
+                                     content=file.read_bytes(), headers={"content-type": "application/octet-stream"},
+                                     timeout=None))
+
+    async def registered(self, kind: str) -> list[dict[str, Any]]:
+        """Every registered model or dataset (`kind`), newest first."""
+        return list(await self._call("GET", f"/{kind}"))
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         response = await self._http.request(method, f"{PREFIX}{path}", **kwargs)

@@ -20,6 +20,7 @@ from apiary.jobspec import parse_entrypoint
 from apiary.settings import Settings
 from apiary.trainers import TrainCall, Trainer, TrainerError, TrainResult
 from services.worker import transfers
+from services.worker.model_cache import ModelCache
 from services.worker.progress import ProgressStream
 
 log = logging.getLogger("apiary.worker")
@@ -32,6 +33,7 @@ class Slot(Protocol):
     settings: Settings
     worker_id: str
     cache: Path
+    models: ModelCache
     samples_per_s: float | None
     completed: int
 
@@ -73,6 +75,7 @@ class AssignmentRun:
     def __init__(self, worker: Slot, assignment: Assignment) -> None:
         self.worker, self.a = worker, assignment
         self.space = Workspace(worker.cache / "jobs" / assignment.job_id)
+        self.model_path: Path | None = None  # the job's base model in the worker's cache, if it has one
 
     async def run(self, ended: asyncio.Task[bool] | None) -> None:
         """Every step in turn; skipped if `ended`, the reading of the job's end marker, says the job
@@ -104,6 +107,9 @@ class AssignmentRun:
                 return None
             weights = weights or transfers.fetch_weights(a, space.weights)
             data_root, moved = await transfers.fetch_shard(a, space.job_dir)
+            if a.base_model is not None:
+                self.model_path, fetched = await self.worker.models.fetch(a.base_model, deadline=a.deadline)
+                moved += fetched
             await weights
             span.set_attribute("apiary.bytes", moved + space.weights.stat().st_size)
             return data_root
@@ -128,6 +134,7 @@ class AssignmentRun:
                      "num_shards": a.num_shards},
             round={"index": a.round, "total": a.num_rounds, "attempt": a.attempt},
             job={"id": a.job_id, "name": a.job_name},
+            model_path=str(self.model_path) if self.model_path is not None else None,
         )
 
     async def _train(self, call: TrainCall) -> TrainResult | None:

@@ -24,6 +24,7 @@ from apiary.assignments import (
     pinned_queue,
     preferred_queue,
 )
+from apiary.backoff import while_unavailable
 from apiary.bus import Bus, Decline, Delivery, Subscription, Unroutable, publish_event, subscribe
 from apiary.bus.typed import Next, consumer_span
 from apiary.contracts import (
@@ -37,6 +38,7 @@ from apiary.contracts import (
 from apiary.settings import Settings
 from apiary.trainers import USER_FUNCTION, Trainer, TrainerError, TrainerSetup, make_trainer, trainer_name
 from services.worker.gpu import choose_gpu, gpu_stats
+from services.worker.model_cache import ModelCache
 from services.worker.pipeline import AssignmentRun
 
 log = logging.getLogger("apiary.worker")
@@ -64,6 +66,8 @@ class Worker:
         self.settings = settings or Settings()
         self.worker_id = worker_id or self.settings.worker_id
         self.cache = Path(cache_dir or self.settings.home / "workers" / self.worker_id).resolve()
+        self.models = ModelCache(Path(self.settings.model_cache or self.cache / "models").resolve(),
+                                 int(self.settings.model_cache_limit_gb * 1e9))
         self.gpu = choose_gpu(self.settings.gpu)  # GpuChoiceError: one line for whoever started the worker
         self._setup = TrainerSetup(code_paths=list(self.settings.code_path), name=f"apiary-{self.worker_id}",
                                    environment=self.gpu.child_environment() if self.gpu else {})
@@ -102,7 +106,8 @@ class Worker:
         await self.runner.start()
         try:
             await publish_event(self.bus, WorkerOnline(worker_id=self.worker_id, hostname=socket.gethostname(),
-                                                       gpu=gpu_stats(self.gpu, self._trainer_pid())))
+                                                       gpu=gpu_stats(self.gpu, self._trainer_pid()),
+                                                       kind=self.settings.worker_kind))
         except Unroutable:
             log.warning("worker %s: no service listens for worker.online yet; heartbeats will announce it",
                         self.worker_id)
@@ -160,6 +165,7 @@ class Worker:
             worker_id=self.worker_id, state=self.state, job_id=a.job_id if a else None,
             round=a.round if a else None, shard=a.shard if a else None,
             gpu=gpu_stats(self.gpu, self._trainer_pid()), samples_per_s=self.samples_per_s,
+            kind=self.settings.worker_kind,
         )
 
     def _end_probe(self, a: Assignment) -> asyncio.Task[bool] | None:
@@ -287,8 +293,11 @@ class Worker:
         """Report that the assignment failed, and why."""
         log.warning("worker %s: job %s round %d shard %d failed: %s", self.worker_id, a.job_id, a.round,
                     a.shard, error)
-        await publish_event(self.bus, WorkerFailed(job_id=a.job_id, round=a.round, attempt=a.attempt,
-                                                   worker_id=self.worker_id, shard=a.shard, error=error))
+        failed = WorkerFailed(job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=self.worker_id,
+                              shard=a.shard, error=error)
+        # Like worker.done: a report waits for the broker rather than the shard being trained again.
+        await while_unavailable(lambda: publish_event(self.bus, failed), self.settings.dependency_backoff(),
+                                f"worker {self.worker_id}: failure report of round {a.round} shard {a.shard}", log)
 
 
 def _remember(kept: OrderedDict[str, Any], job_id: str, value: Any) -> None:

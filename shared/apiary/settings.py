@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -31,6 +32,10 @@ class Settings(BaseSettings):
     progress_interval: float = Field(default=1.0, ge=0)
     worker_offline_after: float = Field(default=20.0, gt=0)
     code_path: list[str] = Field(default_factory=list)
+    worker_kind: Literal["own", "platform"] | None = None  # declared in worker.online (mixed selection)
+    # Base models a worker keeps across jobs (default: under its work folder), cleaned past the limit.
+    model_cache: Path | None = None
+    model_cache_limit_gb: float = Field(default=50.0, gt=0)
     http_host: str = "127.0.0.1"
     http_port: int = 8080
     presign_ttl: int = Field(default=24 * 3600, ge=60)

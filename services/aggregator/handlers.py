@@ -57,6 +57,11 @@ class Aggregator(Component):
             await subscribe(self.bus, "aggregator", handlers, prefetch=self.settings.prefetch)
         )
 
+    async def stop(self) -> None:
+        """Stop consuming, then the outbox's background flush (its events stay stored)."""
+        await super().stop()
+        await self.outbox.close()
+
     def rounds_in_memory(self) -> list[tuple[str, int, int]]:
         """(job, round, attempt) of each round whose running state this aggregator holds."""
         return self._rounds.keys()

@@ -43,9 +43,10 @@ class Scheduler(Component):
         )
 
     async def stop(self) -> None:
-        """Stop consuming, then the user-code process."""
+        """Stop consuming, then the user-code process and the outbox's background flush."""
         await super().stop()
         await self.runner.stop()
+        await self.outbox.close()
 
     async def fail_unfinished(self, reason: str) -> list[str]:
         """End every job that has not ended as failed with `reason`; return their ids.

@@ -29,3 +29,8 @@ class Sharder(Component):
             await subscribe(self.bus, "sharder", {"shard.requested": self.handlers.on_shard_requested},
                             prefetch=self.settings.prefetch)
         )
+
+    async def stop(self) -> None:
+        """Stop consuming, then the outbox's background flush (its events stay stored)."""
+        await super().stop()
+        await self.outbox.close()

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from aio_pika.abc import AbstractRobustConnection
 
 from apiary.bus.base import DEAD_LETTER_QUEUE, Bus, Delivery, Handler, Reroute, Subscription
+from apiary.bus.rabbitmq import wire
 from apiary.bus.rabbitmq.connection import Connection
 from apiary.bus.rabbitmq.publisher import Publisher
 from apiary.bus.rabbitmq.rehold import Lease
@@ -21,6 +22,9 @@ class RabbitBus(Bus):
     `lease_renewal` (seconds, or None for never) is how often a running handler's delivery is re-held
     (see `apiary.bus.rabbitmq.rehold`); `retry_delay` is the pause before a `Retryable` is requeued.
     """
+
+    # What a publish raises once the broker has been away past its timeout: the broker is unavailable.
+    unavailable = wire.TRANSIENT
 
     def __init__(
         self,

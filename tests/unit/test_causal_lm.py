@@ -138,3 +138,18 @@ def test_a_round_returns_adapter_only_tensors_that_peft_loads_from_the_folder(tm
         merge_adapter_folder(model_dir, tmp_path / "adapter", tmp_path / "merged")
         merged = lm.load_base(tmp_path / "merged")[0].eval()
         assert torch.allclose(merged(ids).logits, loaded(ids).logits, atol=1e-5)
+
+
+def test_without_peft_a_round_trains_and_returns_all_weights(tmp_path: Path, model_dir: Path) -> None:
+    # Prepare
+    from apiary.trainers.causal_lm_adapter import initial_full_weights
+
+    start = initial_full_weights(model_dir)
+    env = {"USE_PEFT": False, "STEPS_PER_ROUND": 2, "BATCH_SIZE": 4}
+
+    # Execute
+    tensors, _, metrics = run_round(_call(tmp_path, model_dir, env, start), "cpu", lambda **m: None)
+
+    # Assert
+    assert set(tensors) == set(start) and "loss" in metrics
+    assert any(not (tensors[k] == start[k]).all() for k in start)

@@ -4,7 +4,6 @@ machinery (signals, exit with the worker, timeout); the round itself is causal_l
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,37 +12,22 @@ from apiary.trainers.base import (
     BUILT_IN,
     MetricsCallback,
     TrainCall,
-    Trainer,
     TrainerError,
     TrainerSetup,
     TrainResult,
     register_trainer,
 )
 from apiary.trainers.causal_lm_config import CausalLMConfig
-from apiary.trainers.process import ChildProcess
+from apiary.trainers.process import ChildProcess, ChildTrainer
 
 _TRUE = ("1", "true", "yes", "on")
 
 
-class CausalLMTrainer(Trainer):
+class CausalLMTrainer(ChildTrainer):
     """A warm child process that fine-tunes the base model for one assignment at a time."""
 
     def __init__(self, setup: TrainerSetup) -> None:
-        self._child = ChildProcess([], setup.name, dict(setup.environment))
-        self._lock = asyncio.Lock()
-
-    @property
-    def pid(self) -> int | None:
-        """The child's process id, while one runs."""
-        return self._child.pid
-
-    async def start(self) -> None:
-        """Start the child now rather than on the first call."""
-        await asyncio.to_thread(self._child.ensure)
-
-    async def stop(self) -> None:
-        """Stop the child."""
-        await asyncio.to_thread(self._child.kill)
+        super().__init__(ChildProcess([], setup.name, dict(setup.environment)))
 
     def update_format(self, env: Mapping[str, Any]) -> UpdateFormat:
         """Adapter tensors alone with `use_peft` (the config's default), else all weights."""
@@ -55,8 +39,7 @@ class CausalLMTrainer(Trainer):
         """Fine-tune on the call's shard; TrainerError with one clear line if that fails."""
         if not call.model_path:
             raise TrainerError("the causal_lm trainer needs the job's base model, and the assignment names none")
-        async with self._lock:
-            out = await self._child.call("causal_lm.train", call, timeout, on_metrics)
+        out = await self._call("causal_lm.train", call, timeout, on_metrics)
         return TrainResult(samples=out["samples"], size=out["size"], sha256=out["sha256"], metrics=out["metrics"])
 
 

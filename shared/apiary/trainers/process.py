@@ -12,7 +12,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from apiary.trainers import environment
-from apiary.trainers.base import MetricsCallback
+from apiary.trainers.base import MetricsCallback, Trainer
 from apiary.trainers.child import UserCodeError, child_main
 
 log = logging.getLogger("apiary.usercode")
@@ -149,3 +149,29 @@ class ChildProcess:
                 raise UserCodeError(value)
             elif tag == "died":
                 raise await self._exited()
+
+
+class ChildTrainer(Trainer):
+    """A trainer whose calls run one at a time in a warm ChildProcess (the subclass says which calls)."""
+
+    def __init__(self, child: ChildProcess) -> None:
+        self._child = child
+        self._lock = asyncio.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id, while one runs."""
+        return self._child.pid
+
+    async def start(self) -> None:
+        """Start the child now rather than on the first call."""
+        await asyncio.to_thread(self._child.ensure)
+
+    async def stop(self) -> None:
+        """Stop the child."""
+        await asyncio.to_thread(self._child.kill)
+
+    async def _call(self, kind: str, args: Any, timeout: float | None,
+                    on_metrics: MetricsCallback | None = None) -> Any:
+        async with self._lock:
+            return await self._child.call(kind, args, timeout, on_metrics)

@@ -7,7 +7,6 @@ if it dies or must be killed, the next call starts a fresh one.
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,42 +22,23 @@ from apiary.trainers.base import (
     TrainResult,
     register_trainer,
 )
-from apiary.trainers.process import ChildProcess
+from apiary.trainers.process import ChildProcess, ChildTrainer
 
 _TRUE = ("1", "true", "yes", "on")
 
 
-class UserCodeRunner(Trainer):
+class UserCodeRunner(ChildTrainer):
     """A warm child process that runs one user call at a time."""
 
     def __init__(self, code_paths: list[str] | None = None, name: str = "apiary-user-code",
                  environment: dict[str, str] | None = None) -> None:
-        self._child = ChildProcess([os.getcwd(), *(code_paths or [])], name, dict(environment or {}))
-        self._lock = asyncio.Lock()
-
-    @property
-    def pid(self) -> int | None:
-        """The child's process id, while one runs."""
-        return self._child.pid
-
-    async def start(self) -> None:
-        """Start the child now rather than on the first call."""
-        await asyncio.to_thread(self._child.ensure)
-
-    async def stop(self) -> None:
-        """Stop the child."""
-        await asyncio.to_thread(self._child.kill)
+        super().__init__(ChildProcess([os.getcwd(), *(code_paths or [])], name, dict(environment or {})))
 
     def update_format(self, env: Mapping[str, Any]) -> UpdateFormat:
         """Adapter tensors for a job with `use_peft` in its config (the function returns only those),
         else all weights."""
         peft = env.get("USE_PEFT")
         return UpdateFormat.of(adapter_only=peft is True or str(peft).lower() in _TRUE)
-
-    async def _call(self, kind: str, args: Any, timeout: float | None,
-                    on_metrics: MetricsCallback | None = None) -> Any:
-        async with self._lock:
-            return await self._child.call(kind, args, timeout, on_metrics)
 
     async def train(self, call: TrainCall, *, timeout: float | None = None,
                     on_metrics: MetricsCallback | None = None) -> TrainResult:

@@ -286,20 +286,47 @@ class FieldError(BaseModel):
     message: str
 
 
-def field_errors(error: ValidationError) -> list[FieldError]:
-    """Turn a pydantic error into one line per bad field, in the request's own terms."""
+def field_errors(error: ValidationError, request: Any = None) -> list[FieldError]:
+    """Turn a pydantic error into one line per bad field, in the request's own terms; given the `request`
+    itself, also the rules across fields that pydantic skipped because a field in their block was bad."""
     out = []
     for item in error.errors():
         field = ".".join(str(part) for part in item["loc"]) or "(request)"
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
-            message = "unknown field"
+            message = f"unknown field{_did_you_mean(item['loc'])}"
         out.append(FieldError(field=field, message=message))
-    return out
+    seen = {(e.field, e.message) for e in out}
+    return out + [e for e in cross_field_errors(request) if (e.field, e.message) not in seen]
+
+
+def cross_field_errors(request: Any) -> list[FieldError]:
+    """The rules across fields, checked on the raw request: pydantic reaches them only when every field of
+    their block is valid, and a user fixing one mistake should not meet the next only on the next try."""
+    distributed = request.get("distributed") if isinstance(request, dict) else None
+    if not isinstance(distributed, dict) or distributed.get("enabled") is False:
+        return []
+    low, high = distributed.get("min_workers", 1), distributed.get("max_workers", 1)
+    if type(low) is int and type(high) is int and low > high:
+        return [FieldError(field="distributed", message=f"min_workers ({low}) must not exceed max_workers ({high})")]
+    return []
+
+
+def _did_you_mean(loc: tuple[int | str, ...]) -> str:
+    """` (did you mean num_rounds?)` for an unknown field close to a known one of its block, else ``."""
+    model: type[BaseModel] = JobSpec
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = field.annotation if field is not None else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return ""
+        model = annotation
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1) if loc else []
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def describe_errors(errors: list[FieldError]) -> str:
-    """One line naming each bad field."""
+    """One line naming each bad field (for a stored reason; people get one line per field)."""
     return "; ".join(f"{e.field}: {e.message}" for e in errors)
 
 

@@ -13,9 +13,11 @@ from urllib.parse import unquote, urlparse
 from apiary import keys
 from apiary.contracts import ObjectRef, RoundAggregated
 from apiary.jobspec import JobSpec
+from apiary.registry import RegistryError, model_info
 from apiary.storage import Storage
-from apiary.trainers import UserCodeError, UserCodeRunner
+from apiary.trainers import TrainerError, UserCodeError, UserCodeRunner
 from apiary.weights import read_header
+from services.scheduler import builtin
 
 log = logging.getLogger("apiary.scheduler")
 
@@ -23,9 +25,14 @@ INIT_TIMEOUT = 600.0
 
 
 async def initial_weights(storage: Storage, runner: UserCodeRunner, job_id: str, spec: JobSpec) -> ObjectRef:
-    """Round 0's weights: the job's checkpoint, or the entrypoint module's fl_init_weights(env)."""
+    """Round 0's weights: the built-in trainer's (from the registered model), the job's checkpoint, or the
+    entrypoint module's fl_init_weights(env)."""
+    if spec.trainer is not None:
+        return await builtin.initial_weights(storage, job_id, spec)
     target = keys.global_weights(job_id, 0)
     source = spec.model or spec.model_id
+    if isinstance(source, int):  # a registered checkpoint
+        source = (await model_info(storage, source))["key"]
     if source:
         data = await _read_model(storage, source)
         read_header(data)
@@ -59,7 +66,10 @@ async def _read_model(storage: Storage, source: str) -> bytes:
 async def evaluate(runner: UserCodeRunner, job_id: str, spec: JobSpec, round_index: int,
                    data: bytes) -> tuple[dict[str, Any], str | None]:
     """The final model's metrics from the entrypoint module's evaluation (if it has one), and the
-    evaluation's error if it failed (the job still completes)."""
+    evaluation's error if it failed (the job still completes). A built-in job has no user code to run here:
+    its rounds report validation loss."""
+    if spec.trainer is not None:
+        return {}, None
     with tempfile.TemporaryDirectory(prefix="apiary-eval-") as tmp:
         path = Path(tmp) / "final.safetensors"
         path.write_bytes(data)
@@ -69,6 +79,20 @@ async def evaluate(runner: UserCodeRunner, job_id: str, spec: JobSpec, round_ind
         except UserCodeError as e:
             log.warning("job %s: evaluation failed: %s", job_id, e)
             return {}, str(e)
+
+
+async def finish_built_in(storage: Storage, job_id: str, spec: JobSpec, data: bytes) -> str | None:
+    """A built-in job's final artifacts (the PEFT adapter folder, the merged model) stored under its prefix;
+    why they could not be, if so (the job still completes with its final weights)."""
+    if spec.trainer is None:
+        return None
+    try:
+        stored = await builtin.final_artifacts(storage, job_id, spec, data)
+    except (RegistryError, TrainerError, OSError, ValueError) as e:
+        log.warning("job %s: final artifacts failed: %s", job_id, e)
+        return f"final artifacts: {e}"
+    log.info("job %s: final artifacts at %s", job_id, ", ".join(stored) or "(weights only)")
+    return None
 
 
 def final_report(job_id: str, name: str, metrics: dict[str, Any], history: list[dict[str, Any]],

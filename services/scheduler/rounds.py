@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from apiary import keys
-from apiary.contracts import Assignment, ObjectRef, RoundStart, ShardInfo
+from apiary.contracts import Assignment, ModelRef, ObjectRef, RoundStart, ShardInfo
 from apiary.jobspec import JobSpec
 from apiary.strategies.format import UpdateFormat
 
@@ -69,6 +69,7 @@ class AssignmentUrls:
     upload: str
     files_upload: str
     ended: str
+    base_model: ModelRef | None = None  # a built-in job's registered model, presigned
 
 
 def workers_needed(min_workers: int, pinned: list[str], online: set[str]) -> tuple[int, int]:
@@ -123,7 +124,7 @@ def round_start(target: RoundTarget, plan: RoundPlan) -> RoundStart:
     return RoundStart(
         job_id=target.job_id, round=target.round, attempt=target.attempt, num_rounds=spec.distributed.num_rounds,
         shards=[s.index for s in plan.chosen], min_workers=spec.distributed.min_workers, weights=target.weights,
-        deadline=plan.deadline, update_format=UpdateFormat.of(adapter_only=spec.use_peft),
+        deadline=plan.deadline, update_format=UpdateFormat.of(adapter_only=spec.adapter_only),
         strategy=spec.distributed.strategy, strategy_params=spec.distributed.strategy_params,
     )
 
@@ -138,7 +139,8 @@ def assignment(target: RoundTarget, plan: RoundPlan, shard: ShardInfo, urls: Ass
         shard_num_samples=shard.num_samples, shard_url=urls.shard, shard_sha256=shard.sha256,
         weights_url=urls.weights, weights_sha256=target.weights.sha256, upload_url=urls.upload,
         result_key=keys.contribution(target.job_id, target.round, target.attempt, shard.index),
-        files_upload_url=urls.files_upload, entrypoint=spec.entrypoint, env=spec.env(target.round),
+        files_upload_url=urls.files_upload, entrypoint=spec.entrypoint, trainer=spec.trainer,
+        base_model=urls.base_model, env=spec.env(target.round),
         deadline=plan.deadline, pinned_worker=pinned[shard.index] if pinned else None,
         issued_at=plan.started_at, ended_url=urls.ended,
     )

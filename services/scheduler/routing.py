@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 
 from apiary import keys
 from apiary.assignments import POOL, declare_preferred, pinned_queue, preferred_queue
 from apiary.bus import Bus
-from apiary.contracts import Assignment, ShardInfo
+from apiary.contracts import Assignment, ModelRef, ShardInfo
+from apiary.registry import model_info, model_ref
 from apiary.storage import Storage
 from services.scheduler.rounds import (
     AssignmentUrls,
@@ -34,12 +36,21 @@ class AssignmentRouter:
                           ttl: int) -> list[tuple[Assignment, str]]:
         """Each chosen shard's assignment, with URLs valid for `ttl` seconds, and its routing key."""
         ended_url = self._storage.presign_get(keys.job_ended(target.job_id), ttl)
+        base_model = await self.base_model(target, ttl)
         pinned = target.spec.worker_selection.pinned
         queued = []
         for shard in plan.chosen:
-            message = assignment(target, plan, shard, self.urls(target, shard, ttl, ended_url))
+            urls = replace(self.urls(target, shard, ttl, ended_url), base_model=base_model)
+            message = assignment(target, plan, shard, urls)
             queued.append((message, await self.queue(route(shard.index, pinned, prefer))))
         return queued
+
+    async def base_model(self, target: RoundTarget, ttl: int) -> ModelRef | None:
+        """A built-in job's registered model, presigned for `ttl` seconds; None for user code."""
+        spec = target.spec
+        if spec.trainer is None or spec.model_id is None:
+            return None
+        return model_ref(self._storage, await model_info(self._storage, spec.model_id), ttl)
 
     def urls(self, target: RoundTarget, shard: ShardInfo, ttl: int, ended_url: str) -> AssignmentUrls:
         """The presigned URLs of one shard's assignment, valid for `ttl` seconds."""

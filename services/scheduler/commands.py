@@ -23,7 +23,9 @@ from apiary.contracts import (
 from apiary.db import Database, Executor
 from apiary.jobspec import FieldError, JobSpec, describe_errors, field_errors, strategy_errors
 from apiary.outbox import KeyedLocks, Outbox
+from apiary.registry import registry_errors
 from apiary.status import JobStatus, RoundStatus
+from apiary.storage import Storage
 from services.scheduler import store
 
 log = logging.getLogger("apiary.scheduler")
@@ -42,8 +44,9 @@ class JobEndings(Protocol):
 class JobCommands:
     """Starts and stops jobs on request; each outcome is stored with the events it causes."""
 
-    def __init__(self, db: Database, outbox: Outbox, locks: KeyedLocks, endings: JobEndings) -> None:
-        self._db, self._outbox, self._locks, self._endings = db, outbox, locks, endings
+    def __init__(self, db: Database, storage: Storage, outbox: Outbox, locks: KeyedLocks,
+                 endings: JobEndings) -> None:
+        self._db, self._storage, self._outbox, self._locks, self._endings = db, storage, outbox, locks, endings
 
     async def on_job_requested(self, delivery: Delivery) -> None:
         """Validate a job request; accept it and ask for shards, or reject it naming each bad field."""
@@ -56,7 +59,7 @@ class JobCommands:
             await self._reject(job_id, field_errors(e))
             return
         spec = JobSpec.model_validate(request.model_dump(exclude={"job_id", "v"}))
-        if errors := strategy_errors(spec):
+        if errors := strategy_errors(spec) or await registry_errors(self._storage, spec):
             await self._reject(job_id, errors)
             return
         async with self._locks(job_id):
@@ -72,7 +75,7 @@ class JobCommands:
                 await store.insert_job(tx, job_id, spec, JobStatus.SHARDING, now)
                 await self._outbox.add(tx, _accepted(job_id, spec))
                 await self._outbox.add(tx, ShardRequested(
-                    job_id=job_id, dataset=spec.dataset, dataset_id=spec.dataset_id,
+                    job_id=job_id, dataset=spec.dataset, dataset_id=_text(spec.dataset_id),
                     num_shards=spec.num_shards, strategy=spec.split.strategy, seed=spec.split.seed,
                     alpha=spec.split.alpha, group_key=spec.split.key,
                 ))
@@ -129,6 +132,11 @@ class JobCommands:
                 ended.append(job_id)
         await self._outbox.flush()
         return ended
+
+
+def _text(item_id: int | str | None) -> str | None:
+    """A registry id as the sharder's messages and tables carry it: text."""
+    return None if item_id is None else str(item_id)
 
 
 def _accepted(job_id: str, spec: JobSpec) -> JobAccepted:

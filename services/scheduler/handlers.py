@@ -66,7 +66,7 @@ class SchedulerHandlers:
         self._locks = KeyedLocks()
         # A job's commands are handled in their own module, under the same per-job locks; the Scheduler
         # subscribes to them through this object.
-        commands = JobCommands(db, outbox, self._locks, endings=self)
+        commands = JobCommands(db, storage, outbox, self._locks, endings=self)
         self.on_job_requested = commands.on_job_requested
         self.on_job_cancel = commands.on_job_cancel
         self.fail_unfinished = commands.fail_unfinished

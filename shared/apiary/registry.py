@@ -14,6 +14,7 @@ from typing import Any, Literal
 from apiary.contracts import ModelRef
 from apiary.dataset import DatasetError, DatasetSource
 from apiary.dataset_text import JSONL, TextDataset
+from apiary.jobspec import FieldError, JobSpec
 from apiary.storage import ObjectNotFound, Storage
 
 INFO = "dataset.json"
@@ -173,3 +174,24 @@ def model_ref(storage: Storage, info: dict[str, Any], ttl: int) -> ModelRef:
     """A registered model as an assignment carries it: presigned for `ttl` seconds, with how to check it."""
     return ModelRef(model_id=int(info["model_id"]), url=storage.presign_get(info["key"], ttl), sha256=info["sha256"],
                     size=int(info["size"]), format=info["format"], filename=info["filename"])
+
+
+async def registry_errors(storage: Storage, spec: JobSpec) -> list[FieldError]:
+    """One error per integer model_id or dataset_id that names nothing registered, and for a built-in job's
+    model that is no causal LM (a plain checkpoint); older hex dataset ids are the sharder's to check."""
+    errors = []
+    if isinstance(spec.dataset_id, int):
+        try:
+            await dataset_info(storage, spec.dataset_id)
+        except DatasetError as e:
+            errors.append(FieldError(field="dataset_id", message=str(e)))
+    if isinstance(spec.model_id, int):
+        try:
+            info = await model_info(storage, spec.model_id)
+        except RegistryError as e:
+            errors.append(FieldError(field="model_id", message=str(e)))
+        else:
+            if spec.trainer is not None and not info.get("hf_config"):
+                errors.append(FieldError(field="model_id", message=f"model {spec.model_id} is a plain checkpoint: "
+                                         "the built-in trainer fine-tunes a Hugging Face model folder or a GGUF file"))
+    return errors

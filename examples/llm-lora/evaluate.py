@@ -1,0 +1,48 @@
+"""The example's exact-match score on the held-out records, before fine-tuning (the base model) and after
+(the base with the job's final LoRA adapter): `python examples/llm-lora/evaluate.py [ADAPTER_FOLDER]`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from prepare import HELDOUT, gguf_path
+from task import exact_match, read_records
+
+
+def latest_adapter(home: Path) -> Path:
+    """The final adapter folder of the newest job under APIARY_HOME's storage."""
+    folders = sorted((home / "storage" / "jobs").glob("*/final/adapter"), key=lambda p: p.stat().st_mtime)
+    if not folders:
+        sys.exit(f"no final adapter under {home / 'storage' / 'jobs'}: run the job first, or name the folder")
+    return folders[-1]
+
+
+def main() -> None:
+    """Load the base once, score it, wrap it with the adapter and score again."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("adapter", nargs="?", type=Path, help="the job's final/adapter folder (default: newest)")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    adapter = args.adapter or latest_adapter(Path(os.environ.get("APIARY_HOME", ".apiary")))
+    gguf = gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    base = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
+    records = read_records(HELDOUT)
+    before = exact_match(base, tokenizer, records)
+    print(f"exact match before fine-tuning: {before:.2f} ({len(records)} held-out records)", flush=True)
+    tuned = PeftModel.from_pretrained(base, str(adapter))
+    after = exact_match(tuned, tokenizer, records)
+    print(f"exact match after fine-tuning:  {after:.2f} (adapter {adapter})")
+
+
+if __name__ == "__main__":
+    main()

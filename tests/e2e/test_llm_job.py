@@ -148,7 +148,7 @@ async def test_the_documented_request_fine_tunes_a_registered_llama_moving_only_
     assert workers == WORKERS
     adapter = settings.home / "storage" / "jobs" / job_id / "final" / "adapter"
     tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(adapter))
-    assert tuned.peft_config["default"].r == 16
+    assert getattr(tuned.peft_config["default"], "r", None) == 16
     adapter_size = (adapter / "adapter_model.safetensors").stat().st_size
     round_2 = next(r["started_at"] for r in view["rounds"] if r["round"] == 2)
     for worker in WORKERS:

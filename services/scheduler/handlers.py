@@ -41,6 +41,7 @@ from services.scheduler.rounds import (
     plan_round,
     round_start,
     url_lifetime,
+    usable_workers,
     waiting_for_workers,
 )
 from services.scheduler.routing import AssignmentRouter
@@ -96,7 +97,8 @@ class SchedulerHandlers:
     async def on_worker_presence(self, event: Presence, delivery: Delivery) -> None:
         """Track which workers are online; start the rounds of jobs that were waiting for them."""
         online = not isinstance(event, WorkerOffline)
-        await store.record_presence(self._db, event.worker_id, online, time.time())
+        kind = None if isinstance(event, WorkerOffline) else event.kind
+        await store.record_presence(self._db, event.worker_id, online, time.time(), kind)
         if not online:
             return
         for job_id in await store.job_ids(self._db, status=JobStatus.WAITING):
@@ -189,8 +191,9 @@ class SchedulerHandlers:
         """Start the round if enough workers are online; else park the job as waiting, with why.
         `prefer` names the worker that trained each shard last round: it is offered the shard again."""
         spec = target.spec
-        online = await store.online_workers(tx, time.time() - self._settings.worker_offline_after)
-        waiting = waiting_for_workers(spec.distributed.min_workers, spec.worker_selection.pinned, online)
+        seen = await store.online_workers(tx, time.time() - self._settings.worker_offline_after)
+        online, wrong = usable_workers(seen, spec.worker_selection.kinds)
+        waiting = waiting_for_workers(spec.distributed.min_workers, spec.worker_selection.pinned, online, wrong)
         if waiting is not None:
             await store.set_waiting(tx, target.job_id, target.round, target.attempt, waiting.reason, time.time())
             await self._outbox.add(tx, JobWaiting(job_id=target.job_id, reason=waiting.reason, round=target.round,
@@ -198,10 +201,14 @@ class SchedulerHandlers:
             log.info("job %s: round %d %s", target.job_id, target.round, waiting.reason)
             return
         await store.end_waiting(tx, target.job_id)
-        await self._launch_round(tx, target, online_preferences(prefer, online))
+        for reason in wrong.values():
+            log.warning("job %s: round %d: %s: its shard gets no assignment", target.job_id, target.round, reason)
+        await self._launch_round(tx, target, online_preferences(prefer, online), absent=set(wrong))
 
-    async def _launch_round(self, tx: Executor, target: RoundTarget, prefer: dict[int, str]) -> None:
-        """Store the round and queue round.start, one assignment per shard and the delayed timeout."""
+    async def _launch_round(self, tx: Executor, target: RoundTarget, prefer: dict[int, str],
+                            absent: set[str] | None = None) -> None:
+        """Store the round and queue round.start, one assignment per shard (none for a shard listed on an
+        `absent` worker: the round's timeout finds it missing) and the delayed timeout."""
         plan = plan_round(target.spec, target.shards, time.time())
         trace_ids = telemetry.new_round_ids()
         trace = telemetry.headers_for(telemetry.round_context(*trace_ids))
@@ -210,6 +217,8 @@ class SchedulerHandlers:
         queued = [Pending(round_start(target, plan), headers=trace)]
         ttl = url_lifetime(plan, self._settings.presign_ttl)
         for assignment, routing_key in await self._router.assignments(target, plan, prefer, ttl):
+            if assignment.pinned_worker in (absent or ()):
+                continue
             queued.append(Pending(assignment, routing_key=routing_key, headers=trace))
         queued.append(Pending(RoundTimeout(job_id=target.job_id, round=target.round, attempt=target.attempt),
                               delay=plan.timeout, headers=trace))

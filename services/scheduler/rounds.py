@@ -81,13 +81,30 @@ def workers_needed(min_workers: int, pinned: list[str], online: set[str]) -> tup
     return len(usable), min_workers
 
 
-def waiting_for_workers(min_workers: int, pinned: list[str], online: set[str]) -> Waiting | None:
-    """Why the round must wait for workers, or None when enough are online to start it."""
+def waiting_for_workers(min_workers: int, pinned: list[str], online: set[str],
+                        wrong: Mapping[str, str] | None = None) -> Waiting | None:
+    """Why the round must wait for workers (naming listed ones of the wrong kind), or None when enough are
+    online to start it."""
     count, required = workers_needed(min_workers, pinned, online)
     if count >= required:
         return None
     which = f" of its pinned workers {pinned}" if pinned else ""
-    return Waiting(count, required, f"waiting for workers: {count}{which} online, min_workers is {required}")
+    why = "".join(f"; {reason}" for reason in (wrong or {}).values())
+    return Waiting(count, required, f"waiting for workers: {count}{which} online, min_workers is {required}{why}")
+
+
+def wrong_kinds(kinds: Mapping[str, str], online: Mapping[str, str | None]) -> dict[str, str]:
+    """The listed workers online with another kind than the job lists them as (mixed selection): each
+    with why it does not count. Such a worker gets no assignment; its shard is absent, as if it were away."""
+    return {worker: f"worker {worker} is {online[worker] or 'of no declared kind'}, listed as {wanted}"
+            for worker, wanted in kinds.items() if worker in online and online[worker] != wanted}
+
+
+def usable_workers(online: Mapping[str, str | None], kinds: Mapping[str, str]) -> tuple[set[str], dict[str, str]]:
+    """The online workers that count for the job (a listed one only of its listed kind), and the listed ones
+    that do not, with why."""
+    wrong = wrong_kinds(kinds, online)
+    return set(online) - set(wrong), wrong
 
 
 def online_preferences(prefer: Mapping[int, str] | None, online: set[str]) -> dict[int, str]:

@@ -40,6 +40,8 @@ MIGRATIONS = [
     CREATE TABLE IF NOT EXISTS early_cancels (
       job_id TEXT PRIMARY KEY, reason TEXT NOT NULL, received_at DOUBLE PRECISION NOT NULL);
     """,
+    # The kind each worker declared (own | platform): a mixed job's listed workers must have theirs.
+    "ALTER TABLE worker_presence ADD COLUMN kind TEXT",
 ]
 
 OUTBOX = "scheduler_outbox"
@@ -187,19 +189,20 @@ async def forget_cancel(tx: Executor, job_id: str) -> None:
     await tx.execute("DELETE FROM early_cancels WHERE job_id = $1", job_id)
 
 
-async def record_presence(db: Executor, worker_id: str, online: bool, now: float) -> None:
-    """A worker was seen online (or said it goes offline)."""
+async def record_presence(db: Executor, worker_id: str, online: bool, now: float, kind: str | None = None) -> None:
+    """A worker was seen online (or said it goes offline), of the kind it declared (kept when not given)."""
     await db.execute(
-        "INSERT INTO worker_presence (worker_id, online, last_seen) VALUES ($1, $2, $3)"
-        " ON CONFLICT (worker_id) DO UPDATE SET online = $2, last_seen = $3",
-        worker_id, int(online), now,
+        "INSERT INTO worker_presence (worker_id, online, last_seen, kind) VALUES ($1, $2, $3, $4)"
+        " ON CONFLICT (worker_id) DO UPDATE SET online = $2, last_seen = $3, kind = COALESCE($4, worker_presence.kind)",
+        worker_id, int(online), now, kind,
     )
 
 
-async def online_workers(tx: Executor, seen_since: float) -> set[str]:
-    """Workers online and seen since then."""
-    rows = await tx.fetch("SELECT worker_id FROM worker_presence WHERE online = 1 AND last_seen >= $1", seen_since)
-    return {r["worker_id"] for r in rows}
+async def online_workers(tx: Executor, seen_since: float) -> dict[str, str | None]:
+    """Workers online and seen since then, with the kind each declared (None: none)."""
+    rows = await tx.fetch("SELECT worker_id, kind FROM worker_presence WHERE online = 1 AND last_seen >= $1",
+                          seen_since)
+    return {r["worker_id"]: r["kind"] for r in rows}
 
 
 async def insert_round(tx: Executor, job_id: str, round_index: int, attempt: int, shards: list[int],

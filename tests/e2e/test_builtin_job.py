@@ -16,6 +16,7 @@ from apiary.weights import loads
 from services.app.runtime import Embedded
 from tests.fixtures import tiny_llm
 from tests.fixtures.embedded import StackFactory, toy_request
+from tests.unit.test_jobspec_documented import DOCUMENTED
 
 pytest.importorskip("peft")
 
@@ -61,6 +62,24 @@ async def test_a_lora_job_moves_only_adapters_and_ends_with_a_peft_adapter_folde
     assert view["status"] == "completed", view.get("reason")
     assert set(initial) == set(final) and all("lora_" in key for key in initial)
     assert sorted(Path(k).name for k in stored) == ["adapter_config.json", "adapter_model.safetensors"]
+
+
+async def test_the_documented_body_is_accepted_through_the_api_and_waits_for_its_listed_workers(
+        embedded: StackFactory, tmp_path: Path) -> None:
+    folder = tiny_llm.save_model(tmp_path / "tiny-llama")
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in tiny_llm.records(12)))
+
+    async with embedded(workers=1) as stack:
+        model = await stack.api.register("models", zip_folder(folder, tmp_path / "model.zip"), "tiny")
+        dataset = await stack.api.register("datasets", data, "train")
+        body = {**DOCUMENTED, "model_id": model["model_id"], "dataset_id": str(dataset["dataset_id"])}
+        submitted = await stack.api.submit_job(body)
+        view = await stack.wait(submitted["job_id"], timeout=120, until=lambda v: v["status"] == "waiting")
+        listed = [m["model_id"] for m in await stack.api.registered("models")]
+
+    assert listed == [model["model_id"]] and view["num_shards"] == 3
+    assert "of its pinned workers ['1', '3', '5'] online, min_workers is 2" in view["reason"]
 
 
 async def test_not_distributed_trains_one_shard_on_one_worker(embedded: StackFactory, toy_dataset: Path) -> None:

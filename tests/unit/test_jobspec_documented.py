@@ -4,13 +4,16 @@ worker selection and `distributed.enabled`."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from apiary.contracts import JobRequested
 from apiary.jobspec import CAUSAL_LM, JobSpec, describe_errors, field_errors
+from services.app.jobfile import load_job_file
 
 DOCUMENTED: dict[str, Any] = {
     "name": "distributed-llama-finetune",
@@ -87,3 +90,12 @@ def test_pool_and_pinned_keep_working() -> None:
     pool = JobSpec.model_validate({**DOCUMENTED, "worker_selection": {}})
 
     assert pinned.num_shards == 2 and pool.num_shards == 5 and pool.worker_selection.kinds == {}
+
+
+def test_a_job_file_holding_the_documented_body_validates(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(DOCUMENTED))
+
+    spec = JobRequested.model_validate(load_job_file(path))
+
+    assert (spec.model_id, spec.trainer, spec.worker_selection.pinned) == (7, CAUSAL_LM, ["1", "3", "5"])

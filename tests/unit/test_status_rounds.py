@@ -1,0 +1,52 @@
+"""`apiary status` and `apiary run`'s live view: each round's training and validation loss side by side."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+
+from services.app.render import render_job
+
+
+def _printed(view: dict[str, Any]) -> list[str]:
+    console = Console(width=160, record=True, color_system=None)
+    console.print(render_job(view))
+    return console.export_text().splitlines()
+
+
+def _view(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"job_id": "j1", "name": "llm", "status": "running", "round": len(rounds), "num_rounds": 3,
+            "attempt": 1, "shards": [], "rounds": rounds}
+
+
+def test_each_round_prints_its_loss_and_val_loss_in_their_own_columns() -> None:
+    # Prepare
+    view = _view([
+        {"round": 1, "attempt": 1, "status": "aggregated", "metrics": {"loss": 2.5, "val_loss": 2.75, "acc": 0.5}},
+        {"round": 2, "attempt": 1, "status": "aggregated", "metrics": {"loss": 1.25, "val_loss": 1.5}},
+    ])
+
+    # Execute
+    lines = _printed(view)
+
+    # Assert
+    header = next(line for line in lines if "val_loss" in line and "round" in line)
+    assert header.split()[:4] == ["round", "status", "loss", "val_loss"]
+    assert ["1", "aggregated", "2.5000", "2.7500", "acc=0.5"] in [line.split() for line in lines]
+    assert ["2", "aggregated", "1.2500", "1.5000"] in [line.split() for line in lines]
+
+
+def test_a_round_without_val_loss_shows_a_dash_and_a_failed_round_its_reason() -> None:
+    # Prepare
+    view = _view([
+        {"round": 1, "attempt": 1, "status": "aggregated", "metrics": {"loss": 0.5}},
+        {"round": 2, "attempt": 1, "status": "failed", "metrics": {}, "reason": "too few workers"},
+    ])
+
+    # Execute
+    rows = [line.split() for line in _printed(view)]
+
+    # Assert
+    assert ["1", "aggregated", "0.5000", "-"] in rows
+    assert ["2", "failed", "-", "-", "too", "few", "workers"] in rows

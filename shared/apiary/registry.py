@@ -5,6 +5,7 @@ and reads what an id names, so the scheduler and the sharder need nothing but st
 from __future__ import annotations
 
 import json
+import os
 import time
 import zipfile
 from dataclasses import dataclass
@@ -137,6 +138,9 @@ def hf_config(upload: Upload) -> dict[str, Any] | None:
 
 def _gguf_config(file: Path) -> dict[str, Any]:
     """A GGUF file's architecture as a transformers config dict (transformers reads the metadata only)."""
+    # Registration never reaches a model hub: everything it reads is the file given.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
         from transformers import AutoConfig
     except ImportError:

@@ -184,6 +184,9 @@ async def registry_errors(storage: Storage, spec: JobSpec) -> list[FieldError]:
     """One error per integer model_id or dataset_id that names nothing registered, and for a built-in job's
     model that is no causal LM (a plain checkpoint); older hex dataset ids are the sharder's to check."""
     errors = []
+    if spec.trainer is not None and not isinstance(spec.model_id, int):
+        errors.append(FieldError(field="model_id", message="a built-in job fine-tunes a registered model: give its "
+                                 "integer model_id (register one with `apiary model add PATH`)"))
     if isinstance(spec.dataset_id, int):
         try:
             await dataset_info(storage, spec.dataset_id)

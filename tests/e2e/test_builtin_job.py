@@ -40,12 +40,18 @@ def _request(model_id: Any, dataset_id: Any, **distributed: Any) -> dict[str, An
 
 
 async def test_unknown_ids_are_rejected_naming_them(embedded: StackFactory) -> None:
+    by_path = {**_request(None, "42"), "model": "/models/tiny"}
+    del by_path["model_id"]
+
     async with embedded(workers=1) as stack:
         view = await stack.wait(await stack.submit(_request(7, "42")), timeout=30)
+        unregistered = await stack.wait(await stack.submit(by_path), timeout=30)
 
     assert view["status"] == "rejected"
     assert {e["field"] for e in view["errors"]} == {"model_id", "dataset_id"}
     assert "model_id 7 is unknown" in view["reason"] and "dataset_id '42' is unknown" in view["reason"]
+    assert unregistered["status"] == "rejected"
+    assert "a built-in job fine-tunes a registered model" in unregistered["reason"]
 
 
 async def test_a_lora_job_moves_only_adapters_and_ends_with_a_peft_adapter_folder(embedded: StackFactory,

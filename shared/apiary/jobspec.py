@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import re
 from typing import Annotated, Any, Literal
 
@@ -16,8 +15,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from apiary.jobspec_builtin import built_in_errors, did_you_mean, merged_errors
 from apiary.strategies import DEFAULT_STRATEGY
 from apiary.trainers.causal_lm_config import CausalLMConfig
 
@@ -152,13 +151,13 @@ class JobSpec(BaseModel):
     def _built_in_config(cls, data: Any, handler: ModelWrapValidatorHandler[JobSpec]) -> JobSpec:
         # A job without an entrypoint has its config checked key by key against the built-in trainer's,
         # reported beside the request's other errors (`config.lora_rr: unknown field (did you mean lora_r?)`).
-        config_errors = _built_in_errors(data)
+        config_errors = built_in_errors(data)
         try:
             spec = handler(data)
         except ValidationError as e:
             if not config_errors:
                 raise
-            raise _merged(cls.__name__, e, config_errors) from None
+            raise merged_errors(cls.__name__, e, config_errors, list(cls.model_fields)) from None
         if config_errors:
             raise ValidationError.from_exception_data(cls.__name__, config_errors)
         return spec
@@ -238,47 +237,6 @@ class JobSpec(BaseModel):
         return env
 
 
-def _built_in_errors(data: Any) -> list[InitErrorDetails]:
-    """A request without an entrypoint fine-tunes a registered model: without one either, the entrypoint is
-    missing; with one, its config's errors for the built-in trainer, located under `config`."""
-    if not isinstance(data, dict) or data.get("entrypoint") is not None:
-        return []
-    if not (data.get("model") or data.get("model_id")):
-        # The one line a request naming neither code nor a model gets (a built-in job needs model_id).
-        return [{"type": "missing", "loc": ("entrypoint",), "input": data}]
-    if not isinstance(data.get("config", {}), dict):
-        return []
-    try:
-        CausalLMConfig.model_validate(data.get("config", {}))
-    except ValidationError as e:
-        return [_config_error(item) for item in e.errors()]
-    return []
-
-
-def _config_error(item: Any) -> InitErrorDetails:
-    """One of CausalLMConfig's errors, under `config`; an unknown key names the closest known one."""
-    loc = ("config", *item["loc"])
-    if item["type"] != "extra_forbidden":
-        error = PydanticCustomError("config_value", "{msg}", {"msg": item["msg"].removeprefix("Value error, ")})
-        return {"type": error, "loc": loc, "input": item["input"]}
-    close = difflib.get_close_matches(str(item["loc"][-1]), list(CausalLMConfig.model_fields), n=1)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    return {"type": PydanticCustomError("unknown_field", f"unknown field{hint}"), "loc": loc, "input": item["input"]}
-
-
-def _merged(title: str, error: ValidationError, extra: list[InitErrorDetails]) -> ValidationError:
-    """A request's own errors and its built-in config's, as one error."""
-    own: list[InitErrorDetails] = [
-        {"type": PydanticCustomError(item["type"], "{msg}", {"msg": item["msg"]}), "loc": item["loc"],
-         "input": item["input"]}
-        for item in error.errors()
-    ]
-    # In the request's field order, as pydantic reports its own errors.
-    order = {name: i for i, name in enumerate(JobSpec.model_fields)}
-    merged = sorted([*own, *extra], key=lambda item: order.get(str(item["loc"][0]) if item["loc"] else "", -1))
-    return ValidationError.from_exception_data(title, merged)
-
-
 class FieldError(BaseModel):
     """One bad field of a rejected request."""
 
@@ -321,8 +279,7 @@ def _did_you_mean(loc: tuple[int | str, ...]) -> str:
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return ""
         model = annotation
-    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1) if loc else []
-    return f" (did you mean {close[0]}?)" if close else ""
+    return did_you_mean(str(loc[-1]), list(model.model_fields)) if loc else ""
 
 
 def describe_errors(errors: list[FieldError]) -> str:

@@ -206,13 +206,7 @@ def dataset_upload(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: dataset_id, name, uri, sha256, size."),
 ) -> None:
     """Register a dataset; print its dataset_id and URI."""
-    info = _register("datasets", path, name)
-    if as_json:
-        print(json.dumps(_summary(info, "dataset_id")))
-        return
-    print(f"{info['dataset_id']} {info['uri']}")
-    console.print(f"[dim]{info['num_samples']} samples, {info['size']} bytes; use it with "
-                  f"dataset_id: {info['dataset_id']}[/dim]")
+    _register("datasets", path, name, as_json)
 
 
 @model_app.command("add")
@@ -222,26 +216,22 @@ def model_add(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: model_id, name, uri, sha256, size."),
 ) -> None:
     """Register a model; print its model_id and URI."""
-    info = _register("models", path, name)
-    if as_json:
-        print(json.dumps(_summary(info, "model_id")))
-        return
-    print(f"{info['model_id']} {info['uri']}")
-    console.print(f"[dim]{info['format']} model, {info['size']} bytes; use it with model_id: {info['model_id']}[/dim]")
+    _register("models", path, name, as_json)
 
 
-def _register(kind: str, path: Path, name: str | None) -> dict[str, Any]:
-    """Register a model or dataset through the tracker's API, or fail in one line."""
-    from services.app.registries import register
+def _register(kind: str, path: Path, name: str | None, as_json: bool) -> None:
+    """Register a model or dataset through the tracker's API and print its id and URI (`as_json`: one JSON
+    object), or fail in one line."""
+    from services.app.registries import describe, register, summary
 
     quiet_client_logs()
-    return guard(lambda: run_async(register(ApiSettings(), kind, path, name)))
-
-
-def _summary(info: dict[str, Any], id_field: str) -> dict[str, Any]:
-    from services.app.registries import summary
-
-    return summary(info, id_field)
+    info = guard(lambda: run_async(register(ApiSettings(), kind, path, name)))
+    id_field = f"{kind[:-1]}_id"
+    if as_json:
+        print(json.dumps(summary(info, id_field)))
+        return
+    print(f"{info[id_field]} {info['uri']}")
+    console.print(f"[dim]{describe(info)}; use it with {id_field}: {info[id_field]}[/dim]")
 
 
 def main() -> None:

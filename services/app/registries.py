@@ -27,9 +27,15 @@ async def register(settings: ApiSettings, kind: str, path: Path, name: str | Non
             return await api.register(kind, upload.file, upload.name)
 
 
+def describe(info: dict[str, Any]) -> str:
+    """What a registration holds, for people: its samples or its model format, and its size."""
+    what = f"{info['num_samples']} samples" if "num_samples" in info else f"{info.get('format')} model"
+    return f"{what}, {info['size']} bytes"
+
+
 def summary(info: dict[str, Any], id_field: str) -> dict[str, Any]:
     """The one object `--json` prints: the new id, name, uri, sha256 and size."""
     return {id_field: info[id_field], **{key: info.get(key) for key in SHOWN}}
 
 
-__all__ = ["register", "summary"]
+__all__ = ["describe", "register", "summary"]

@@ -17,19 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-WORDS = ["code", "for", "alice", "bruno", "chiara", "lyon", "porto", "kyoto", "-"]
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test fixtures' tiny model and transfer log
 
 def rss_bytes(field: str = "VmRSS") -> int:
     """A figure from /proc/self/status, in bytes."""
@@ -39,70 +34,20 @@ def rss_bytes(field: str = "VmRSS") -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def small_llama(folder: Path, hidden: int, layers: int) -> Path:
-    """A random llama of this width and depth with a word-level tokenizer, as a Hugging Face folder."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    vocab = {token: i for i, token in enumerate(["<pad>", "<unk>", "</s>", *WORDS])}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<pad>",
-                            eos_token="</s>").save_pretrained(folder)
-    LlamaForCausalLM(LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=8,
-                                 num_key_value_heads=4, intermediate_size=hidden * 2, vocab_size=len(vocab),
-                                 pad_token_id=0, eos_token_id=2, bos_token_id=2)).save_pretrained(folder)
-    return folder
-
-
-def records(path: Path, count: int = 48) -> Path:
-    """Prompt/completion records over the tokenizer's words."""
-    names, cities = WORDS[2:5], WORDS[5:8]
-    path.write_text("".join(json.dumps({"prompt": f"code for {names[i % 3]} {cities[i // 3 % 3]}",
-                                        "completion": f" {cities[i // 3 % 3]} - {names[i % 3]}"}) + "\n"
-                            for i in range(count)))
-    return path
-
-
-async def cli(api_url: str, *args: str) -> dict[str, Any]:
-    """`apiary ARGS --json` against the stack's API."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.app.cli", *args, "--json", stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env={**os.environ, "APIARY_API_URL": api_url})
-    out, err = await proc.communicate()
-    if proc.returncode != 0:
-        raise RuntimeError(err.decode().strip())
-    result: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
-    return result
-
-
-async def bytes_per_round(tmp: Path, rounds: int) -> None:
-    """Run a LoRA job on 3 in-process workers and print each worker's bytes per later round / 2 x adapter."""
-    from apiary import transfer
+async def bytes_per_round(tmp: Path, rounds: int, hidden: int = 256, layers: int = 4) -> None:
+    """Run a LoRA job on 3 in-process workers (a random llama, `hidden` wide) and print each worker's bytes
+    per round after the first over 2 x the adapter."""
     from apiary.settings import Settings
     from services.app.runtime import Embedded
+    from tests.fixtures.llm import TransferLog, cli_json, jsonl_dataset, llama_folder
 
-    moved: list[tuple[float, str, int]] = []
-    workers_dir = (tmp / ".apiary" / "workers").resolve()
-    download, upload = transfer.download, transfer.upload
-
-    def note(path: Path) -> None:
-        moved.append((time.time(), path.resolve().relative_to(workers_dir).parts[0], path.stat().st_size))
-
-    async def counted_download(url: str, target: Path, sha256: str | None = None, **kw: Any) -> None:
-        await download(url, target, sha256, **kw)
-        note(target)
-
-    async def counted_upload(url: str, source: Path, **kw: Any) -> None:
-        note(source)
-        await upload(url, source, **kw)
-
-    transfer.download, transfer.upload = counted_download, counted_upload
+    transfers = TransferLog(tmp / ".apiary" / "workers")
+    transfers.install()
     settings = Settings(home=tmp / ".apiary", http_port=0, heartbeat_interval=0.5, progress_interval=0.0)
     async with Embedded(settings, workers=3) as stack:
         url = await stack.tracker.start_http()
-        model = await cli(url, "model", "add", str(small_llama(tmp / "llama", 256, 4)))
-        dataset = await cli(url, "dataset", "upload", str(records(tmp / "records.jsonl")))
+        model = await cli_json(url, "model", "add", str(llama_folder(tmp / "llama", hidden, layers)))
+        dataset = await cli_json(url, "dataset", "upload", str(jsonl_dataset(tmp / "records.jsonl", 48)))
         job_id = await stack.submit({
             "name": "bench-llm", "model_id": model["model_id"], "dataset_id": dataset["dataset_id"],
             "config": {"batch_size": 4, "use_peft": True, "lora_r": 16, "lora_alpha": 32},
@@ -114,9 +59,9 @@ async def bytes_per_round(tmp: Path, rounds: int) -> None:
     size = adapter.stat().st_size
     round_2 = next(r["started_at"] for r in view["rounds"] if r["round"] == 2)
     print(f"bytes moved: base model {model['size'] / 1e6:.1f} MB, adapter {size / 1e3:.1f} kB, {rounds} rounds")
-    for worker in sorted({w for _, w, _ in moved}):
-        total = sum(n for at, w, n in moved if w == worker and at >= round_2)
-        first = sum(n for at, w, n in moved if w == worker and at < round_2)
+    for worker in sorted({m.worker for m in transfers.moved}):
+        total = sum(m.size for m in transfers.since(worker, round_2))
+        first = sum(m.size for m in transfers.before(worker, round_2))
         print(f"  {worker}: round 1 {first / 1e6:.2f} MB (base, shard, adapter); later rounds "
               f"{total / (rounds - 1) / 1e3:.1f} kB per round = {total / (rounds - 1) / (2 * size):.3f} x 2 adapters")
 

@@ -4,13 +4,6 @@ and 3, platform 5); the final adapter loads with peft, and after round 1 each wo
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
-import sys
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,40 +12,12 @@ import pytest
 
 pytest.importorskip("peft")
 
-from apiary import transfer
 from apiary.settings import Settings
 from services.app.runtime import Embedded
 from services.worker import Worker
+from tests.fixtures.llm import TransferLog, cli_json, jsonl_dataset, llama_folder
 
-WORDS = ["code", "for", "alice", "bruno", "chiara", "lyon", "porto", "kyoto", "is", "-"]
 WORKERS = {"1": "own", "3": "own", "5": "platform"}
-
-
-def tiny_llama(folder: Path) -> Path:
-    """A randomly initialised two-layer llama and a word-level tokenizer, saved as a Hugging Face folder."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    vocab = {token: i for i, token in enumerate(["<pad>", "<unk>", "</s>", *WORDS])}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<pad>",
-                                        eos_token="</s>")
-    config = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=64, vocab_size=len(vocab), pad_token_id=0, eos_token_id=2,
-                         bos_token_id=2, max_position_embeddings=64)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def jsonl_dataset(path: Path, count: int = 24) -> Path:
-    """Prompt/completion records: a name and a city in, the city and the name out."""
-    names, cities = WORDS[2:5], WORDS[5:8]
-    lines = [json.dumps({"prompt": f"code for {names[i % 3]} {cities[i // 3 % 3]}",
-                         "completion": f" {cities[i // 3 % 3]} - {names[i % 3]}"}) for i in range(count)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def documented_body(model_id: int, dataset_id: int) -> dict[str, Any]:
@@ -69,59 +34,21 @@ def documented_body(model_id: int, dataset_id: int) -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True)
-class Moved:
-    """One transfer a worker made: when, which worker's file, how many bytes."""
-
-    at: float
-    worker: str
-    path: Path
-    size: int
-
-
 @pytest.fixture
-def moved(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[list[Moved]]:
-    """Every download and upload the in-process workers make, by worker (from the file's place)."""
-    record: list[Moved] = []
-    workers_dir = tmp_path / ".apiary" / "workers"
-    download, upload = transfer.download, transfer.upload
-
-    def note(path: Path) -> None:
-        parts = path.resolve().relative_to(workers_dir.resolve()).parts
-        record.append(Moved(time.time(), parts[0], path, path.stat().st_size))
-
-    async def counted_download(url: str, target: Path, sha256: str | None = None, **kw: Any) -> None:
-        await download(url, target, sha256, **kw)
-        note(target)
-
-    async def counted_upload(url: str, source: Path, **kw: Any) -> None:
-        note(source)
-        await upload(url, source, **kw)
-
-    monkeypatch.setattr(transfer, "download", counted_download)
-    monkeypatch.setattr(transfer, "upload", counted_upload)
-    yield record
-
-
-async def cli(api_url: str, *args: str) -> dict[str, Any]:
-    """Run `apiary ARGS --json` against the stack's API; its one JSON object."""
-    env = {**os.environ, "APIARY_API_URL": api_url, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "services.app.cli", *args, "--json",
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                                                env=env)
-    out, err = await proc.communicate()
-    assert proc.returncode == 0, err.decode()
-    result: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
-    return result
+def transfers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> TransferLog:
+    """Every download and upload the in-process workers make, by worker."""
+    log = TransferLog(tmp_path / ".apiary" / "workers")
+    log.install(monkeypatch.setattr)
+    return log
 
 
 async def test_the_documented_request_fine_tunes_a_registered_llama_moving_only_adapters(
-        tmp_path: Path, moved: list[Moved]) -> None:
+        tmp_path: Path, transfers: TransferLog) -> None:
     # Prepare
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = tiny_llama(tmp_path / "tiny-llama")
+    base = llama_folder(tmp_path / "tiny-llama")
     data = jsonl_dataset(tmp_path / "records.jsonl")
     settings = Settings(home=tmp_path / ".apiary", http_port=0, heartbeat_interval=0.5, progress_interval=0.0)
     stack = Embedded(settings, workers=0)
@@ -129,8 +56,8 @@ async def test_the_documented_request_fine_tunes_a_registered_llama_moving_only_
                      for wid, kind in WORKERS.items()]
     async with stack:
         url = await stack.tracker.start_http()
-        model = await cli(url, "model", "add", str(base), "--name", "tiny-llama")
-        dataset = await cli(url, "dataset", "upload", str(data), "--name", "records")
+        model = await cli_json(url, "model", "add", str(base), "--name", "tiny-llama")
+        dataset = await cli_json(url, "dataset", "upload", str(data), "--name", "records")
 
         # Execute
         async with httpx.AsyncClient(base_url=url) as http:
@@ -152,7 +79,7 @@ async def test_the_documented_request_fine_tunes_a_registered_llama_moving_only_
     adapter_size = (adapter / "adapter_model.safetensors").stat().st_size
     round_2 = next(r["started_at"] for r in view["rounds"] if r["round"] == 2)
     for worker in WORKERS:
-        later = [m for m in moved if m.worker == worker and m.at >= round_2]
+        later = transfers.since(worker, round_2)
         per_round = sum(m.size for m in later) / 2
         assert per_round <= 1.05 * 2 * adapter_size, (worker, adapter_size, later)
         assert later, f"worker {worker} moved nothing after round 1"

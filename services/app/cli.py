@@ -8,13 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 
 from apiary.settings import Settings
 from apiary.trainers.environment import quiet_openmp
-from services.app.console import console, fail, guard, quiet_client_logs, run_async, setup_logging
-from services.app.jobfile import JobFileError, code_root_for, load_job_file
+from services.app.console import console, fail, guard, quiet_client_logs, results, run_async, setup_logging
+from services.app.jobfile import JobFileError, load_job_file
 from services.app.render import print_summary, render_job, summary
 from services.app.serve import SERVICES
+from services.app.stopping import StopSignals
 from services.app.tracker_api import ApiSettings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Apiary: federated training of PyTorch models.")
@@ -43,30 +45,44 @@ def run(
                              "process may use), 'none' (train on the CPU) or indices such as 0,1."),
 ) -> None:
     """Run a job on this machine: every service and N workers in one process tree."""
+    started, wall_started = time.monotonic(), time.time()
+    stop = StopSignals()
+    stop.catch()  # from here on a Ctrl-C is a cancel, whenever it comes
     quiet_openmp()
+    settings = Settings()
+    request, code_root = _checked_job(job_file)
     from apiary import telemetry
     from services.app.run import RunOptions, gpu_list, run_job
     from services.app.runtime import DatabaseInUse
 
-    settings = Settings()
     try:
         gpu_indices = gpu_list(gpus)
     except ValueError as e:
         fail(str(e))
-    request = _job_request(job_file)
-    entry = request.get("entrypoint")
-    root = code_root_for(entry, job_file.resolve().parent) if isinstance(entry, str) else None
     options = RunOptions(workers=workers, as_json=as_json, timeout=timeout, gpus=gpu_indices,
-                         code_paths=[str(root)] if root is not None else [],
-                         log_path=setup_logging(settings, to_console=False))
+                         code_paths=[str(code_root)] if code_root is not None else [],
+                         log_path=setup_logging(settings, to_console=False), started=started,
+                         wall_started=wall_started)
     telemetry.setup("apiary")
     try:
-        result = run_async(run_job(settings, request, options))
+        result = run_async(run_job(settings, request, options, stop))
     except DatabaseInUse as e:
         fail(str(e))
     finally:
         telemetry.shutdown()
     _end_run(result, as_json)
+
+
+def _checked_job(job_file: Path) -> tuple[dict[str, Any], Path | None]:
+    """The job file's request and the folder its code imports from, checked before anything starts:
+    every problem in one line each, or none."""
+    from services.app.jobcheck import check_request
+
+    request = _job_request(job_file)
+    checked = check_request(request, job_file)
+    if checked.problems:
+        fail(*(f"{job_file}: {problem}" for problem in checked.problems))
+    return request, checked.code_root
 
 
 def _end_run(result: dict[str, Any], as_json: bool) -> None:
@@ -167,10 +183,10 @@ def status(
         fail(f"no job {job_id!r} is known to the tracker at {where}")
     if as_json:
         print(json.dumps(view, default=str))
-    elif not watch:
-        console.print(render_job(view))
+    else:  # after --watch's live view (on stderr, gone once the job ended), the view it ended with
+        results.print(render_job(view))
     if view.get("reason"):
-        console.print(f"[red]reason:[/red] {view['reason']}")
+        results.print(f"[red]reason:[/red] {escape(view['reason'])}")
 
 
 @app.command()

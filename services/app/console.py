@@ -12,18 +12,23 @@ from typing import Any, NoReturn, TypeVar
 import httpx
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from apiary.settings import Settings
 
 T = TypeVar("T")
 
 # Lines are never broken to fit the terminal: a path or a reason must stay one line to copy or grep.
+# Progress, logs and the live view go to stderr; results (a summary, a job's view, an id) to stdout, so
+# that `apiary status JOB > file` and `apiary run ... | tee log` keep them.
 console = Console(stderr=True, soft_wrap=True)
+results = Console(soft_wrap=True)
 
 
-def fail(message: str) -> NoReturn:
-    """Print one error line and exit 2 (a user-caused failure: no traceback)."""
-    console.print(f"[red]error:[/red] {message}")
+def fail(message: str, *more: str) -> NoReturn:
+    """Print one error line per problem and exit 2 (a user-caused failure: no traceback)."""
+    for line in (message, *more):
+        console.print(f"[red]error:[/red] {escape(line)}")  # a message is text, never markup
     raise typer.Exit(2)
 
 
@@ -79,4 +84,5 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(coro)
 
 
-__all__ = ["console", "fail", "guard", "no_tracker_tables", "quiet_client_logs", "run_async", "setup_logging"]
+__all__ = ["console", "fail", "guard", "no_tracker_tables", "quiet_client_logs", "results", "run_async",
+           "setup_logging"]

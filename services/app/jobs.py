@@ -67,7 +67,8 @@ async def watch(api: TrackerClient, job_id: str, *, live: bool) -> dict[str, Any
     """Follow the tracker's live view of a job until it ends, drawing it if asked (waits for a job whose
     request the tracker has not recorded yet)."""
     view: dict[str, Any] | None = None
-    with Live(console=console, refresh_per_second=4, transient=False) if live else _Nothing() as display:
+    # Transient: once the job ended, the command prints its last view as a result (on stdout).
+    with Live(console=console, refresh_per_second=4, transient=True) if live else _Nothing() as display:
         while view is None or view["status"] not in TERMINAL:
             # A stream ends without the job's end only when the tracker stops: follow it again.
             async with aclosing(api.watch_job(job_id, wait_known=True)) as views:

@@ -9,7 +9,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from services.app.console import console
+from services.app.console import results
 
 STATE_STYLE = {"training": "yellow", "reported": "green", "failed": "red", "rejected": "red",
                "assigned": "dim", "offline": "red", "stopped": "dim"}
@@ -87,17 +87,17 @@ def summary(view: dict[str, Any], duration: float) -> dict[str, Any]:
 
 
 def print_summary(result: dict[str, Any]) -> None:
-    """The summary for people: status, rounds, metrics, final model, reason."""
-    console.print()
+    """The summary for people, on stdout: status, rounds, metrics, final model, reason."""
+    results.print()
     ok = result["status"] == "completed"
-    console.print(f"[bold {'green' if ok else 'red'}]{result['status']}[/] job {result['job_id']} "
+    results.print(f"[bold {'green' if ok else 'red'}]{result['status']}[/] job {result['job_id']} "
                   f"({result['rounds_completed']}/{result['num_rounds'] or '?'} rounds, {result['duration_s']}s)")
     if result["metrics"]:
-        console.print("metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in result["metrics"].items()))
+        results.print("metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in result["metrics"].items()))
     if result["final_model"]:
-        console.print(f"final model: {result['final_model']}")
+        results.print(f"final model: {result['final_model']}")
     if result["reason"]:
-        console.print(f"[red]reason:[/red] {result['reason']}")
+        results.print(f"[red]reason:[/red] {result['reason']}")
 
 
 __all__ = ["STATE_STYLE", "print_summary", "render_job", "strategy_text", "summary"]

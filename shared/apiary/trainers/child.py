@@ -23,6 +23,7 @@ from apiary.trainers.base import TrainCall, TrainerError
 INIT_FUNCTION = "fl_init_weights"
 EVALUATE_FUNCTION = "fl_evaluate_model"
 PARENT_CHECK_INTERVAL = 0.5  # seconds between the child's looks at whether its worker still runs
+PARENTS_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # the parent's to handle: the child ignores them
 
 
 class UserCodeError(TrainerError):
@@ -204,8 +205,11 @@ def child_main(conn: Connection, code_paths: list[str], variables: dict[str, str
     # Its parent decides when this process ends (it kills it). A Ctrl-C or SIGTERM sent to the whole
     # process group (a terminal, systemd, a container runtime) is the parent's to handle: it stops
     # gracefully and gives the assignment back, where the child dying first would report a failure.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in PARENTS_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    # Its parent started it with them blocked, so that none came before they were ignored; any that is
+    # pending is dropped now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, PARENTS_SIGNALS)
     if parent is not None:
         _exit_with_parent(parent)
     environment.apply(variables)  # before user code imports torch

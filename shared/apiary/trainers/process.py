@@ -7,13 +7,15 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import signal
 import time
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from typing import Any
 
 from apiary.trainers import environment
 from apiary.trainers.base import MetricsCallback, Trainer
-from apiary.trainers.child import UserCodeError, child_main
+from apiary.trainers.child import PARENTS_SIGNALS, UserCodeError, child_main
 
 log = logging.getLogger("apiary.usercode")
 
@@ -80,7 +82,17 @@ class ChildProcess:
         variables = {**environment.user_environment(), **self._variables}
         proc = ctx.Process(target=child_main, args=(child, self._code_paths, variables, os.getpid()),
                            name=self._name, daemon=True)
-        proc.start()
+        # The child starts with these signals blocked (a signal mask survives fork and exec) and ignores
+        # them from child_main on: a Ctrl-C to the whole process group while it is still starting up would
+        # otherwise end it with a KeyboardInterrupt traceback, or as "exit code -2" blamed on user code.
+        # Only this thread's mask changes; the event loop's thread still takes the signals. The resource
+        # tracker is started first: starting it unblocks them.
+        resource_tracker.ensure_running()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, PARENTS_SIGNALS)
+        try:
+            proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()
         self._proc, self._conn = proc, parent
         return parent

@@ -1,0 +1,82 @@
+"""What `apiary run` checks in a job file before it starts anything: the request's fields, its dataset
+path and its entrypoint's code, every problem at once, one line each."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from apiary.contracts import JobRequested
+from apiary.jobspec import ENTRYPOINT_RE, field_errors, parse_entrypoint
+from services.app.jobfile import code_root_for, local_path
+
+
+@dataclass
+class Checked:
+    """A job file's problems (empty: it can start) and the folder its entrypoint imports from."""
+
+    problems: list[str] = field(default_factory=list)
+    code_root: Path | None = None
+
+
+def check_request(request: dict[str, Any], job_file: Path) -> Checked:
+    """Every problem with the request read from `job_file`: bad fields, a missing dataset, code not found."""
+    folder = job_file.resolve().parent
+    checked = Checked()
+    try:
+        JobRequested.model_validate(request)
+    except ValidationError as e:
+        checked.problems += [f"{error.field}: {error.message}" for error in field_errors(e, request)]
+    dataset = request.get("dataset")
+    target = local_path(dataset, folder) if isinstance(dataset, str) else None
+    if target is not None and not target.exists():
+        checked.problems.append(f"dataset: {target} does not exist (a relative path is read from the job "
+                                "file's folder)")
+    entrypoint = request.get("entrypoint")
+    if isinstance(entrypoint, str) and ENTRYPOINT_RE.match(entrypoint):
+        checked.code_root = code_root_for(entrypoint, folder)
+        checked.problems += _code_problems(entrypoint, folder, checked.code_root)
+    return checked
+
+
+def _code_problems(entrypoint: str, folder: Path, root: Path | None) -> list[str]:
+    """Whether the entrypoint's module is there (beside the job file, above it, or installed) and defines
+    its function; read, not imported: importing user code would start torch, and run it, here."""
+    module, function = parse_entrypoint(entrypoint)
+    if root is None:
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            path = "/".join(module.split("."))
+            return [f"entrypoint: module {module!r} not found: no {path}.py or {path}/__init__.py in {folder} "
+                    "or a folder above it, and no installed package of that name"]
+        return []
+    base = root.joinpath(*module.split("."))
+    source = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+    try:
+        names = _top_level_names(ast.parse(source.read_text(), str(source)))
+    except SyntaxError as e:
+        return [f"entrypoint: {source}:{e.lineno}: cannot be imported: {e.msg}"]
+    if names is not None and function not in names:
+        return [f"entrypoint: {source} defines no {function!r}"]
+    return []
+
+
+def _top_level_names(tree: ast.Module) -> set[str] | None:
+    """The names a module defines at its top level; None where it may define others unseen (`import *`,
+    a module `__getattr__`)."""
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            if any(alias.name == "*" for alias in node.names):
+                return None
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    return None if "__getattr__" in names else names

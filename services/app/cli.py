@@ -12,6 +12,7 @@ from rich.markup import escape
 
 from apiary.settings import Settings
 from apiary.trainers.environment import quiet_openmp
+from services.app import STARTED
 from services.app.console import console, fail, guard, quiet_client_logs, results, run_async, setup_logging
 from services.app.jobfile import JobFileError, load_job_file
 from services.app.render import print_summary, render_job, summary
@@ -45,7 +46,7 @@ def run(
                              "process may use), 'none' (train on the CPU) or indices such as 0,1."),
 ) -> None:
     """Run a job on this machine: every service and N workers in one process tree."""
-    started, wall_started = time.monotonic(), time.time()
+    wall_started = time.time() - (time.monotonic() - STARTED)
     stop = StopSignals()
     stop.catch()  # from here on a Ctrl-C is a cancel, whenever it comes
     quiet_openmp()
@@ -61,7 +62,7 @@ def run(
         fail(str(e))
     options = RunOptions(workers=workers, as_json=as_json, timeout=timeout, gpus=gpu_indices,
                          code_paths=[str(code_root)] if code_root is not None else [],
-                         log_path=setup_logging(settings, to_console=False), started=started,
+                         log_path=setup_logging(settings, to_console=False), started=STARTED,
                          wall_started=wall_started)
     telemetry.setup("apiary")
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 from dataclasses import dataclass, field
+from importlib.machinery import ModuleSpec
 from pathlib import Path
 from typing import Any
 
@@ -48,14 +49,16 @@ def _code_problems(entrypoint: str, folder: Path, root: Path | None) -> list[str
     """Whether the entrypoint's module is there (beside the job file, above it, or installed) and defines
     its function; read, not imported: importing user code would start torch, and run it, here."""
     module, function = parse_entrypoint(entrypoint)
-    if root is None:
-        if importlib.util.find_spec(module.split(".")[0]) is None:
-            path = "/".join(module.split("."))
-            return [f"entrypoint: module {module!r} not found: no {path}.py or {path}/__init__.py in {folder} "
-                    "or a folder above it, and no installed package of that name"]
+    parts = module.split(".")
+    installed = importlib.util.find_spec(parts[0]) if root is None else None
+    if root is None and installed is None:
+        path = "/".join(parts)
+        return [f"entrypoint: module {module!r} not found: no {path}.py or {path}/__init__.py in {folder} "
+                "or a folder above it, and no installed package of that name"]
+    bases = [root] if root is not None else _installed_bases(installed)
+    source = next((c for b in bases for c in _candidates(b.joinpath(*parts)) if c.is_file()), None)
+    if source is None:  # installed in a form not read here (compiled, zipped): the worker will say
         return []
-    base = root.joinpath(*module.split("."))
-    source = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
     try:
         names = _top_level_names(ast.parse(source.read_text(), str(source)))
     except SyntaxError as e:
@@ -63,6 +66,19 @@ def _code_problems(entrypoint: str, folder: Path, root: Path | None) -> list[str
     if names is not None and function not in names:
         return [f"entrypoint: {source} defines no {function!r}"]
     return []
+
+
+def _installed_bases(spec: ModuleSpec | None) -> list[Path]:
+    """The folders an installed top-level package or module imports from."""
+    if spec is None:
+        return []
+    if spec.submodule_search_locations:
+        return [Path(location).parent for location in spec.submodule_search_locations]
+    return [Path(spec.origin).parent] if spec.origin else []
+
+
+def _candidates(base: Path) -> tuple[Path, Path]:
+    return base.with_suffix(".py"), base / "__init__.py"
 
 
 def _top_level_names(tree: ast.Module) -> set[str] | None:

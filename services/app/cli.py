@@ -117,8 +117,9 @@ def serve(
 @app.command()
 def worker(
     worker_id: str = typer.Option(None, "--id", help="This worker's id (default: APIARY_WORKER_ID or host name)."),
-    gpu: int = typer.Option(None, "--gpu", help="The GPU this worker trains on, counted as CUDA counts them "
-                            "(among CUDA_VISIBLE_DEVICES where that is set). Default: the first one, if any."),
+    gpu: int = typer.Option(None, "--gpu", help="The GPU this worker trains on: the index nvidia-smi shows (PCI "
+                            "bus order), or, where CUDA_VISIBLE_DEVICES is set, the N-th GPU it lists. Default: "
+                            "the first one, if any."),
     kind: str = typer.Option(None, "--kind", help="What this worker is, for mixed worker selection: 'own' "
                              "(the user's machine) or 'platform' (ours). Default: undeclared."),
 ) -> None:

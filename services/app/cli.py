@@ -183,12 +183,14 @@ def status(
     view, where = guard(lambda: run_async(jobs.status(settings, job_id, live=watch and not as_json)))
     if view is None:
         fail(f"no job {job_id!r} is known to the tracker at {where}")
-    if as_json:
+    if as_json:  # the reason is one of its fields
         print(json.dumps(view, default=str))
-    else:  # after --watch's live view (on stderr, gone once the job ended), the view it ended with
-        results.print(render_job(view))
+        return
+    # After --watch's live view (on stderr, gone once the job ended): the view it ended with.
+    results.print(render_job(view))
     if view.get("reason"):
-        results.print(f"[red]reason:[/red] {escape(view['reason'])}")
+        # With --json, stdout holds the one JSON object: the reason line goes to stderr, as before.
+        (console if as_json else results).print(f"[red]reason:[/red] {escape(view['reason'])}")
 
 
 @app.command()

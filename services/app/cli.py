@@ -189,8 +189,7 @@ def status(
     # After --watch's live view (on stderr, gone once the job ended): the view it ended with.
     results.print(render_job(view))
     if view.get("reason"):
-        # With --json, stdout holds the one JSON object: the reason line goes to stderr, as before.
-        (console if as_json else results).print(f"[red]reason:[/red] {escape(view['reason'])}")
+        results.print(f"[red]reason:[/red] {escape(view['reason'])}")
 
 
 @app.command()

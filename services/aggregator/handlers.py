@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from apiary import contracts, keys
-from apiary.bus import Delivery, EventHandler, subscribe
+from apiary.bus import Delivery, EventHandler
 from apiary.component import Component, to_json
 from apiary.outbox import KeyedLocks, Outbox
 from apiary.status import ContributionStatus
@@ -53,9 +53,7 @@ class Aggregator(Component):
             "round.timeout": self.on_round_timeout,
             "job.failed": self.on_job_ended,
         }
-        self._subscriptions.append(
-            await subscribe(self.bus, "aggregator", handlers, prefetch=self.settings.prefetch)
-        )
+        await self.consume("aggregator", handlers)
 
     async def stop(self) -> None:
         """Stop consuming, then the outbox's background flush (its events stay stored)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from apiary.bus import EventHandler, Raw, subscribe
+from apiary.bus import EventHandler, Raw
 from apiary.component import Component
 from apiary.outbox import Outbox
 from apiary.trainers import UserCodeRunner
@@ -38,9 +38,7 @@ class Scheduler(Component):
             "worker.heartbeat": h.on_worker_presence,
             "worker.offline": h.on_worker_presence,
         }
-        self._subscriptions.append(
-            await subscribe(self.bus, "scheduler", handlers, prefetch=self.settings.prefetch)
-        )
+        await self.consume("scheduler", handlers)
 
     async def stop(self) -> None:
         """Stop consuming, then the user-code process and the outbox's background flush."""

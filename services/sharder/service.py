@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from apiary.bus import subscribe
 from apiary.component import Component
 from apiary.outbox import Outbox
 from services.sharder.handlers import ShardHandlers
@@ -25,10 +24,7 @@ class Sharder(Component):
         """Migrate, publish what an earlier run left in the outbox, and start consuming."""
         await self.db.migrate(self.name, MIGRATIONS)
         await self.outbox.flush()
-        self._subscriptions.append(
-            await subscribe(self.bus, "sharder", {"shard.requested": self.handlers.on_shard_requested},
-                            prefetch=self.settings.prefetch)
-        )
+        await self.consume("sharder", {"shard.requested": self.handlers.on_shard_requested})
 
     async def stop(self) -> None:
         """Stop consuming, then the outbox's background flush (its events stay stored)."""

@@ -9,7 +9,7 @@ import logging
 import time
 from typing import Any
 
-from apiary.bus import Delivery, Poison, Raw, subscribe
+from apiary.bus import Delivery, Poison, Raw
 from apiary.component import Component
 from apiary.contracts import DecodeError, decode_body
 from apiary.db import Executor
@@ -44,9 +44,7 @@ class Tracker(Component):
     async def start(self) -> None:
         self.closing.clear()
         await self.db.migrate(self.name, store.MIGRATIONS)
-        self._subscriptions.append(
-            await subscribe(self.bus, "tracker", {"#": Raw(self.on_event)}, prefetch=self.settings.prefetch)
-        )
+        await self.consume("tracker", {"#": Raw(self.on_event)})
         self._sweeper = asyncio.create_task(self._sweep_offline(), name="tracker:offline-sweep")
         if self.serve_http:
             await self.start_http()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
-from apiary.bus import Bus, Subscription
+from apiary.bus import Bus, EventHandler, Raw, Subscription, subscribe
 from apiary.db import Database
 from apiary.settings import Settings
 from apiary.storage import Storage
@@ -23,6 +24,12 @@ class Component:
 
     async def start(self) -> None:
         """Create tables, resume stored work, start consuming."""
+
+    async def consume(self, queue: str, handlers: Mapping[str, EventHandler | Raw]) -> None:
+        """Consume `queue` with this service's prefetch, waiting out a dependency that is away with this
+        service's own backoff settings; stopped with the service."""
+        self._subscriptions.append(await subscribe(self.bus, queue, handlers, prefetch=self.settings.prefetch,
+                                                   retry=self.settings.dependency_backoff()))
 
     async def stop(self) -> None:
         """Stop consuming; unacked messages go back to their queues."""

@@ -97,6 +97,8 @@ class ShardInfo(ObjectRef):
 
     index: int
     num_samples: int
+    # How many of its samples carry each label (as text), where the dataset's samples have one.
+    labels: dict[str, int] | None = None
 
 
 class JobSharded(Event):
@@ -141,21 +143,29 @@ class ModelRef(BaseModel):
     filename: str
 
 
+# What an assignment asks of its worker: train a shard for a round, make the job's initial weights
+# (`fl_init_weights`) or evaluate a round's global weights (`fl_evaluate_model`). User code runs only on workers.
+TRAIN, INIT, EVALUATE = "train", "init", "evaluate"
+TaskKind = Literal["train", "init", "evaluate"]
+
+
 class Assignment(RoundEvent):
-    """`assign.pool`, `assign.worker.<id>` or `assign.prefer.<id>`: train one shard for one round."""
+    """`assign.pool`, `assign.worker.<id>` or `assign.prefer.<id>`: train one shard for one round (or, by
+    `task`, make the job's initial weights or evaluate a round's global weights; those name no shard)."""
 
     routing_key: ClassVar[str] = "assign.pool"
+    task: TaskKind = TRAIN
     job_name: str
     num_rounds: int
-    shard: int
-    num_shards: int
-    shard_num_samples: int
-    shard_url: str
-    shard_sha256: str
-    weights_url: str
-    weights_sha256: str
-    upload_url: str
-    result_key: str
+    shard: int = 0
+    num_shards: int = 0
+    shard_num_samples: int = 0
+    shard_url: str = ""
+    shard_sha256: str = ""
+    weights_url: str = ""  # evaluate: the weights to evaluate; init: none
+    weights_sha256: str = ""
+    upload_url: str = ""  # init: where the initial weights go; evaluate: none
+    result_key: str = ""
     files_upload_url: str | None = None
     entrypoint: str | None = None  # None: the job runs a built-in trainer (see `trainer`)
     trainer: str | None = None  # the built-in trainer's name, for a job without an entrypoint
@@ -216,11 +226,43 @@ class RoundFailed(RoundEvent):
     required: int = 0
 
 
+class WeightsInitialized(Event):
+    """`job.initialized`: a worker ran the job's `fl_init_weights` (an init assignment); its weights, stored,
+    are round 1's. `found` False: the module defines no fl_init_weights; `error`: the user's code failed."""
+
+    routing_key: ClassVar[str] = "job.initialized"
+    attempt: int = 1
+    worker_id: str
+    weights: ObjectRef | None = None
+    found: bool = True
+    error: str | None = None
+
+
+class RoundEvaluated(RoundEvent):
+    """`round.evaluated`: a worker evaluated a round's global weights (`fl_evaluate_model`); its metrics are
+    the round's evaluation metrics. `error`: the user's code failed (the round still counts)."""
+
+    routing_key: ClassVar[str] = "round.evaluated"
+    worker_id: str
+    metrics: dict[str, float] = Field(default_factory=dict)
+    error: str | None = None
+
+
+class TaskTimeout(RoundEvent):
+    """`task.timeout` (delayed): an init or evaluate assignment's time is up; if it has not reported, the
+    scheduler stops waiting for it."""
+
+    routing_key: ClassVar[str] = "task.timeout"
+    task: TaskKind = EVALUATE
+
+
 class JobCompleted(Event):
     routing_key: ClassVar[str] = "job.completed"
     rounds_completed: int
     final_model: str
     metrics: dict[str, float] = Field(default_factory=dict)
+    reason: str | None = None  # why it ended before its last round (early stopping), or an evaluation error
+    best_round: int | None = None  # the round whose weights are the final model (keep_best), if not the last
 
 
 class JobFailed(Event):
@@ -283,6 +325,7 @@ EVENT_TYPES: dict[str, type[BaseModel]] = {
         JobRequested, JobAccepted, JobRejected, ShardRequested, JobSharded, RoundStart,
         WorkerProgress, WorkerDone, WorkerFailed, RoundTimeout, RoundAggregated, RoundFailed,
         JobCompleted, JobFailed, JobWaiting, JobCancelRequested, WorkerOnline, WorkerHeartbeat, WorkerOffline,
+        WeightsInitialized, RoundEvaluated, TaskTimeout,
     )
 }
 

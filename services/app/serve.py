@@ -10,6 +10,7 @@ from typing import Any
 from apiary import telemetry
 from apiary.bus import make_bus
 from apiary.settings import Settings
+from services.app.health import Check, bus_check, database_check, serve_health
 from services.app.ports import Ports
 
 log = logging.getLogger("apiary.serve")
@@ -47,10 +48,18 @@ def _component(name: str, ports: Ports) -> Any:
     raise ValueError(f"no service named {name!r}")
 
 
+async def _health(settings: Settings, checks: dict[str, Check]) -> asyncio.Server | None:
+    if settings.health_port is None:
+        return None
+    return await serve_health(settings.health_host, settings.health_port, checks)
+
+
 async def serve_service(name: str, settings: Settings) -> None:
     """Run one service until SIGTERM; its in-flight messages finish or go back to their queues."""
     telemetry.setup(f"apiary-{name}")
     ports = Ports(settings)
+    # Ready once its own queue answers (declared by start()) and the database does.
+    health = await _health(settings, {"bus": bus_check(ports.bus, name), "database": database_check(ports.db)})
     await ports.open()
     service = _component(name, ports)
     try:
@@ -59,6 +68,8 @@ async def serve_service(name: str, settings: Settings) -> None:
         await _until_signalled()
         log.info("%s stopping", name)
     finally:
+        if health is not None:
+            health.close()
         await service.stop()
         await ports.close()
         telemetry.shutdown()
@@ -72,11 +83,14 @@ async def serve_worker(settings: Settings) -> None:
     bus = make_bus(settings.bus_url, exchange=settings.exchange)
     await bus.connect()
     worker = Worker(bus, settings)
+    health = await _health(settings, {"bus": bus_check(bus, worker.control_queue)})
     try:
         await worker.start()
         await _until_signalled()
         log.info("worker %s stopping", worker.worker_id)
     finally:
+        if health is not None:
+            health.close()
         await worker.stop()
         await bus.close()
         telemetry.shutdown()

@@ -38,6 +38,9 @@ class Settings(BaseSettings):
     model_cache_limit_gb: float = Field(default=50.0, gt=0)
     http_host: str = "127.0.0.1"
     http_port: int = 8080
+    # `/healthz` and `/readyz` for an orchestrator's probes (services/app/health.py); off when unset.
+    health_port: int | None = Field(default=None, ge=0, le=65535)
+    health_host: str = "0.0.0.0"
     presign_ttl: int = Field(default=24 * 3600, ge=60)
     # While a dependency is away, work waiting on it is retried after retry_initial s, doubling up to
     # retry_cap s: a small cap, so that work resumes within seconds of the dependency's return.

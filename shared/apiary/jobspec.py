@@ -16,6 +16,7 @@ from pydantic import (
     model_validator,
 )
 
+from apiary.early_stopping import BUILT_IN_METRICS, EarlyStopping
 from apiary.jobspec_builtin import built_in_errors, did_you_mean, merged_errors
 from apiary.strategies import DEFAULT_STRATEGY
 from apiary.trainers.causal_lm_config import CausalLMConfig
@@ -63,6 +64,10 @@ class DistributedConfig(BaseModel):
     # scheduler): the tracker validates requests too and must not load torch.
     strategy: str = Field(default=DEFAULT_STRATEGY, min_length=1, max_length=100)
     strategy_params: dict[str, Any] = Field(default_factory=dict)
+    # Evaluate the global model (the module's fl_evaluate_model, on a worker) after every N-th round and
+    # after the last; 0: only after the last.
+    evaluate_every: int = Field(default=1, ge=0, le=100_000)
+    early_stopping: EarlyStopping | None = None
 
     @model_validator(mode="after")
     def _min_le_max(self) -> DistributedConfig:
@@ -77,13 +82,13 @@ class DistributedConfig(BaseModel):
 
 
 class SplitConfig(BaseModel):
-    """How the sharder splits the dataset: random (default), label skew or by group."""
+    """How the sharder splits the dataset: random (default), label skew, quantity skew or by group."""
 
     model_config = ConfigDict(extra="forbid")
 
-    strategy: Literal["random", "label_skew", "group"] = "random"
+    strategy: Literal["random", "label_skew", "quantity_skew", "group"] = "random"
     seed: int = 0
-    alpha: float = Field(default=0.5, gt=0, description="Dirichlet concentration for label_skew")
+    alpha: float = Field(default=0.5, gt=0, description="Dirichlet concentration for label_skew and quantity_skew")
     key: str = Field(default="group", description="sample field that names the group, for group")
 
 
@@ -187,6 +192,10 @@ class JobSpec(BaseModel):
             raise ValueError("give either 'dataset' or 'dataset_id', not both")
         if self.model and self.model_id:
             raise ValueError("give either 'model' or 'model_id', not both")
+        stopping = self.distributed.early_stopping
+        if stopping is not None and self.entrypoint is None and stopping.metric not in BUILT_IN_METRICS:
+            raise ValueError(f"distributed.early_stopping.metric {stopping.metric!r} is not a metric the built-in "
+                             f"trainer reports: expected one of {', '.join(BUILT_IN_METRICS)}")
         pinned = self.worker_selection.pinned
         if pinned and len(pinned) < self.distributed.min_workers:
             raise ValueError(

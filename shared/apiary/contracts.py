@@ -119,6 +119,10 @@ class RoundStart(RoundEvent):
     # The aggregation strategy by registered name, and its parameters (checked by the strategy).
     strategy: str = DEFAULT_STRATEGY
     strategy_params: dict[str, Any] = Field(default_factory=dict)
+    # Per shard, the sha256 of its assignment's one-time secret and of the progress token derived from it
+    # (apiary.proof): a report proves it comes from the assignment's worker by presenting what hashes to them.
+    secret_digests: dict[int, str] = Field(default_factory=dict)
+    progress_digests: dict[int, str] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -149,6 +153,17 @@ TRAIN, INIT, EVALUATE = "train", "init", "evaluate"
 TaskKind = Literal["train", "init", "evaluate"]
 
 
+class CodeBundle(BaseModel):
+    """A job's code bundle as an assignment carries it: its key, sha256 and size, and a presigned GET URL."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    key: str
+    sha256: str
+    size: int
+    url: str
+
+
 class Assignment(RoundEvent):
     """`assign.pool`, `assign.worker.<id>` or `assign.prefer.<id>`: train one shard for one round (or, by
     `task`, make the job's initial weights or evaluate a round's global weights; those name no shard)."""
@@ -176,6 +191,12 @@ class Assignment(RoundEvent):
     issued_at: float | None = None  # when the round started (the scheduler's clock)
     # The job's end marker (keys.job_ended), for a worker that may have missed the job's end.
     ended_url: str | None = None
+    # The job's code bundle (first on the training child's sys.path), and the requirements the worker must
+    # meet (None: the bundle's requirements.txt, if any).
+    code: CodeBundle | None = None
+    requirements: list[str] | None = None
+    # The one-time secret its worker.done / worker.failed must present (only ever in the assignment itself).
+    secret: str | None = None
 
 
 class WorkerProgress(RoundEvent):
@@ -185,6 +206,7 @@ class WorkerProgress(RoundEvent):
     metrics: dict[str, float] = Field(default_factory=dict)
     step: int | None = None
     samples_per_s: float | None = None
+    token: str = ""  # the assignment's progress token (apiary.proof.progress_token)
 
 
 class WorkerDone(RoundEvent):
@@ -195,6 +217,7 @@ class WorkerDone(RoundEvent):
     samples: int
     metrics: dict[str, float] = Field(default_factory=dict)
     duration_s: float = 0.0
+    secret: str = ""  # the assignment's one-time secret
 
 
 class WorkerFailed(RoundEvent):
@@ -202,6 +225,7 @@ class WorkerFailed(RoundEvent):
     worker_id: str
     shard: int
     error: str
+    secret: str = ""  # the assignment's one-time secret
 
 
 class RoundTimeout(RoundEvent):
@@ -240,11 +264,13 @@ class WeightsInitialized(Event):
 
 class RoundEvaluated(RoundEvent):
     """`round.evaluated`: a worker evaluated a round's global weights (`fl_evaluate_model`); its metrics are
-    the round's evaluation metrics. `error`: the user's code failed (the round still counts)."""
+    the round's evaluation metrics. `error`: the user's code failed (the round still counts); `found` False:
+    the module defines no fl_evaluate_model (the job's rounds are not evaluated)."""
 
     routing_key: ClassVar[str] = "round.evaluated"
     worker_id: str
     metrics: dict[str, float] = Field(default_factory=dict)
+    found: bool = True
     error: str | None = None
 
 
@@ -309,6 +335,7 @@ class WorkerHeartbeat(WorkerPresence):
     gpu: dict[str, Any] | None = None
     samples_per_s: float | None = None
     kind: str | None = None  # as declared in worker.online
+    token: str | None = None  # the progress token of the assignment it trains, if any
 
 
 class WorkerOffline(WorkerPresence):

@@ -16,6 +16,7 @@ from pydantic import (
     model_validator,
 )
 
+from apiary.bundle import requirement_error
 from apiary.early_stopping import BUILT_IN_METRICS, EarlyStopping
 from apiary.jobspec_builtin import built_in_errors, did_you_mean, merged_errors
 from apiary.strategies import DEFAULT_STRATEGY
@@ -92,6 +93,41 @@ class SplitConfig(BaseModel):
     key: str = Field(default="group", description="sample field that names the group, for group")
 
 
+CODE_KEY_RE = r"^code/[\w.\-]{1,200}\.zip$"
+
+
+def _code_ref(value: Any) -> Any:
+    """`code` over the bus or the API references a stored bundle; a local path is for job files only."""
+    if isinstance(value, str):
+        raise ValueError(f"{value!r} is a local path: apiary run and apiary submit pack and upload it; over the "
+                         "bus or the API give {key, sha256} of a bundle stored with POST /api/v1/code")
+    return value
+
+
+class CodeRef(BaseModel):
+    """A stored code bundle the job's entrypoint is resolved in: its storage key (under code/) and sha256."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: str = Field(description="code/<sha256>.zip, as POST /api/v1/code answers")
+    sha256: str
+
+    @field_validator("key")
+    @classmethod
+    def _under_code(cls, value: str) -> str:
+        if not re.match(CODE_KEY_RE, value):
+            raise ValueError(f"{value!r} is not a code bundle's key: expected code/<sha256>.zip, as POST "
+                             "/api/v1/code answers")
+        return value
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex_digest(cls, value: str) -> str:
+        if not re.match(r"^[0-9a-f]{64}$", value):
+            raise ValueError("expected 64 lowercase hex digits")
+        return value
+
+
 OWN, PLATFORM = "own", "platform"  # the kinds a worker declares: the user's machine, or ours
 
 
@@ -150,6 +186,10 @@ class JobSpec(BaseModel):
     worker_selection: WorkerSelection = Field(default_factory=WorkerSelection)
     split: SplitConfig = Field(default_factory=SplitConfig)
     use_peft: bool = False
+    # The job's own code (a stored bundle), and what the workers' Python must provide to run it (None: the
+    # bundle's requirements.txt, if it has one). Checked on the worker, never installed.
+    code: Annotated[CodeRef | None, BeforeValidator(_code_ref)] = None
+    requirements: list[str] | None = None
 
     @model_validator(mode="wrap")
     @classmethod
@@ -174,6 +214,14 @@ class JobSpec(BaseModel):
             raise ValueError("expected 'package.module:function' (function defaults to fl_train_model)")
         return value
 
+    @field_validator("requirements")
+    @classmethod
+    def _requirements_parse(cls, value: list[str] | None) -> list[str] | None:
+        for line in value or []:
+            if (error := requirement_error(line)) is not None:
+                raise ValueError(error)
+        return value
+
     @field_validator("config")
     @classmethod
     def _config_scalars(cls, value: dict[str, Any]) -> dict[str, Any]:
@@ -192,6 +240,8 @@ class JobSpec(BaseModel):
             raise ValueError("give either 'dataset' or 'dataset_id', not both")
         if self.model and self.model_id:
             raise ValueError("give either 'model' or 'model_id', not both")
+        if self.code is not None and self.entrypoint is None:
+            raise ValueError("'code' needs an 'entrypoint' to run in it (a built-in job brings no code)")
         stopping = self.distributed.early_stopping
         if stopping is not None and self.entrypoint is None and stopping.metric not in BUILT_IN_METRICS:
             raise ValueError(f"distributed.early_stopping.metric {stopping.metric!r} is not a metric the built-in "

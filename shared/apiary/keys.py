@@ -52,3 +52,8 @@ def final_metrics(job_id: str) -> str:
 def dataset(dataset_id: str, name: str) -> str:
     """An uploaded dataset."""
     return f"datasets/{dataset_id}/{name}"
+
+
+def code_bundle(sha256: str) -> str:
+    """A code bundle, content-addressed: the same code is stored once, whoever ships it."""
+    return f"code/{sha256}.zip"

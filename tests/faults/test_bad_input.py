@@ -189,3 +189,33 @@ def test_corrupt_contributions_are_rejected_with_their_reason(
             "each rejected with its reason; the round averages only the valid shard",
             f"13 rejected with reasons (e.g. {rows[4]['reason'][:50]!r}); round 1 = shard 0 only; {weights_line}",
             double)
+
+
+def test_a_report_for_another_object_does_not_take_the_genuine_reports_place(
+        faults: Faults, toy_data: Data, outcome: Record) -> None:
+    cluster = faults.cluster
+    cluster.start(workers=1)
+    job_id = new_id("bogus-first")
+    cluster.publish_job(toy_job(job_id, toy_data(8), rounds=1, max_workers=1,
+                                config={"mode": "slow", "slow_seconds": 6}))
+    sizes = faults.shard_sizes(job_id)
+    faults.wait_aggregation(job_id, 1, "open")
+
+    # Execute: while the worker trains shard 0, a bogus report for it points at another object.
+    skewed = {k: v + 1000 if v.is_floating_point() else v for k, v in fl_init_weights({}).items()}
+    elsewhere = faults.put_weights(f"jobs/{job_id}/elsewhere/shard-0.safetensors", skewed)
+    faults.publish_event(WorkerDone(job_id=job_id, round=1, attempt=1, worker_id="worker-1", shard=0,
+                                    result=elsewhere, samples=1000))
+    cluster.wait_for(lambda: faults.query(
+        "SELECT 1 FROM contributions WHERE job_id = $1 AND status = 'forged'", job_id), 60,
+        "the bogus report to be recorded as forged")
+    job = cluster.wait_job(job_id)
+
+    # Assert: the bogus one is recorded, never counted; the genuine one that follows is.
+    assert job["status"] == "completed", job["reason"]
+    rows = [(r["shard"], r["status"]) for r in faults.contributions(job_id)]
+    assert rows == [(0, "forged"), (0, "accepted")], rows
+    weights, double = faults.check_exact(job_id, [sizes])
+    outcome("worker.done for shard 0 pointing at another object, before the genuine one",
+            "recorded 'forged', never counted; the genuine report that follows is taken",
+            f"forged then accepted; {weights}", double)

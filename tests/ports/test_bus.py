@@ -28,9 +28,11 @@ from apiary.bus.base import (
     Subscription,
     Unroutable,
 )
+from apiary.bus.memory import MemoryBus
 from apiary.bus.rabbitmq import RabbitBus
+from apiary.bus.rabbitmq.connection import user_of
 from apiary.bus.typed import subscribe
-from tests.fixtures.services import rabbitmqctl
+from tests.fixtures.services import AMQP_URL, rabbitmqctl
 
 DEADLINE = 15.0
 
@@ -263,6 +265,22 @@ async def test_headers_and_properties_round_trip(bus: Bus) -> None:
     assert (got.routing_key, got.body, got.content_type, got.message_id, got.redelivered) == (
         "round.start", b'{"a": 1}', "application/json", "m-1", False)
     assert got.headers == headers
+
+
+async def test_a_delivery_names_the_broker_user_that_published_it(bus: Bus) -> None:
+    # Prepare: on RabbitMQ the connection's own user (the broker refuses any other); in memory, a user given
+    publisher = bus.as_user("apiary-worker.w1") if isinstance(bus, MemoryBus) else bus
+    expected = "apiary-worker.w1" if isinstance(bus, MemoryBus) else user_of(AMQP_URL)
+    await bus.declare_queue("q", ["worker.done"])
+    recorder = Recorder()
+
+    # Execute
+    async with consuming(bus, "q", recorder):
+        await publisher.publish("worker.done", b"x")
+        await eventually(lambda: len(recorder.seen) == 1, "the delivery")
+
+    # Assert
+    assert recorder.seen[0].user_id == expected
 
 
 async def test_purge_drops_ready_messages_and_queue_size_counts_them(bus: Bus) -> None:

@@ -20,7 +20,7 @@ def _received(message: Any, *, routing_key: str, redelivered: bool = False,
     return cast(AbstractIncomingMessage, SimpleNamespace(
         body=message.body, headers={**(message.headers or {}), **(extra or {})},
         content_type=message.content_type, message_id=message.message_id,
-        routing_key=routing_key, redelivered=redelivered,
+        routing_key=routing_key, redelivered=redelivered, user_id=message.user_id,
     ))
 
 

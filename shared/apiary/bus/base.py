@@ -90,6 +90,9 @@ class Delivery:
     content_type: str | None = MSGPACK
     message_id: str | None = None
     redelivered: bool = False
+    # Who published it, as the broker vouches (RabbitMQ checks `user_id` against the connection's user;
+    # the memory bus stamps its own user): None when the publisher did not say (other systems, old messages).
+    user_id: str | None = None
 
 
 Handler = Callable[[Delivery], Awaitable[None]]

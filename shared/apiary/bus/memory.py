@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import itertools
 import logging
 from collections import deque
@@ -103,12 +104,20 @@ class _MemorySubscription(Subscription):
 class MemoryBus(Bus):
     """An in-memory topic exchange for running every service in one process."""
 
-    def __init__(self) -> None:
+    def __init__(self, user: str | None = None) -> None:
+        self.user = user  # stamped as the user_id of what this bus publishes
         self._queues: dict[str, _Queue] = {}
         self._subscriptions: set[_MemorySubscription] = set()
         self._timers: set[asyncio.TimerHandle] = set()
         self._ids = itertools.count(1)
         self._settled = asyncio.Event()
+
+    def as_user(self, user: str) -> MemoryBus:
+        """This bus as another process would use it: the same queues, its messages stamped `user_id=user`
+        (as RabbitMQ stamps a connection's user), so one process can play several broker users."""
+        other = copy.copy(self)  # shares the queues, subscriptions and timers
+        other.user = user
+        return other
 
     async def connect(self) -> None:
         await self.declare_queue(DEAD_LETTER_QUEUE, [])
@@ -148,7 +157,7 @@ class MemoryBus(Bus):
         self._timers.add(timer)
 
     async def _publish(self, message: Delivery, delay: float | None) -> None:
-        delivery = replace(message, message_id=message.message_id or f"m{next(self._ids)}")
+        delivery = replace(message, message_id=message.message_id or f"m{next(self._ids)}", user_id=self.user)
         if delay is not None:
             loop = asyncio.get_running_loop()
             timer: asyncio.TimerHandle

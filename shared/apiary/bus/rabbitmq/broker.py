@@ -9,7 +9,7 @@ from aio_pika.abc import AbstractRobustConnection
 
 from apiary.bus.base import DEAD_LETTER_QUEUE, Bus, Delivery, Handler, Reroute, Subscription
 from apiary.bus.rabbitmq import wire
-from apiary.bus.rabbitmq.connection import Connection
+from apiary.bus.rabbitmq.connection import Connection, user_of
 from apiary.bus.rabbitmq.publisher import Publisher
 from apiary.bus.rabbitmq.rehold import Lease
 from apiary.bus.rabbitmq.subscriber import RabbitSubscription
@@ -48,7 +48,7 @@ class RabbitBus(Bus):
         self.connection_name = connection_name or f"apiary {exchange} pid {os.getpid()}"
         self._link = Connection(url, name=self.connection_name, reconnect_interval=reconnect_interval)
         self._topology = Topology(self._link, exchange)
-        self._publisher = Publisher(self._link, self._topology, timeout=publish_timeout)
+        self._publisher = Publisher(self._link, self._topology, timeout=publish_timeout, user=user_of(url))
         self._subscriptions: set[RabbitSubscription] = set()
 
     @property

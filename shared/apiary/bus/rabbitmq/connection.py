@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import aiormq
@@ -18,6 +18,11 @@ def where(url: str) -> str:
     """The broker's host:port in a URL, without its credentials (for error messages)."""
     parts = urlsplit(url)
     return f"{parts.hostname or 'localhost'}:{parts.port or 5672}"
+
+
+def user_of(url: str) -> str:
+    """The broker user a URL logs in as (aio-pika's default, `guest`, when it names none)."""
+    return unquote(urlsplit(url).username or "guest")
 
 
 class Connection:

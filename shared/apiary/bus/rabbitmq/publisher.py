@@ -20,15 +20,17 @@ log = logging.getLogger("apiary.bus.rabbitmq")
 class Publisher:
     """Sends on the connection's confirming channel, waiting out a reconnect for up to `timeout` seconds."""
 
-    def __init__(self, connection: Connection, topology: Topology, *, timeout: float) -> None:
+    def __init__(self, connection: Connection, topology: Topology, *, timeout: float,
+                 user: str | None = None) -> None:
         self._connection = connection
+        self.user = user  # stamped as each message's user_id
         self._topology = topology
         self.timeout = timeout
 
     async def publish(self, message: Delivery, delay: float | None) -> None:
         """Route a message through the exchange, or first through the queue for its delay."""
         routing_key = message.routing_key
-        amqp = wire.outgoing(message)
+        amqp = wire.outgoing(message, self.user)
         try:
             if delay is not None:
                 await self.send("", await self._topology.declare_delay(routing_key, delay), amqp)

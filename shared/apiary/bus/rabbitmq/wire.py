@@ -21,20 +21,24 @@ TRANSIENT = (AMQPConnectionError, ChannelClosed, ChannelInvalidStateError, Conne
 
 
 def _persistent(
-    body: bytes, headers: dict[str, Any], content_type: str | None, message_id: str | None
+    body: bytes, headers: dict[str, Any], content_type: str | None, message_id: str | None,
+    user_id: str | None = None,
 ) -> aio_pika.Message:
     return aio_pika.Message(
         body=body,
         headers=headers,
         content_type=content_type,
         message_id=message_id,
+        user_id=user_id,
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
     )
 
 
-def outgoing(message: Delivery) -> aio_pika.Message:
-    """A message to publish, persistent, with a fresh id unless it has one."""
-    return _persistent(message.body, message.headers, message.content_type, message.message_id or uuid.uuid4().hex)
+def outgoing(message: Delivery, user: str | None = None) -> aio_pika.Message:
+    """A message to publish, persistent, with a fresh id unless it has one, and `user_id` the connection's
+    user (RabbitMQ refuses a `user_id` that is not the connection's own, so consumers can trust it)."""
+    return _persistent(message.body, message.headers, message.content_type, message.message_id or uuid.uuid4().hex,
+                       user)
 
 
 def dead_letter(delivery: Delivery, reason: str) -> aio_pika.Message:
@@ -65,4 +69,5 @@ def incoming(message: AbstractIncomingMessage) -> Delivery:
         content_type=message.content_type,
         message_id=message.message_id,
         redelivered=redelivered,
+        user_id=message.user_id,
     )

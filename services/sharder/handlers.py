@@ -9,12 +9,12 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from apiary import keys
 from apiary.bus import Delivery
 from apiary.contracts import JobSharded, ShardInfo, ShardRequested
-from apiary.dataset import DatasetError, DatasetSource, split, write_shard
+from apiary.dataset import DatasetError, DatasetSource, label_histogram, split, write_shard
 from apiary.dataset_text import TextDataset, write_text_shard
 from apiary.db import Database
 from apiary.outbox import KeyedLocks, Outbox
@@ -56,10 +56,10 @@ class ShardHandlers:
                 log.warning("job %s: %s", event.job_id, e)
                 return JobSharded(job_id=event.job_id, error=str(e))
             shards = []
-            for index, (file, count) in enumerate(files):
-                ref = await self._storage.put_file(keys.shard(event.job_id, index), file)
+            for index, file in enumerate(files):
+                ref = await self._storage.put_file(keys.shard(event.job_id, index), file.path)
                 shards.append(ShardInfo(index=index, key=ref.key, size=ref.size, sha256=ref.sha256,
-                                        num_samples=count))
+                                        num_samples=file.num_samples, labels=file.labels))
         log.info("job %s: %d shards of %s samples", event.job_id, len(shards),
                  [s.num_samples for s in shards])
         return JobSharded(job_id=event.job_id, dataset_id=dataset_id, shards=shards)
@@ -92,9 +92,17 @@ class ShardHandlers:
 WriteShard = Callable[[Sequence[int], dict[str, Any], Path], int]
 
 
-def split_to_files(event: ShardRequested, path: Path, out: Path) -> list[tuple[Path, int]]:
-    """Split the dataset at `path` as the request asks, one zip per shard under `out`: (zip, samples). A text
-    dataset's records are split exactly as a manifest's samples."""
+class ShardFile(NamedTuple):
+    """One shard written by the splitter: its zip, its sample count and its label histogram (if labelled)."""
+
+    path: Path
+    num_samples: int
+    labels: dict[str, int] | None
+
+
+def split_to_files(event: ShardRequested, path: Path, out: Path) -> list[ShardFile]:
+    """Split the dataset at `path` as the request asks, one zip per shard under `out`. A text dataset's records
+    are split exactly as a manifest's samples."""
     text = TextDataset.open(path)
     if text is not None:
         return _write_shards(event, text.records, out, partial(write_text_shard, text))
@@ -107,7 +115,7 @@ def split_to_files(event: ShardRequested, path: Path, out: Path) -> list[tuple[P
 
 
 def _write_shards(event: ShardRequested, samples: Sequence[dict[str, Any]], out: Path,
-                  write: WriteShard) -> list[tuple[Path, int]]:
+                  write: WriteShard) -> list[ShardFile]:
     """Split `samples` seeded as the request asks and write each shard under `out`."""
     parts = split(samples, event.num_shards, strategy=event.strategy, seed=event.seed, alpha=event.alpha,
                   group_key=event.group_key)
@@ -115,5 +123,5 @@ def _write_shards(event: ShardRequested, samples: Sequence[dict[str, Any]], out:
     for index, indices in enumerate(parts):
         target = out / f"shard-{index:04d}.zip"
         info = {"index": index, "count": event.num_shards, "seed": event.seed, "strategy": event.strategy}
-        files.append((target, write(indices, info, target)))
+        files.append(ShardFile(target, write(indices, info, target), label_histogram(samples, indices)))
     return files

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from apiary.component import from_json, to_json
 from apiary.contracts import ShardInfo
 from apiary.db import Executor
 from apiary.outbox import outbox_migration
@@ -15,6 +16,8 @@ MIGRATIONS = [
       created_at DOUBLE PRECISION NOT NULL, PRIMARY KEY (job_id, shard));
     """,
     outbox_migration("sharder_outbox"),
+    # Each shard's label histogram (JSON), so a redelivered request announces the same shards.
+    "ALTER TABLE shards ADD COLUMN labels TEXT",
 ]
 
 OUTBOX = "sharder_outbox"
@@ -23,11 +26,12 @@ OUTBOX = "sharder_outbox"
 async def job_shards(db: Executor, job_id: str) -> tuple[list[ShardInfo], str | None]:
     """The shards already made for a job, in order, and the registered dataset they came from."""
     rows = await db.fetch(
-        "SELECT shard, storage_key, size, sha256, num_samples, dataset_id FROM shards WHERE job_id = $1 ORDER BY shard",
+        "SELECT shard, storage_key, size, sha256, num_samples, dataset_id, labels FROM shards WHERE job_id = $1"
+        " ORDER BY shard",
         job_id,
     )
     shards = [ShardInfo(index=r["shard"], key=r["storage_key"], size=r["size"], sha256=r["sha256"],
-                        num_samples=r["num_samples"]) for r in rows]
+                        num_samples=r["num_samples"], labels=from_json(r["labels"])) for r in rows]
     return shards, rows[0]["dataset_id"] if rows else None
 
 
@@ -36,7 +40,8 @@ async def record_shards(tx: Executor, job_id: str, shards: list[ShardInfo], data
     """Remember a job's shards (once)."""
     for s in shards:
         await tx.execute(
-            "INSERT INTO shards (job_id, shard, storage_key, size, sha256, num_samples, dataset_id, created_at)"
-            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING",
+            "INSERT INTO shards (job_id, shard, storage_key, size, sha256, num_samples, dataset_id, created_at,"
+            " labels) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
             job_id, s.index, s.key, s.size, s.sha256, s.num_samples, dataset_id, now,
+            None if s.labels is None else to_json(s.labels),
         )

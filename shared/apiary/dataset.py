@@ -122,7 +122,9 @@ def split(
     alpha: float = 0.5,
     group_key: str = "group",
 ) -> list[list[int]]:
-    """Split sample indices into `num_shards` non-empty shards, deterministically for a seed."""
+    """Split sample indices into `num_shards` non-empty shards, deterministically for a seed: `random` (equal
+    sizes), `label_skew` (each label spread by Dirichlet(`alpha`)), `quantity_skew` (sizes by Dirichlet(`alpha`),
+    labels mixed) or `group` (whole groups by `group_key`)."""
     n = len(samples)
     if num_shards < 1:
         raise DatasetError("number of shards must be at least 1")
@@ -135,7 +137,9 @@ def split(
         return _group_split(samples, num_shards, rng, group_key)
     if strategy == "label_skew":
         return _label_skew_split(samples, num_shards, rng, alpha)
-    raise DatasetError(f"unknown split strategy {strategy!r}: use random, label_skew or group")
+    if strategy == "quantity_skew":
+        return _quantity_skew_split(n, num_shards, rng, alpha)
+    raise DatasetError(f"unknown split strategy {strategy!r}: use random, label_skew, quantity_skew or group")
 
 
 def _random_split(n: int, num_shards: int, rng: random.Random) -> list[list[int]]:
@@ -177,6 +181,60 @@ def _label_skew_split(samples: Sequence[dict[str, Any]], num_shards: int, rng: r
             donor = max(shards, key=len)
             shards[s].append(donor.pop())
     return [sorted(s) for s in shards]
+
+
+def _quantity_skew_split(n: int, num_shards: int, rng: random.Random, alpha: float) -> list[list[int]]:
+    """Shuffled indices cut into runs whose sizes follow one Dirichlet(`alpha`) draw, each at least one sample:
+    labels stay mixed, sample counts do not (smaller `alpha` is more skewed)."""
+    order = list(range(n))
+    rng.shuffle(order)
+    bounds = [0]
+    for size in quantity_sizes(n, num_shards, rng, alpha):
+        bounds.append(bounds[-1] + size)
+    return [sorted(order[bounds[s] : bounds[s + 1]]) for s in range(num_shards)]
+
+
+def quantity_sizes(n: int, num_shards: int, rng: random.Random, alpha: float) -> list[int]:
+    """`num_shards` sizes summing to `n`, each at least 1, the rest shared in Dirichlet(`alpha`) proportions
+    (largest remainders round, so the sizes are exact and the same for the same generator state)."""
+    if not 1 <= num_shards <= n:
+        raise DatasetError(f"quantity_skew split: {n} samples cannot fill {num_shards} non-empty shards")
+    props = [rng.gammavariate(alpha, 1.0) for _ in range(num_shards)]
+    total = sum(props)
+    # Every draw can underflow to zero at a tiny alpha: then the spare samples go to one shard, seeded.
+    if total > 0:
+        shares = [p / total for p in props]
+    else:
+        lucky = rng.randrange(num_shards)
+        shares = [float(i == lucky) for i in range(num_shards)]
+    spare = n - num_shards
+    exact = [share * spare for share in shares]
+    sizes = [int(x) for x in exact]
+    by_remainder = sorted(range(num_shards), key=lambda i: (-(exact[i] - sizes[i]), i))
+    for i in by_remainder[: spare - sum(sizes)]:
+        sizes[i] += 1
+    return [size + 1 for size in sizes]
+
+
+def label_histogram(samples: Sequence[dict[str, Any]], indices: Sequence[int],
+                    key: str = "label") -> dict[str, int] | None:
+    """How many of the samples at `indices` carry each value of `key` (as text, in natural order), or None
+    when none of them has the field (a text dataset, say): what a shard holds, for people to see."""
+    counts: dict[str, int] = defaultdict(int)
+    for i in indices:
+        if key in samples[i]:
+            counts[str(samples[i][key])] += 1
+    if not counts:
+        return None
+    return {label: counts[label] for label in sorted(counts, key=_natural)}
+
+
+def _natural(label: str) -> tuple[int, float, str]:
+    """Numbers first, by value (so "10" follows "9"), then other labels alphabetically."""
+    try:
+        return 0, float(label), label
+    except ValueError:
+        return 1, 0.0, label
 
 
 def _dirichlet_bounds(count: int, num_shards: int, rng: random.Random, alpha: float) -> list[int]:

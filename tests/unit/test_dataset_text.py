@@ -64,7 +64,7 @@ def test_records_are_split_seeded_as_samples_are(tmp_path: Path) -> None:
     files = split_to_files(event, path, tmp_path / "out")
 
     expected = split(RECORDS, 2, seed=7)
-    for (zip_path, count), indices in zip(files, expected, strict=True):
+    for (zip_path, count, _labels), indices in zip(files, expected, strict=True):
         with zipfile.ZipFile(zip_path) as zf:
             lines = zf.read(SHARD_FILE).decode().splitlines()
             manifest = json.loads(zf.read("manifest.json"))

@@ -10,6 +10,7 @@ from typing import Protocol
 
 from pydantic import ValidationError
 
+from apiary import bundle_store
 from apiary.bus import Delivery
 from apiary.contracts import (
     JobAccepted,
@@ -61,6 +62,11 @@ class JobCommands:
         spec = JobSpec.model_validate(request.model_dump(exclude={"job_id", "v"}))
         if errors := strategy_errors(spec) or await registry_errors(self._storage, spec):
             await self._reject(job_id, errors)
+            return
+        # The bundle's member list is read (never imported): its entrypoint module must be there.
+        code_errors, spec = await bundle_store.code_errors(self._storage, spec)
+        if code_errors:
+            await self._reject(job_id, code_errors)
             return
         async with self._locks(job_id):
             if await store.job_exists(self._db, job_id):

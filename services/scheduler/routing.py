@@ -5,11 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import Any
 
-from apiary import keys
+from apiary import bundle_store, keys
 from apiary.assignments import POOL, declare_preferred, pinned_queue, preferred_queue
 from apiary.bus import Bus
 from apiary.contracts import Assignment, ModelRef, ShardInfo
+from apiary.jobspec import JobSpec
 from apiary.registry import model_info, model_ref
 from apiary.storage import Storage
 from services.scheduler.rounds import (
@@ -38,10 +40,11 @@ class AssignmentRouter:
         ended_url = self._storage.presign_get(keys.job_ended(target.job_id), ttl)
         base_model = await self.base_model(target, ttl)
         pinned = target.spec.worker_selection.pinned
+        code = self.code(target.spec, ttl)
         queued = []
         for shard in plan.chosen:
             urls = replace(self.urls(target, shard, ttl, ended_url), base_model=base_model)
-            message = assignment(target, plan, shard, urls)
+            message = assignment(target, plan, shard, urls).model_copy(update=code)
             queued.append((message, await self.queue(route(shard.index, pinned, prefer))))
         return queued
 
@@ -51,6 +54,12 @@ class AssignmentRouter:
         if spec.trainer is None or spec.model_id is None:
             return None
         return model_ref(self._storage, await model_info(self._storage, spec.model_id), ttl)
+
+    def code(self, spec: JobSpec, ttl: int) -> dict[str, Any]:
+        """What every assignment of a job carries for its code, whatever its task: the bundle (URL presigned
+        for `ttl` seconds) and the requirements its worker must meet."""
+        return {"code": bundle_store.for_assignment(self._storage, spec.code, ttl),
+                "requirements": spec.requirements}
 
     def urls(self, target: RoundTarget, shard: ShardInfo, ttl: int, ended_url: str) -> AssignmentUrls:
         """The presigned URLs of one shard's assignment, valid for `ttl` seconds."""

@@ -111,6 +111,7 @@ class CodeRef(BaseModel):
 
     key: str = Field(description="code/<sha256>.zip, as POST /api/v1/code answers")
     sha256: str
+    size: int | None = Field(default=None, ge=0, description="its bytes (filled in where it is checked)")
 
     @field_validator("key")
     @classmethod

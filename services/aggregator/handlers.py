@@ -19,15 +19,21 @@ from apiary.strategies.validation import InvalidContribution
 from apiary.weights import WeightsError
 from apiary.weights import loads as load_weights
 from services.aggregator.closing import RoundCloser
-from services.aggregator.decisions import all_settled, ended_status, judge_round, judge_shard, past_deadline
+from services.aggregator.decisions import (
+    Report,
+    all_settled,
+    ended_status,
+    judge_round,
+    judge_sender,
+    judge_shard,
+    past_deadline,
+)
 from services.aggregator.rounds import OpenRounds, RoundState
 from services.aggregator.store import AggregatorStore, opened_row
 
 log = logging.getLogger("apiary.aggregator")
 
 PREFETCH_MAX_BYTES = 8 * 1024 * 1024
-
-Report = contracts.WorkerDone | contracts.WorkerFailed
 
 
 class Aggregator(Component):
@@ -77,7 +83,7 @@ class Aggregator(Component):
     async def on_worker_failed(self, event: contracts.WorkerFailed, delivery: Delivery) -> None:
         """The user's code failed on a shard: that shard settles without weights."""
         async with self._locks(event.job_id), self._dropping_state_on_error(event):
-            state = await self._admit(event)
+            state = await self._admit(event, delivery)
             if state is None:
                 return
             await self._record(event, ContributionStatus.FAILED, event.error, state)
@@ -87,7 +93,7 @@ class Aggregator(Component):
         """Validate a contribution and take it in, once; close the round when every shard reported."""
         early = await self._prefetch(event)
         async with self._locks(event.job_id), self._dropping_state_on_error(event):
-            state = await self._admit(event)
+            state = await self._admit(event, delivery)
             if state is None:
                 return
             try:
@@ -107,10 +113,8 @@ class Aggregator(Component):
     async def _prefetch(self, event: contracts.WorkerDone) -> bytes | BaseException | None:
         """Small contributions are fetched before queueing for the job's lock, so many download at
         once; large ones (None here) are fetched one at a time inside it (memory: one accumulator plus one)."""
-        expected_key = keys.contribution(event.job_id, event.round, event.attempt, event.shard)
-        if event.result.key != expected_key:
-            # Only the object the assignment's upload URL wrote counts: never any other in the bucket.
-            return ValueError(f"result {event.result.key!r} is not this shard's upload ({expected_key!r})")
+        if event.result.key != keys.contribution(event.job_id, event.round, event.attempt, event.shard):
+            return None  # another object than the shard's upload: _admit records the report as forged
         if event.result.size > PREFETCH_MAX_BYTES:
             return None
         try:
@@ -131,8 +135,9 @@ class Aggregator(Component):
         self._rounds.drop(state.key)
         return await self._rounds.load(state.agg)
 
-    async def _admit(self, event: Report) -> RoundState | None:
-        """The open round this report settles a shard of; None (recorded why) if it settles nothing."""
+    async def _admit(self, event: Report, delivery: Delivery) -> RoundState | None:
+        """The open round this report settles a shard of; None (recorded why) if it settles nothing: it
+        is an orphan, late, forged (it never takes the genuine report's place), unassigned or a duplicate."""
         key = (event.job_id, event.round, event.attempt)
         state = self._rounds.get(key)
         if state is None:
@@ -146,6 +151,12 @@ class Aggregator(Component):
                 return None
             assert agg is not None  # judge_round calls a missing round an orphan
             state = await self._rounds.load(agg)
+        forged = judge_sender(event, state.agg, delivery.user_id)
+        if forged is not None:
+            log.warning("job %s: round %d shard %d: report from %s is forged: %s", event.job_id, event.round,
+                        event.shard, event.worker_id, forged.reason)
+            await self._record(event, forged.status, forged.reason)
+            return None
         verdict = judge_shard(event.shard, state.shards, state.settled)
         if verdict is None:
             return state

@@ -39,11 +39,13 @@ MIGRATIONS = [
     " ALTER TABLE aggregations ADD COLUMN strategy_params TEXT",
     # Where the strategy's server state after the round is stored (NULL: it keeps none).
     "ALTER TABLE aggregations ADD COLUMN state_key TEXT",
+    # Each shard's assignment-secret digest (JSON; NULL in rows from before: reports judged on the object alone).
+    "ALTER TABLE aggregations ADD COLUMN secret_digests TEXT",
 ]
 
 COLUMNS = ("job_id", "round", "attempt", "shards", "min_workers", "weights_key", "weights_size", "weights_sha256",
            "use_peft", "status", "opened_at", "traceparent", "deadline", "update_format", "strategy",
-           "strategy_params")
+           "strategy_params", "secret_digests")
 
 
 def opened_row(event: RoundStart) -> dict[str, Any]:
@@ -56,6 +58,7 @@ def opened_row(event: RoundStart) -> dict[str, Any]:
         "traceparent": telemetry.headers_for().get("traceparent"), "deadline": event.deadline,
         "update_format": str(event.update_format), "strategy": event.strategy,
         "strategy_params": to_json(event.strategy_params),
+        "secret_digests": to_json({str(shard): d for shard, d in event.secret_digests.items()}),
         "result_key": None, "reason": None, "closed_at": None,
     }
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from apiary import keys
+from apiary import keys, proof
 from apiary.contracts import Assignment, ModelRef, ObjectRef, RoundStart, ShardInfo
 from apiary.jobspec import JobSpec
 from apiary.strategies.format import UpdateFormat
+
+
+# The weights of a job whose round 0 (its init task, on a worker) has not made them yet.
+NO_WEIGHTS = ObjectRef(key="", size=0, sha256="")
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,8 @@ class RoundPlan:
     started_at: float
     timeout: float
     deadline: float
+    # Each chosen shard's one-time secret: in its assignment only; round.start carries their digests.
+    secrets: dict[int, str] = field(default_factory=dict, repr=False)
 
 
 class Queue(enum.Enum):
@@ -115,8 +121,9 @@ def online_preferences(prefer: Mapping[int, str] | None, online: set[str]) -> di
 def plan_round(spec: JobSpec, shards: list[ShardInfo], now: float) -> RoundPlan:
     """The round's shards (at most `max_workers`) and its deadline, `aggregation_timeout` from now."""
     timeout = spec.distributed.aggregation_timeout
-    return RoundPlan(chosen=shards[: spec.distributed.max_workers], started_at=now, timeout=timeout,
-                     deadline=now + timeout)
+    chosen = shards[: spec.distributed.max_workers]
+    return RoundPlan(chosen=chosen, started_at=now, timeout=timeout, deadline=now + timeout,
+                     secrets={s.index: proof.new_secret() for s in chosen})
 
 
 def url_lifetime(plan: RoundPlan, presign_ttl: int) -> int:
@@ -143,6 +150,8 @@ def round_start(target: RoundTarget, plan: RoundPlan) -> RoundStart:
         shards=[s.index for s in plan.chosen], min_workers=spec.distributed.min_workers, weights=target.weights,
         deadline=plan.deadline, update_format=UpdateFormat.of(adapter_only=spec.adapter_only),
         strategy=spec.distributed.strategy, strategy_params=spec.distributed.strategy_params,
+        secret_digests={shard: proof.digest(secret) for shard, secret in plan.secrets.items()},
+        progress_digests={shard: proof.digest(proof.progress_token(secret)) for shard, secret in plan.secrets.items()},
     )
 
 
@@ -159,5 +168,5 @@ def assignment(target: RoundTarget, plan: RoundPlan, shard: ShardInfo, urls: Ass
         files_upload_url=urls.files_upload, entrypoint=spec.entrypoint, trainer=spec.trainer,
         base_model=urls.base_model, env=spec.env(target.round),
         deadline=plan.deadline, pinned_worker=pinned[shard.index] if pinned else None,
-        issued_at=plan.started_at, ended_url=urls.ended,
+        issued_at=plan.started_at, ended_url=urls.ended, secret=plan.secrets.get(shard.index),
     )

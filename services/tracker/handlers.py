@@ -16,10 +16,9 @@ View = Callable[[Executor, dict[str, Any], float], Awaitable[None]]
 
 def summary(key: str, body: dict[str, Any]) -> dict[str, Any]:
     """What the event log keeps of a message."""
-    # Assignments carry presigned URLs: credentials do not belong in an event log.
-    if key.startswith("assign."):
-        return {k: v for k, v in body.items() if not k.endswith("_url")}
-    return body
+    # Assignments carry presigned URLs and a one-time secret, reports the secret or a token derived from it:
+    # credentials do not belong in an event log.
+    return {k: v for k, v in body.items() if not k.endswith("_url") and k not in ("secret", "token")}
 
 
 async def _job_requested(tx: Executor, b: dict[str, Any], ts: float) -> None:
@@ -31,6 +30,16 @@ async def _job_requested(tx: Executor, b: dict[str, Any], ts: float) -> None:
         if isinstance(strategy, str) and isinstance(params, dict):
             # Shown before the first round starts (a request the scheduler rejects keeps what it asked for).
             await store.job_strategy(tx, b["job_id"], strategy, params)
+        split = b.get("split")
+        await store.job_split(tx, b["job_id"], split if isinstance(split, dict) else {"strategy": "random"})
+
+
+async def _job_sharded(tx: Executor, b: dict[str, Any], ts: float) -> None:
+    await store.ensure_job(tx, b["job_id"], ts)
+    shards = [{"shard": int(s["index"]), "num_samples": int(s["num_samples"]), "labels": s.get("labels")}
+              for s in b.get("shards") or []]
+    if shards:
+        await store.job_sharded(tx, b["job_id"], shards)
 
 
 async def _job_accepted(tx: Executor, b: dict[str, Any], ts: float) -> None:
@@ -48,6 +57,10 @@ async def _round_start(tx: Executor, b: dict[str, Any], ts: float) -> None:
     await store.ensure_job(tx, b["job_id"], ts)
     await store.job_running(tx, b["job_id"], b["round"], b["attempt"], b["num_rounds"], ts)
     await store.round_started(tx, b["job_id"], b["round"], b["attempt"], [int(s) for s in b["shards"]], ts)
+    secrets, progress = b.get("secret_digests") or {}, b.get("progress_digests") or {}
+    digests = {int(s): (secrets.get(str(s)), progress.get(str(s))) for s in b["shards"]}
+    if secrets or progress:
+        await store.shard_digests(tx, b["job_id"], b["round"], b["attempt"], digests)
     await store.job_strategy(tx, b["job_id"], b.get("strategy", DEFAULT_STRATEGY), b.get("strategy_params", {}))
 
 
@@ -125,6 +138,7 @@ VIEWS: dict[str, View] = {
     "job.requested": _job_requested,
     "job.accepted": _job_accepted,
     "job.rejected": _job_rejected,
+    "job.sharded": _job_sharded,
     "round.start": _round_start,
     "worker.progress": _worker_progress,
     "worker.done": _worker_done,

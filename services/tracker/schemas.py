@@ -92,6 +92,26 @@ class ShardProgress(BaseModel):
     updated_at: float
 
 
+class DataShard(BaseModel):
+    """What one shard of the job's dataset holds, as the sharder split it."""
+
+    shard: int
+    num_samples: int
+    labels: dict[str, int] | None = Field(description="samples per label, where the dataset's samples have one")
+
+
+class ForgedReport(BaseModel):
+    """A worker report that did not come from the shard's assigned worker: recorded, never applied."""
+
+    round: int | None
+    attempt: int | None
+    shard: int | None
+    worker_id: str | None = Field(description="the worker the report claims to come from")
+    routing_key: str
+    reason: str = Field(description="why it is forged: a wrong or missing secret, another worker's broker user")
+    ts: float
+
+
 class JobDetail(BaseModel):
     """Everything known about one job."""
 
@@ -106,6 +126,10 @@ class JobDetail(BaseModel):
     errors: list[FieldError] = Field(description="each bad field, when the request was rejected")
     strategy: str | None = Field(description="the aggregation strategy, by its registered name")
     strategy_params: dict[str, Any] = Field(description="the strategy's parameters, as the request gave them")
+    split: dict[str, Any] | None = Field(
+        None, description="how the dataset is split (strategy random, label_skew, quantity_skew or group; seed, ...)")
+    data_shards: list[DataShard] = Field(
+        default_factory=list, description="each shard's sample count and label histogram, once the job is sharded")
     final_model: str | None
     metrics: dict[str, float]
     created_at: float
@@ -115,6 +139,8 @@ class JobDetail(BaseModel):
     progress: dict[str, int] = Field(description="how many shards of the current round are in each state")
     reported: list[str | None] = Field(description="workers that reported in the current round")
     training: list[str | None] = Field(description="workers still training in the current round")
+    forged: list[ForgedReport] = Field(default_factory=list,
+                                       description="reports for this job refused as forged, the latest 100 first")
 
 
 class MetricPoint(BaseModel):

@@ -14,7 +14,7 @@ from apiary.component import Component
 from apiary.contracts import DecodeError, decode_body
 from apiary.db import Executor
 from apiary.db.group import GroupCommit
-from services.tracker import store
+from services.tracker import forgery, store
 from services.tracker.handlers import VIEWS, summary
 from services.tracker.http import HttpServer
 
@@ -87,17 +87,18 @@ class Tracker(Component):
             body = decode_body(delivery.body, delivery.content_type)
         except DecodeError as e:
             raise Poison(str(e)) from e
-        await self._commits.submit((delivery.routing_key, body, time.time()))
+        await self._commits.submit((delivery.routing_key, body, time.time(), delivery.user_id))
 
-    async def _apply(self, tx: Executor, event: tuple[str, dict[str, Any], float]) -> None:
-        """Log one event and apply it to the views, in the group commit's transaction."""
-        key, body, ts = event
+    async def _apply(self, tx: Executor, event: tuple[str, dict[str, Any], float, str | None]) -> None:
+        """Log one event and apply it to the views, in the group commit's transaction (a forged worker
+        report is recorded as such, and applied to nothing)."""
+        key, body, ts, user_id = event
         job_id = body.get("job_id") if isinstance(body.get("job_id"), str) else None
         round_index = body.get("round") if isinstance(body.get("round"), int) else None
         if key != "worker.heartbeat":
             await store.record_event(tx, ts, key, job_id, round_index, summary(key, body))
         handler = VIEWS.get(key)
-        if handler is not None:
+        if handler is not None and not await forgery.forged(tx, key, body, user_id, ts):
             try:
                 await handler(tx, body, ts)
             except (KeyError, TypeError, ValueError) as e:

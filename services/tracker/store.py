@@ -44,6 +44,14 @@ MIGRATIONS = [
     "ALTER TABLE job_views ADD COLUMN strategy TEXT; ALTER TABLE job_views ADD COLUMN strategy_params TEXT",
     # The kind a worker declared when it started (own: the user's machine; platform: ours), for mixed jobs.
     "ALTER TABLE workers ADD COLUMN kind TEXT",
+    # How the job's dataset was split (its request's `split`) and what each shard holds (from job.sharded).
+    "ALTER TABLE job_views ADD COLUMN split TEXT; ALTER TABLE job_views ADD COLUMN data_shards TEXT",
+    # Each shard's assignment-secret and progress-token digests (from round.start), and the reports that
+    # presented neither: recorded as forged, never applied to the views.
+    "ALTER TABLE shard_views ADD COLUMN secret_digest TEXT; ALTER TABLE shard_views ADD COLUMN progress_digest TEXT;"
+    " CREATE TABLE IF NOT EXISTS forged_reports (seq {autoid}, job_id TEXT NOT NULL, round BIGINT,"
+    " attempt BIGINT, shard BIGINT, worker_id TEXT, routing_key TEXT NOT NULL, reason TEXT NOT NULL,"
+    " ts DOUBLE PRECISION NOT NULL); CREATE INDEX IF NOT EXISTS forged_reports_job ON forged_reports (job_id, seq)",
 ]
 
 SHARD_ROWS_PER_INSERT = 500  # well under SQLite's and PostgreSQL's limits on parameters per statement
@@ -70,6 +78,16 @@ async def job_strategy(tx: Executor, job_id: str, strategy: str, params: dict[st
     """The job's aggregation strategy and its parameters."""
     await tx.execute("UPDATE job_views SET strategy = $2, strategy_params = $3 WHERE job_id = $1",
                      job_id, strategy, to_json(params))
+
+
+async def job_split(tx: Executor, job_id: str, split: dict[str, Any]) -> None:
+    """How the job's request asks for its dataset to be split."""
+    await tx.execute("UPDATE job_views SET split = $2 WHERE job_id = $1", job_id, to_json(split))
+
+
+async def job_sharded(tx: Executor, job_id: str, shards: list[dict[str, Any]]) -> None:
+    """What each shard of the job's dataset holds: its sample count and label histogram."""
+    await tx.execute("UPDATE job_views SET data_shards = $2 WHERE job_id = $1", job_id, to_json(shards))
 
 
 async def ensure_job(tx: Executor, job_id: str, ts: float) -> None:
@@ -136,6 +154,35 @@ async def round_started(tx: Executor, job_id: str, round_index: int, attempt: in
             " ON CONFLICT DO NOTHING",
             job_id, round_index, attempt, ts, *chunk,
         )
+
+
+async def shard_digests(tx: Executor, job_id: str, round_index: int, attempt: int,
+                        digests: dict[int, tuple[str | None, str | None]]) -> None:
+    """Each shard's (secret digest, progress-token digest), as round.start announced them."""
+    for shard, (secret, progress) in digests.items():
+        await tx.execute(
+            "UPDATE shard_views SET secret_digest = $5, progress_digest = $6"
+            " WHERE job_id = $1 AND round = $2 AND attempt = $3 AND shard = $4",
+            job_id, round_index, attempt, shard, secret, progress,
+        )
+
+
+async def shard_digest_row(tx: Executor, job_id: str, round_index: int, attempt: int | None,
+                           shard: int) -> dict[str, Any] | None:
+    """A shard's digests in a round attempt (the latest attempt when `attempt` is None); None if unknown."""
+    sql = "SELECT secret_digest, progress_digest FROM shard_views WHERE job_id = $1 AND round = $2 AND shard = $3"
+    if attempt is None:
+        return await tx.fetchrow(sql + " ORDER BY attempt DESC LIMIT 1", job_id, round_index, shard)
+    return await tx.fetchrow(sql + " AND attempt = $4", job_id, round_index, shard, attempt)
+
+
+async def record_forged(tx: Executor, key: str, b: dict[str, Any], reason: str, ts: float) -> None:
+    """A report that did not come from the shard's assigned worker: kept, with why, and nothing else."""
+    await tx.execute(
+        "INSERT INTO forged_reports (job_id, round, attempt, shard, worker_id, routing_key, reason, ts)"
+        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        b["job_id"], b.get("round"), b.get("attempt"), b.get("shard"), str(b.get("worker_id")), key, reason, ts,
+    )
 
 
 async def round_ended(tx: Executor, job_id: str, round_index: int, attempt: int, status: str, ts: float, *,

@@ -38,6 +38,8 @@ async def job_view(db: Executor, job_id: str) -> dict[str, Any] | None:
     job["metrics"] = from_json(job["metrics"], {})
     job["errors"] = from_json(job["errors"], [])
     job["strategy_params"] = from_json(job["strategy_params"], {})
+    job["split"] = from_json(job["split"])
+    job["data_shards"] = from_json(job["data_shards"], [])
     rounds = await db.fetch(
         "SELECT round, attempt, status, metrics, reason, started_at, ended_at FROM round_views"
         " WHERE job_id = $1 ORDER BY round, attempt", job_id,
@@ -53,6 +55,9 @@ async def job_view(db: Executor, job_id: str) -> dict[str, Any] | None:
     job["progress"] = progress_counts(job["shards"])
     job["reported"] = [s["worker_id"] for s in job["shards"] if s["state"] == "reported"]
     job["training"] = [s["worker_id"] for s in job["shards"] if s["state"] == "training"]
+    job["forged"] = await db.fetch(
+        "SELECT round, attempt, shard, worker_id, routing_key, reason, ts FROM forged_reports WHERE job_id = $1"
+        " ORDER BY seq DESC LIMIT 100", job_id)
     return job
 
 

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -15,13 +16,15 @@ from opentelemetry.trace import Span
 from apiary import telemetry
 from apiary.backoff import while_unavailable
 from apiary.bus import Bus, publish_event
-from apiary.contracts import Assignment, ObjectRef, WorkerDone
+from apiary.contracts import TRAIN, Assignment, ObjectRef, WorkerDone
 from apiary.jobspec import parse_entrypoint
 from apiary.settings import Settings
 from apiary.trainers import TrainCall, Trainer, TrainerError, TrainResult
 from services.worker import transfers
+from services.worker.bundles import BundleCache, BundleError, code_for
 from services.worker.model_cache import ModelCache
 from services.worker.progress import ProgressStream
+from services.worker.tasks import TaskRun, task_function
 
 log = logging.getLogger("apiary.worker")
 
@@ -34,6 +37,7 @@ class Slot(Protocol):
     worker_id: str
     cache: Path
     models: ModelCache
+    bundles: BundleCache
     samples_per_s: float | None
     completed: int
 
@@ -76,11 +80,17 @@ class AssignmentRun:
         self.worker, self.a = worker, assignment
         self.space = Workspace(worker.cache / "jobs" / assignment.job_id)
         self.model_path: Path | None = None  # the job's base model in the worker's cache, if it has one
+        self.code_path: Path | None = None  # the job's code bundle in the worker's cache, if it has one
 
     async def run(self, ended: asyncio.Task[bool] | None) -> None:
         """Every step in turn; skipped if `ended`, the reading of the job's end marker, says the job
         ended unheard (read beside the weights' download, or before it where the shard would be
         downloaded too)."""
+        if not await self._code():
+            return
+        if self.a.task != TRAIN:
+            await self._task(ended)
+            return
         started = time.monotonic()
         self.space.clear_outputs()
         tracer = telemetry.tracer()
@@ -124,18 +134,39 @@ class AssignmentRun:
             if ended is not None and not ended.done():
                 ended.cancel()
 
-    def _call(self, data_root: Path) -> TrainCall:
+    async def _task(self, ended: asyncio.Task[bool] | None) -> None:
+        """An init or evaluate assignment (`tasks`): no shard, the same training child."""
+        if ended is not None and await ended:
+            self.worker.skip_ended(self.a)
+            return
+        self.space.work.mkdir(parents=True, exist_ok=True)
+        call = replace(self._call(None), function=task_function(self.a.task),
+                       result_path=str(self.space.work / "initial.safetensors"))
+        await TaskRun(self.worker, self.a, self.space, call).run()
+
+    def _call(self, data_root: Path | None) -> TrainCall:
         a, space = self.a, self.space
         module, function = parse_entrypoint(a.entrypoint) if a.entrypoint else ("", "")
         return TrainCall(
             module=module, function=function, weights_path=str(space.weights), result_path=str(space.result),
             out_dir=str(space.out_dir), env=a.env,
-            dataset={"data_root": str(data_root), "shard_index": a.shard, "num_samples": a.shard_num_samples,
-                     "num_shards": a.num_shards},
+            dataset={} if data_root is None else {"data_root": str(data_root), "shard_index": a.shard,
+                                                  "num_samples": a.shard_num_samples, "num_shards": a.num_shards},
             round={"index": a.round, "total": a.num_rounds, "attempt": a.attempt},
             job={"id": a.job_id, "name": a.job_name},
             model_path=str(self.model_path) if self.model_path is not None else None,
+            code_path=str(self.code_path) if self.code_path is not None else None,
         )
+
+    async def _code(self) -> bool:
+        """The job's code bundle ready here (downloaded once per worker) and the requirements it declares met,
+        whatever the assignment's task; False (reported, in one line) if not."""
+        try:
+            self.code_path = await code_for(self.worker.bundles, self.a)
+        except BundleError as e:
+            await self.worker.failed(self.a, str(e))
+            return False
+        return True
 
     async def _train(self, call: TrainCall) -> TrainResult | None:
         """The trainer's result; None (reported) if training failed or returned no usable sample count."""
@@ -179,7 +210,7 @@ class AssignmentRun:
         ref = ObjectRef(key=a.result_key, size=result.size, sha256=result.sha256)
         done = WorkerDone(
             job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=worker.worker_id, shard=a.shard,
-            result=ref, samples=result.samples, metrics=result.metrics, duration_s=duration,
+            result=ref, samples=result.samples, metrics=result.metrics, duration_s=duration, secret=a.secret or "",
         )
         # The trained shard is worth keeping through a broker outage: the report waits for the broker,
         # rather than the whole assignment running again.

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from apiary import proof
 from apiary.bus import Bus, publish_event
 from apiary.contracts import Assignment, WorkerProgress
 
@@ -38,7 +39,8 @@ class ProgressStream:
         a = self._a
         event = WorkerProgress(job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=self._worker_id,
                                shard=a.shard, metrics=record["metrics"], step=record["step"],
-                               samples_per_s=self._rate())
+                               samples_per_s=self._rate(),
+                               token=proof.progress_token(a.secret) if a.secret else "")
         task = asyncio.get_running_loop().create_task(publish_event(self._bus, event))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -15,7 +15,7 @@ from typing import Any
 
 from opentelemetry import trace
 
-from apiary import transfer
+from apiary import proof, transfer
 from apiary.assignments import (
     POOL,
     PREFERRED,
@@ -28,6 +28,7 @@ from apiary.backoff import while_unavailable
 from apiary.bus import Bus, Decline, Delivery, Subscription, Unroutable, publish_event, subscribe
 from apiary.bus.typed import Next, consumer_span
 from apiary.contracts import (
+    TRAIN,
     Assignment,
     JobFailed,
     WorkerFailed,
@@ -37,6 +38,7 @@ from apiary.contracts import (
 )
 from apiary.settings import Settings
 from apiary.trainers import USER_FUNCTION, Trainer, TrainerError, TrainerSetup, make_trainer, trainer_name
+from services.worker.bundles import BundleCache
 from services.worker.gpu import choose_gpu, gpu_stats
 from services.worker.model_cache import ModelCache
 from services.worker.pipeline import AssignmentRun
@@ -68,6 +70,7 @@ class Worker:
         self.cache = Path(cache_dir or self.settings.home / "workers" / self.worker_id).resolve()
         self.models = ModelCache(Path(self.settings.model_cache or self.cache / "models").resolve(),
                                  int(self.settings.model_cache_limit_gb * 1e9))
+        self.bundles = BundleCache(self.cache / "code")  # the jobs' code bundles, by sha256
         self.gpu = choose_gpu(self.settings.gpu)  # GpuChoiceError: one line for whoever started the worker
         self._setup = TrainerSetup(code_paths=list(self.settings.code_path), name=f"apiary-{self.worker_id}",
                                    environment=self.gpu.child_environment() if self.gpu else {})
@@ -165,7 +168,7 @@ class Worker:
             worker_id=self.worker_id, state=self.state, job_id=a.job_id if a else None,
             round=a.round if a else None, shard=a.shard if a else None,
             gpu=gpu_stats(self.gpu, self._trainer_pid()), samples_per_s=self.samples_per_s,
-            kind=self.settings.worker_kind,
+            kind=self.settings.worker_kind, token=proof.progress_token(a.secret) if a and a.secret else None,
         )
 
     def _end_probe(self, a: Assignment) -> asyncio.Task[bool] | None:
@@ -249,7 +252,8 @@ class Worker:
     async def on_assignment(self, assignment: Assignment, delivery: Delivery) -> None:
         """Train one shard for one round and report the outcome (its turn taken); user errors never
         crash the worker."""
-        self.current, self.state = assignment, "training"
+        # An init or evaluate task names no shard: heartbeats say which task, not that a shard trains.
+        self.current, self.state = assignment, "training" if assignment.task == TRAIN else assignment.task
         try:
             # Its own task, so that the job ending can stop it (its training child is killed).
             self._training = asyncio.create_task(self._train(assignment), name=f"train:{self.worker_id}")
@@ -294,7 +298,7 @@ class Worker:
         log.warning("worker %s: job %s round %d shard %d failed: %s", self.worker_id, a.job_id, a.round,
                     a.shard, error)
         failed = WorkerFailed(job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=self.worker_id,
-                              shard=a.shard, error=error)
+                              shard=a.shard, error=error, secret=a.secret or "")
         # Like worker.done: a report waits for the broker rather than the shard being trained again.
         await while_unavailable(lambda: publish_event(self.bus, failed), self.settings.dependency_backoff(),
                                 f"worker {self.worker_id}: failure report of round {a.round} shard {a.shard}", log)

@@ -57,6 +57,7 @@ class ContributionStatus(enum.StrEnum):
     LATE = "late"
     ORPHAN = "orphan"
     UNASSIGNED = "unassigned"
+    FORGED = "forged"  # not from the worker the shard was assigned to (wrong secret, user or object)
 
     @property
     def settles(self) -> bool:

@@ -14,6 +14,7 @@ import sys
 import uuid
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import boto3
 import msgpack
@@ -22,7 +23,7 @@ import torch
 
 from apiary import keys
 from apiary.bus.base import ORIGINAL_KEY_HEADER, REASON_HEADER
-from apiary.contracts import MSGPACK, Event, ObjectRef, encode
+from apiary.contracts import MSGPACK, Assignment, Event, ObjectRef, decode_body, encode
 from apiary.strategies.base import Contribution, create
 from apiary.strategies.format import UpdateFormat
 from apiary.weights import dumps as dump_weights
@@ -230,25 +231,27 @@ class Faults:
     # ---------------------------------------------------------------- writing
 
     def publish(self, routing_key: str, body: bytes, *, content_type: str = MSGPACK,
-                message_id: str | None = None) -> str:
-        """Publish raw bytes into the exchange with pika, as any other client could; return the id."""
+                message_id: str | None = None, url: str | None = None) -> str:
+        """Publish raw bytes into the exchange with pika, as any other client could; return the id. With
+        `url`, as that URL's broker user, stamping its name as the message's (broker-validated) user_id."""
         message_id = message_id or uuid.uuid4().hex
-        connection = pika.BlockingConnection(pika.URLParameters(self.cluster.amqp_url))
+        user_id = unquote(urlsplit(url).username or "") or None if url else None
+        connection = pika.BlockingConnection(pika.URLParameters(url or self.cluster.amqp_url))
         try:
             channel = connection.channel()
             channel.confirm_delivery()
             channel.basic_publish(
                 exchange=self.cluster.exchange, routing_key=routing_key, body=body, mandatory=True,
                 properties=pika.BasicProperties(content_type=content_type, delivery_mode=2,
-                                                message_id=message_id),
+                                                message_id=message_id, user_id=user_id),
             )
         finally:
             connection.close()
         return message_id
 
-    def publish_event(self, event: Event, routing_key: str | None = None) -> str:
-        """Publish an event as msgpack under its routing key."""
-        return self.publish(routing_key or event.routing_key, encode(event))
+    def publish_event(self, event: Event, routing_key: str | None = None, *, url: str | None = None) -> str:
+        """Publish an event as msgpack under its routing key (as `url`'s broker user, if given)."""
+        return self.publish(routing_key or event.routing_key, encode(event), url=url)
 
     def put_object(self, key: str, data: bytes) -> ObjectRef:
         """Store bytes under a storage key; return their claim check."""
@@ -258,6 +261,48 @@ class Faults:
     def put_weights(self, key: str, weights: dict[str, torch.Tensor]) -> ObjectRef:
         """Store weights as safetensors under a storage key."""
         return self.put_object(key, dump_weights(weights))
+
+    def assignments(self, queue: str) -> list[Assignment]:
+        """Take every assignment waiting in one of the deployment's queues (`assign.worker.<id>`): what a
+        worker with that id would be given, its one-time secret included."""
+        out = []
+        connection = pika.BlockingConnection(pika.URLParameters(self.cluster.amqp_url))
+        try:
+            channel = connection.channel()
+            while True:
+                method, properties, body = channel.basic_get(f"{self.cluster.exchange}.{queue}", auto_ack=True)
+                if method is None:
+                    return out
+                out.append(Assignment.model_validate(decode_body(body, properties.content_type)))
+        finally:
+            connection.close()
+
+    def tap(self, routing_key: str) -> str:
+        """A queue of the test's own bound to `routing_key`, receiving a copy of each such message from now
+        on (read it with `tapped`); it goes with the exchange's namespace."""
+        name = f"{self.cluster.exchange}.tap.{uuid.uuid4().hex[:8]}"
+        connection = pika.BlockingConnection(pika.URLParameters(self.cluster.amqp_url))
+        try:
+            channel = connection.channel()
+            channel.queue_declare(name, durable=False, auto_delete=False)
+            channel.queue_bind(name, self.cluster.exchange, routing_key)
+        finally:
+            connection.close()
+        return name
+
+    def tapped(self, tap: str) -> list[dict[str, Any]]:
+        """Take the messages a tap holds, each decoded, with its raw `body`."""
+        out = []
+        connection = pika.BlockingConnection(pika.URLParameters(self.cluster.amqp_url))
+        try:
+            channel = connection.channel()
+            while True:
+                method, properties, body = channel.basic_get(tap, auto_ack=True)
+                if method is None:
+                    return out
+                out.append({**decode_body(body, properties.content_type), "body": body})
+        finally:
+            connection.close()
 
     def dead_letters(self) -> list[dict[str, Any]]:
         """Take every message from the dead-letter queue: id, original routing key, reason, body."""

@@ -3,17 +3,22 @@ malformed job requests."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import torch
 
 from apiary import keys
-from apiary.contracts import JSON, ObjectRef, WorkerDone
+from apiary.bus.identity import worker_user
+from apiary.contracts import JSON, ObjectRef, WorkerDone, WorkerFailed
 from apiary.weights import dumps as dump_weights
 from tests.faults.support import Faults, msgpack_of, new_id, toy_job
+from tests.fixtures.services import rabbitmqctl
 from tests.toyjobs.toy import fl_init_weights
 
 Record = Callable[[str, str, str, int], None]
@@ -114,15 +119,17 @@ def test_corrupt_contributions_are_rejected_with_their_reason(
         faults: Faults, toy_data: Data, outcome: Record) -> None:
     cluster = faults.cluster
     cluster.start(workers=["site-a"])
-    ghosts = [f"ghost-{i}" for i in range(1, 14)]
+    ghosts = [f"ghost-{i}" for i in range(1, 13)]
     job_id = new_id("corrupt")
-    cluster.publish_job(toy_job(job_id, toy_data(28), rounds=1, max_workers=14, pinned=["site-a", *ghosts]))
+    cluster.publish_job(toy_job(job_id, toy_data(26), rounds=1, max_workers=13, pinned=["site-a", *ghosts]))
     sizes = faults.shard_sizes(job_id)
     faults.wait_aggregation(job_id, 1, "open")
     # The corrupt ones come after the valid one is in the sum: a NaN found in a tensor after others
     # were added (shard 5: 'layer.weight' follows 'layer.bias') makes the aggregator rebuild the sum.
     cluster.wait_for(lambda: faults.accepted(job_id), 120, "site-a's contribution to be accepted")
     base = fl_init_weights({})
+    # Each ghost holds its assignment: the reports below are the assigned workers' own, judged on their content.
+    secrets = {a.shard: a.secret for g in ghosts for a in faults.assignments(f"assign.worker.{g}")}
 
     def weights(shard: int, change: Callable[[dict[str, torch.Tensor]], None]) -> bytes:
         w = _forged(base, shard)
@@ -154,14 +161,10 @@ def test_corrupt_contributions_are_rejected_with_their_reason(
         10: (valid(10), 2, "size", "does not match the announced"),
         11: (None, 2, "", "is missing"),
         12: (b"\x08\x00\x00\x00\x00\x00\x00\x00not json", 2, "", "safetensors header is not JSON"),
-        13: (valid(13), 2, "key", "is not this shard's upload"),
     }
 
     for shard, (data, samples, lie, _) in cases.items():
         key = keys.contribution(job_id, 1, 1, shard)
-        if lie == "key":
-            # Valid weights, but an object the assignment's upload URL never wrote.
-            key = f"jobs/{job_id}/elsewhere/shard-{shard}.safetensors"
         if data is None:
             ref = ObjectRef(key=key, size=100, sha256="0" * 64)
         else:
@@ -171,7 +174,7 @@ def test_corrupt_contributions_are_rejected_with_their_reason(
         elif lie == "size":
             ref = ObjectRef(key=key, size=ref.size + 1, sha256=ref.sha256)
         faults.publish_event(WorkerDone(job_id=job_id, round=1, attempt=1, worker_id=f"ghost-{shard}", shard=shard,
-                                        result=ref, samples=samples))
+                                        result=ref, samples=samples, secret=secrets[shard] or ""))
     job = cluster.wait_job(job_id)
 
     assert job["status"] == "completed", job["reason"]
@@ -180,42 +183,71 @@ def test_corrupt_contributions_are_rejected_with_their_reason(
     for shard, (_, _, _, must) in cases.items():
         assert rows[shard]["status"] == "rejected", rows[shard]
         assert must in rows[shard]["reason"], (shard, rows[shard]["reason"])
-    assert len(rows) == 14 and len(faults.contributions(job_id)) == 14
+    assert len(rows) == 13 and len(faults.contributions(job_id)) == 13
     view, _ = faults.status_cli(job_id)
     assert sorted(s["shard"] for s in view["shards"] if s["state"] == "rejected") == list(cases)
     weights_line, double = faults.check_exact(job_id, [{0: sizes[0]}])
     outcome("corrupt contributions (missing key, extra key, shape, dtype, NaN, inf, samples 0 and -4,"
-            " sha256 and size mismatch, missing object, not safetensors, another object's key)",
+            " sha256 and size mismatch, missing object, not safetensors), each from its assigned worker",
             "each rejected with its reason; the round averages only the valid shard",
-            f"13 rejected with reasons (e.g. {rows[4]['reason'][:50]!r}); round 1 = shard 0 only; {weights_line}",
+            f"12 rejected with reasons (e.g. {rows[4]['reason'][:50]!r}); round 1 = shard 0 only; {weights_line}",
             double)
 
 
-def test_a_report_for_another_object_does_not_take_the_genuine_reports_place(
-        faults: Faults, toy_data: Data, outcome: Record) -> None:
+def test_forged_reports_never_take_the_genuine_reports_place(faults: Faults, toy_data: Data, outcome: Record) -> None:
     cluster = faults.cluster
     cluster.start(workers=1)
-    job_id = new_id("bogus-first")
+    job_id = new_id("forged")
     cluster.publish_job(toy_job(job_id, toy_data(8), rounds=1, max_workers=1,
-                                config={"mode": "slow", "slow_seconds": 6}))
+                                config={"mode": "slow", "slow_seconds": 8}))
     sizes = faults.shard_sizes(job_id)
     faults.wait_aggregation(job_id, 1, "open")
-
-    # Execute: while the worker trains shard 0, a bogus report for it points at another object.
     skewed = {k: v + 1000 if v.is_floating_point() else v for k, v in fl_init_weights({}).items()}
     elsewhere = faults.put_weights(f"jobs/{job_id}/elsewhere/shard-0.safetensors", skewed)
-    faults.publish_event(WorkerDone(job_id=job_id, round=1, attempt=1, worker_id="worker-1", shard=0,
-                                    result=elsewhere, samples=1000))
-    cluster.wait_for(lambda: faults.query(
-        "SELECT 1 FROM contributions WHERE job_id = $1 AND status = 'forged'", job_id), 60,
-        "the bogus report to be recorded as forged")
+    upload = ObjectRef(key=keys.contribution(job_id, 1, 1, 0), size=elsewhere.size, sha256=elsewhere.sha256)
+
+    # Execute: while worker-1 trains shard 0, four reports claim it: one pointing at another object, one
+    # with a guessed secret, a failure with a guessed secret, and one published by another worker's
+    # broker user under worker-1's name.
+    faults.publish_event(WorkerDone(job_id=job_id, round=1, worker_id="worker-1", shard=0, result=elsewhere,
+                                    samples=1000))
+    faults.publish_event(WorkerDone(job_id=job_id, round=1, worker_id="worker-1", shard=0, result=upload,
+                                    samples=1000, secret="guessed"))
+    faults.publish_event(WorkerFailed(job_id=job_id, round=1, worker_id="worker-1", shard=0, error="forged failure",
+                                      secret="guessed"))
+    with broker_user(cluster.amqp_url, worker_user("intruder")) as intruder:
+        faults.publish_event(WorkerDone(job_id=job_id, round=1, worker_id="worker-1", shard=0, result=upload,
+                                        samples=1000), url=intruder)
+    cluster.wait_for(lambda: len(faults.query(
+        "SELECT 1 FROM contributions WHERE job_id = $1 AND status = 'forged'", job_id)) == 4, 60,
+        "the four forged reports to be recorded")
     job = cluster.wait_job(job_id)
 
-    # Assert: the bogus one is recorded, never counted; the genuine one that follows is.
+    # Assert: each forged one is recorded with why, never counted; the genuine one that follows is taken.
     assert job["status"] == "completed", job["reason"]
-    rows = [(r["shard"], r["status"]) for r in faults.contributions(job_id)]
-    assert rows == [(0, "forged"), (0, "accepted")], rows
+    rows = faults.contributions(job_id)
+    forged = [r["reason"] for r in rows if r["status"] == "forged"]
+    assert [(r["shard"], r["status"], r["worker_id"]) for r in rows if r["status"] != "forged"] == [
+        (0, "accepted", "worker-1")]
+    assert len(forged) == 4 and sum("is not this shard's upload" in r for r in forged) == 1, forged
+    assert sum(r == "a wrong assignment secret for shard 0" for r in forged) == 2, forged
+    assert sum("no assignment secret" in r for r in forged) == 1, forged
     weights, double = faults.check_exact(job_id, [sizes])
-    outcome("worker.done for shard 0 pointing at another object, before the genuine one",
-            "recorded 'forged', never counted; the genuine report that follows is taken",
-            f"forged then accepted; {weights}", double)
+    outcome("forged worker.done / worker.failed for shard 0 while its worker trains it: another object, a wrong"
+            " secret, a failure with a wrong secret, and another worker's broker user",
+            "each recorded 'forged' with why, never counted; the genuine report that follows is taken",
+            f"4 forged, then shard 0 accepted from worker-1; {weights}", double)
+
+
+@contextlib.contextmanager
+def broker_user(amqp_url: str, name: str) -> Iterator[str]:
+    """A broker user of this name with full rights on the vhost, as `apiary broker setup` would make a
+    worker's; yields the URL to connect as it."""
+    password = uuid.uuid4().hex
+    rabbitmqctl("add_user", name, password)
+    try:
+        rabbitmqctl("set_permissions", "-p", "/", name, ".*", ".*", ".*")
+        parts = urlsplit(amqp_url)
+        yield urlunsplit(parts._replace(netloc=f"{quote(name, safe='')}:{password}@{parts.hostname}:{parts.port}"))
+    finally:
+        rabbitmqctl("delete_user", name)

@@ -270,6 +270,13 @@ function jobPage(jobId) {
         job.reason,
         job.errors.length ? h("ul", {}, job.errors.map((e) => h("li", {}, h("code", {}, e.field), " ", e.message))) : ""));
     }
+    if (job.forged && job.forged.length) {
+      // Reports that did not come from the shard's assigned worker: refused, never counted.
+      banner.push(h("div", { class: "banner warn", id: "forged" },
+        h("strong", {}, `${job.forged.length} forged report${job.forged.length > 1 ? "s" : ""} refused: `),
+        h("ul", {}, job.forged.slice(0, 10).map((f) => h("li", {},
+          h("code", {}, f.routing_key), ` round ${f.round ?? "?"} shard ${f.shard ?? "?"} as ${f.worker_id}: ${f.reason}`)))));
+    }
     parts.banner.replaceChildren(...banner);
   }
 

@@ -1,0 +1,93 @@
+"""Who may settle a shard: the assignment's one-time secret, the shard's own upload and the broker's user."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from apiary import keys, proof
+from apiary.bus.identity import worker_user
+from apiary.component import to_json
+from apiary.contracts import ObjectRef, WorkerDone, WorkerFailed
+from apiary.status import ContributionStatus
+from services.aggregator.decisions import Verdict, judge_sender
+from services.tracker import forgery
+
+SECRET = proof.new_secret()
+
+
+def _round(digests: dict[int, str] | None) -> dict[str, Any]:
+    return {"secret_digests": None if digests is None else to_json({str(k): v for k, v in digests.items()})}
+
+
+def _done(*, secret: str = SECRET, key: str | None = None, worker: str = "w1") -> WorkerDone:
+    ref = ObjectRef(key=key or keys.contribution("j", 1, 1, 0), size=1, sha256="0" * 64)
+    return WorkerDone(job_id="j", round=1, attempt=1, worker_id=worker, shard=0, result=ref, samples=1, secret=secret)
+
+
+def test_a_secret_proves_only_itself_and_a_missing_one_proves_nothing() -> None:
+    other = proof.new_secret()
+
+    assert other != SECRET and len(SECRET) >= 40
+    assert proof.proves(SECRET, proof.digest(SECRET))
+    assert not proof.proves(other, proof.digest(SECRET))
+    assert not proof.proves("", proof.digest(SECRET))
+    assert not proof.proves(SECRET, None)
+    assert proof.progress_token(SECRET) != SECRET
+    assert proof.proves(proof.progress_token(SECRET), proof.digest(proof.progress_token(SECRET)))
+    assert not proof.proves(proof.progress_token(SECRET), proof.digest(SECRET))
+
+
+def test_the_genuine_report_passes() -> None:
+    assert judge_sender(_done(), _round({0: proof.digest(SECRET)}), None) is None
+    assert judge_sender(_done(), _round({0: proof.digest(SECRET)}), worker_user("w1")) is None
+
+
+def test_a_wrong_or_missing_secret_is_forged_and_a_failure_alike() -> None:
+    digests = _round({0: proof.digest(SECRET)})
+    failed = WorkerFailed(job_id="j", round=1, worker_id="w1", shard=0, error="boom", secret="guess")
+
+    assert judge_sender(_done(secret="guess"), digests, None) == Verdict(
+        ContributionStatus.FORGED, "a wrong assignment secret for shard 0")
+    assert judge_sender(_done(secret=""), digests, None) == Verdict(
+        ContributionStatus.FORGED, "no assignment secret for shard 0")
+    assert judge_sender(failed, digests, None) == Verdict(
+        ContributionStatus.FORGED, "a wrong assignment secret for shard 0")
+    assert judge_sender(_done(), _round({1: proof.digest(SECRET)}), None) is not None  # another shard's
+
+
+def test_another_object_or_another_broker_user_is_forged() -> None:
+    digests = _round({0: proof.digest(SECRET)})
+
+    elsewhere = judge_sender(_done(key="jobs/j/elsewhere.safetensors"), digests, None)
+    other_user = judge_sender(_done(), digests, worker_user("w2"))
+    own_user = judge_sender(_done(), digests, worker_user("w1"))
+    shared_user = judge_sender(_done(), digests, "guest")
+
+    assert elsewhere is not None and elsewhere.status is ContributionStatus.FORGED
+    assert "is not this shard's upload" in elsewhere.reason
+    assert other_user == Verdict(ContributionStatus.FORGED, "sent by worker 'w2''s broker user, not by worker 'w1'")
+    assert own_user is None and shared_user is None
+
+
+def test_a_round_stored_before_secrets_is_judged_on_its_object_alone() -> None:
+    assert judge_sender(_done(secret=""), _round(None), None) is None
+    assert judge_sender(_done(key="elsewhere"), _round(None), None) is not None
+
+
+def test_the_tracker_believes_a_progress_report_or_heartbeat_only_with_the_shards_token() -> None:
+    token = proof.progress_token(SECRET)
+    row = {"secret_digest": proof.digest(SECRET), "progress_digest": proof.digest(token)}
+    progress = {"job_id": "j", "round": 1, "attempt": 1, "shard": 0, "worker_id": "w1", "token": token}
+    heartbeat = {"worker_id": "w1", "state": "training", "job_id": "j", "round": 1, "shard": 0, "token": "guess"}
+
+    assert forgery.judge("worker.progress", progress, row, worker_user("w1")) is None
+    assert forgery.judge("worker.progress", {**progress, "token": SECRET}, row, None) == \
+        "a wrong progress token for shard 0"
+    assert forgery.judge("worker.heartbeat", heartbeat, row, None) == "a wrong progress token for shard 0"
+    assert forgery.judge("worker.failed", {**progress, "secret": ""}, row, None) == \
+        "no assignment secret for shard 0"
+    assert forgery.judge("worker.done", {**progress, "secret": SECRET}, row, None) is None
+    assert forgery.judge("worker.heartbeat", {"worker_id": "w1", "state": "idle"}, None, worker_user("w2")) == \
+        "sent by worker 'w2''s broker user, not by worker 'w1'"
+    assert forgery.judge("worker.progress", progress, None, None) is None  # a round from before secrets
+    assert not forgery.names_a_shard("worker.heartbeat", {**heartbeat, "state": "idle"})

@@ -9,6 +9,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from apiary.dataset import label_order
 from services.app.console import results
 
 STATE_STYLE = {"training": "yellow", "reported": "green", "failed": "red", "rejected": "red",
@@ -26,7 +27,10 @@ def render_job(view: dict[str, Any], started: float | None = None) -> Group:
         f"   {time.time() - started:.0f}s" if started else "",
         (f"   {strategy_text(view)}", "dim") if view.get("strategy") else "",
     )
-    return Group(title, _shards_table(view), _rounds_table(view))
+    parts = [title, _shards_table(view), _rounds_table(view)]
+    if view.get("data_shards"):
+        parts.append(data_table(view))
+    return Group(*parts)
 
 
 def strategy_text(view: dict[str, Any]) -> str:
@@ -34,6 +38,38 @@ def strategy_text(view: dict[str, Any]) -> str:
     params = view.get("strategy_params") or {}
     listed = ", ".join(f"{k}={v}" for k, v in params.items())
     return f"{view.get('strategy')}" + (f" ({listed})" if listed else "")
+
+
+def data_table(view: dict[str, Any]) -> Table:
+    """What each worker receives: the split, and each shard's sample count and samples per label."""
+    split = view.get("split") or {}
+    how = split.get("strategy", "random") + "".join(
+        f" {k}={split[k]}" for k in ("alpha", "key", "seed") if k in split and _shows(split["strategy"], k))
+    table = Table(box=None, pad_edge=False, show_header=True, header_style="dim", title=f"data: {how}",
+                  title_justify="left", title_style="dim")
+    for column in ("shard", "samples", "samples per label"):
+        table.add_column(column)
+    for s in view["data_shards"]:
+        table.add_row(str(s["shard"]), str(s["num_samples"]), label_text(s.get("labels")))
+    return table
+
+
+def _shows(strategy: str, key: str) -> bool:
+    """Whether a split parameter matters for this split strategy."""
+    return key == "seed" or (key == "alpha" and strategy in ("label_skew", "quantity_skew")) or (
+        key == "key" and strategy == "group")
+
+
+MAX_LABELS = 12  # a shard's histogram prints this many labels, the rest as "+N more"
+
+
+def label_text(labels: dict[str, int] | None) -> str:
+    """A label histogram in one line, labels in natural order: `0:48 1:50 2:0 ... +3 more`; '-' without one."""
+    if not labels:
+        return "-"
+    ordered = sorted(labels.items(), key=lambda item: label_order(item[0]))
+    shown = " ".join(f"{label}:{count}" for label, count in ordered[:MAX_LABELS])
+    return shown + (f" +{len(ordered) - MAX_LABELS} more" if len(ordered) > MAX_LABELS else "")
 
 
 def _shards_table(view: dict[str, Any]) -> Table:
@@ -100,4 +136,4 @@ def print_summary(result: dict[str, Any]) -> None:
         results.print(f"[red]reason:[/red] {result['reason']}")
 
 
-__all__ = ["STATE_STYLE", "print_summary", "render_job", "strategy_text", "summary"]
+__all__ = ["STATE_STYLE", "data_table", "label_text", "print_summary", "render_job", "strategy_text", "summary"]

@@ -226,11 +226,11 @@ def label_histogram(samples: Sequence[dict[str, Any]], indices: Sequence[int],
             counts[str(samples[i][key])] += 1
     if not counts:
         return None
-    return {label: counts[label] for label in sorted(counts, key=_natural)}
+    return {label: counts[label] for label in sorted(counts, key=label_order)}
 
 
-def _natural(label: str) -> tuple[int, float, str]:
-    """Numbers first, by value (so "10" follows "9"), then other labels alphabetically."""
+def label_order(label: str) -> tuple[int, float, str]:
+    """Sort key for labels as text: numbers first, by value (so "10" follows "9"), then other labels alphabetically."""
     try:
         return 0, float(label), label
     except ValueError:

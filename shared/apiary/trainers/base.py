@@ -37,6 +37,8 @@ class TrainCall:
     job: dict[str, Any]
     # The job's base model in the worker's cache (a model folder or a .gguf file), for built-in trainers.
     model_path: str | None = None
+    # The job's code bundle unpacked in the worker's cache: the child runs with it first on sys.path.
+    code_path: str | None = None
 
 
 @dataclass

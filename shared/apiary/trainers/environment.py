@@ -33,3 +33,12 @@ def apply(environment: dict[str, str | None]) -> None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+def code_path(bundle: str | None) -> dict[str, str | None]:
+    """PYTHONPATH for a child running a job's code bundle: the bundle first, so that processes the user's
+    code starts itself (a script run with sys.executable) import from it too. Nothing without a bundle."""
+    if bundle is None:
+        return {}
+    inherited = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": os.pathsep.join([bundle, inherited]) if inherited else bundle}

@@ -14,7 +14,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from apiary.trainers import environment
-from apiary.trainers.base import MetricsCallback, Trainer
+from apiary.trainers.base import MetricsCallback, TrainCall, Trainer
 from apiary.trainers.child import PARENTS_SIGNALS, UserCodeError, child_main
 
 log = logging.getLogger("apiary.usercode")
@@ -56,6 +56,7 @@ class ChildProcess:
 
     def __init__(self, code_paths: list[str], name: str, variables: dict[str, str]) -> None:
         self._code_paths = code_paths
+        self._bundle: str | None = None  # the job's unpacked code bundle, first on the child's sys.path
         self._name = name
         self._variables = variables  # set in the child, over the user's own
         self._proc: multiprocessing.process.BaseProcess | None = None
@@ -65,6 +66,19 @@ class ChildProcess:
     def pid(self) -> int | None:
         """The child's process id, while one runs."""
         return self._proc.pid if self._proc is not None and self._proc.is_alive() else None
+
+    @property
+    def bundle(self) -> str | None:
+        """The code bundle the child runs with (first on its sys.path), if any."""
+        return self._bundle
+
+    def use_bundle(self, bundle: str | None) -> None:
+        """Run later calls with this code bundle first on sys.path (None: the worker's own code paths). A
+        child started with another one is stopped: modules it imported stay imported, so two versions of
+        one module never meet in a process."""
+        if bundle != self._bundle:
+            self.kill()
+            self._bundle = bundle
 
     def _live(self) -> Connection | None:
         if self._proc is not None and self._proc.is_alive() and self._conn is not None:
@@ -79,8 +93,9 @@ class ChildProcess:
         self.kill()
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        variables = {**environment.user_environment(), **self._variables}
-        proc = ctx.Process(target=child_main, args=(child, self._code_paths, variables, os.getpid()),
+        variables = {**environment.user_environment(), **self._variables, **environment.code_path(self._bundle)}
+        paths = [self._bundle, *self._code_paths] if self._bundle else self._code_paths
+        proc = ctx.Process(target=child_main, args=(child, paths, variables, os.getpid()),
                            name=self._name, daemon=True)
         # The child starts with these signals blocked (a signal mask survives fork and exec) and ignores
         # them from child_main on: a Ctrl-C to the whole process group while it is still starting up would
@@ -186,4 +201,8 @@ class ChildTrainer(Trainer):
     async def _call(self, kind: str, args: Any, timeout: float | None,
                     on_metrics: MetricsCallback | None = None) -> Any:
         async with self._lock:
+            # Every call of an assignment (train, init, evaluate) runs in a child of its job's bundle.
+            bundle = args.code_path if isinstance(args, TrainCall) else None
+            if bundle != self._child.bundle:
+                await asyncio.to_thread(self._child.use_bundle, bundle)
             return await self._child.call(kind, args, timeout, on_metrics)

@@ -32,6 +32,10 @@ async def _job_requested(tx: Executor, b: dict[str, Any], ts: float) -> None:
             await store.job_strategy(tx, b["job_id"], strategy, params)
         split = b.get("split")
         await store.job_split(tx, b["job_id"], split if isinstance(split, dict) else {"strategy": "random"})
+        code = b.get("code")
+        if isinstance(code, dict):
+            await store.job_code(tx, b["job_id"], {"key": code.get("key"), "sha256": code.get("sha256"),
+                                                   "size": code.get("size"), "entrypoint": b.get("entrypoint")})
 
 
 async def _job_sharded(tx: Executor, b: dict[str, Any], ts: float) -> None:

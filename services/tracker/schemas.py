@@ -112,6 +112,15 @@ class ForgedReport(BaseModel):
     ts: float
 
 
+class CodeView(BaseModel):
+    """A job's code bundle, as its request named it."""
+
+    key: str | None = Field(description="code/<sha256>.zip in storage")
+    sha256: str | None
+    size: int | None = Field(description="the zip's bytes, where the request gave them")
+    entrypoint: str | None = Field(description="module:function, resolved inside the bundle")
+
+
 class JobDetail(BaseModel):
     """Everything known about one job."""
 
@@ -126,6 +135,7 @@ class JobDetail(BaseModel):
     errors: list[FieldError] = Field(description="each bad field, when the request was rejected")
     strategy: str | None = Field(description="the aggregation strategy, by its registered name")
     strategy_params: dict[str, Any] = Field(description="the strategy's parameters, as the request gave them")
+    code: CodeView | None = Field(None, description="the job's code bundle, if it ships one")
     split: dict[str, Any] | None = Field(
         None, description="how the dataset is split (strategy random, label_skew, quantity_skew or group; seed, ...)")
     data_shards: list[DataShard] = Field(

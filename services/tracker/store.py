@@ -52,6 +52,8 @@ MIGRATIONS = [
     " CREATE TABLE IF NOT EXISTS forged_reports (seq {autoid}, job_id TEXT NOT NULL, round BIGINT,"
     " attempt BIGINT, shard BIGINT, worker_id TEXT, routing_key TEXT NOT NULL, reason TEXT NOT NULL,"
     " ts DOUBLE PRECISION NOT NULL); CREATE INDEX IF NOT EXISTS forged_reports_job ON forged_reports (job_id, seq)",
+    # The job's code bundle (key, sha256, size, entrypoint), from its request.
+    "ALTER TABLE job_views ADD COLUMN code TEXT",
 ]
 
 SHARD_ROWS_PER_INSERT = 500  # well under SQLite's and PostgreSQL's limits on parameters per statement
@@ -83,6 +85,11 @@ async def job_strategy(tx: Executor, job_id: str, strategy: str, params: dict[st
 async def job_split(tx: Executor, job_id: str, split: dict[str, Any]) -> None:
     """How the job's request asks for its dataset to be split."""
     await tx.execute("UPDATE job_views SET split = $2 WHERE job_id = $1", job_id, to_json(split))
+
+
+async def job_code(tx: Executor, job_id: str, code: dict[str, Any]) -> None:
+    """The job's code bundle: key, sha256, size (where the request gave it) and entrypoint."""
+    await tx.execute("UPDATE job_views SET code = $2 WHERE job_id = $1", job_id, to_json(code))
 
 
 async def job_sharded(tx: Executor, job_id: str, shards: list[dict[str, Any]]) -> None:

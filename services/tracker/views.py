@@ -40,6 +40,7 @@ async def job_view(db: Executor, job_id: str) -> dict[str, Any] | None:
     job["strategy_params"] = from_json(job["strategy_params"], {})
     job["split"] = from_json(job["split"])
     job["data_shards"] = from_json(job["data_shards"], [])
+    job["code"] = from_json(job["code"])
     rounds = await db.fetch(
         "SELECT round, attempt, status, metrics, reason, started_at, ended_at FROM round_views"
         " WHERE job_id = $1 ORDER BY round, attempt", job_id,

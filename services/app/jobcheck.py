@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from apiary.contracts import JobRequested
 from apiary.jobspec import ENTRYPOINT_RE, field_errors, parse_entrypoint
+from services.app.code import local_code, pack_problems
 from services.app.jobfile import code_root_for, local_path
 
 
@@ -29,17 +30,24 @@ def check_request(request: dict[str, Any], job_file: Path) -> Checked:
     """Every problem with the request read from `job_file`: bad fields, a missing dataset, code not found."""
     folder = job_file.resolve().parent
     checked = Checked()
+    code = local_code(request)
+    # A local `code` folder is packed and uploaded at submission; its fields are checked as the reference.
+    fields = {**request, "code": {"key": "code/x.zip", "sha256": "0" * 64}} if code is not None else request
     try:
-        JobRequested.model_validate(request)
+        JobRequested.model_validate(fields)
     except ValidationError as e:
-        checked.problems += [f"{error.field}: {error.message}" for error in field_errors(e, request)]
+        checked.problems += [f"{error.field}: {error.message}" for error in field_errors(e, fields)]
     dataset = request.get("dataset")
     target = local_path(dataset, folder) if isinstance(dataset, str) else None
     if target is not None and not target.exists():
         checked.problems.append(f"dataset: {target} does not exist (a relative path is read from the job "
                                 "file's folder)")
     entrypoint = request.get("entrypoint")
-    if isinstance(entrypoint, str) and ENTRYPOINT_RE.match(entrypoint):
+    if code is not None:
+        checked.problems += pack_problems(request)
+        if code.is_dir() and isinstance(entrypoint, str) and ENTRYPOINT_RE.match(entrypoint) and not checked.problems:
+            checked.problems += _code_problems(entrypoint, code, code)
+    elif isinstance(entrypoint, str) and ENTRYPOINT_RE.match(entrypoint):
         checked.code_root = code_root_for(entrypoint, folder)
         checked.problems += _code_problems(entrypoint, folder, checked.code_root)
     return checked

@@ -53,7 +53,7 @@ def local_path(value: str, folder: Path) -> Path | None:
 
 
 def resolve_paths(data: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """`dataset`, and `model` and config values that name an existing file there, made absolute against
+    """`dataset`, `code`, and `model` and config values that name an existing file there, made absolute against
     `folder`. A dataset that is not there stays as written: it may be a storage key of a deployed system."""
     out = dict(data)
     for name in ("dataset", "model"):
@@ -61,6 +61,10 @@ def resolve_paths(data: dict[str, Any], folder: Path) -> dict[str, Any]:
         target = local_path(value, folder) if isinstance(value, str) else None
         if target is not None and target.exists():
             out[name] = str(target)
+    code = out.get("code")
+    target = local_path(code, folder) if isinstance(code, str) else None
+    if target is not None:  # shipped with the job: packed from here, wherever the command runs
+        out["code"] = str(target)
     config = out.get("config")
     if isinstance(config, dict):
         # Config values are the user code's own: only a relative path that exists there is one.

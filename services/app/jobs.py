@@ -8,6 +8,7 @@ from typing import Any
 from rich.live import Live
 
 from apiary.status import TERMINAL
+from services.app.code import local_code, ship
 from services.app.console import console, no_tracker_tables
 from services.app.ports import Ports
 from services.app.render import render_job
@@ -17,7 +18,11 @@ from services.tracker.publish import publish_job_request
 
 
 async def submit(settings: ApiSettings, request: dict[str, Any], wait: bool) -> tuple[str, dict[str, Any] | None]:
-    """Publish a job request on the bus; with `wait`, follow it to its end. Returns its id and last view."""
+    """Publish a job request on the bus (its local `code` folder uploaded first, through the tracker's API);
+    with `wait`, follow it to its end. Returns its id and last view."""
+    if local_code(request) is not None:
+        async with tracker_api(settings) as (api, _):
+            request = await ship(api, request)
     ports = Ports(settings)
     await ports.bus.connect()
     try:

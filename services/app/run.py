@@ -12,6 +12,7 @@ from typing import Any
 from rich.live import Live
 
 from apiary.settings import Settings
+from services.app.code import ship
 from services.app.console import console
 from services.app.render import render_job, summary
 from services.app.runtime import Embedded
@@ -68,7 +69,7 @@ async def run_job(settings: Settings, request: dict[str, Any], options: RunOptio
                 dashboard = await stack.tracker.start_http()
             except OSError as e:
                 console.print(f"[yellow]dashboard not served:[/yellow] {e}")
-            job_id = await stack.submit(request)
+            job_id = await stack.submit(await ship(stack.api, request))  # a local `code` folder, uploaded
             if dashboard and not options.as_json:
                 console.print(f"dashboard: {dashboard}/#/jobs/{job_id}")
             view, exit_code = await _until_stopped(stack, job_id, options, stop)

@@ -17,6 +17,7 @@ from apiary.bus.typed import publish_event
 from apiary.contracts import JobCancelRequested, JobRequested
 from apiary.jobspec import FieldError, describe_errors
 from services.tracker import schemas
+from services.tracker.code_routes import code_errors, code_routes
 from services.tracker.publish import publish_job_request
 from services.tracker.registry_routes import Registries, RegistryTracker, registry_routes
 from services.tracker.registry_store import Kind
@@ -59,7 +60,7 @@ def create_app(tracker: ApiTracker) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _invalid_request)  # type: ignore[arg-type]
     registries = Registries(tracker)
     for router in (_job_commands(tracker, registries), _job_reads(tracker), _worker_routes(tracker),
-                   stream_routes(tracker), registry_routes(registries)):
+                   stream_routes(tracker), registry_routes(registries), code_routes(tracker)):
         app.include_router(router, prefix=PREFIX)
     app.include_router(_dashboard_routes())
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
@@ -76,7 +77,7 @@ def _job_commands(tracker: ApiTracker, registries: Registries) -> APIRouter:
     async def submit_job(request: JobRequested) -> JSONResponse:
         """Publish a job request (`job.requested`); the job id is the request's, or a new one."""
         body = request.model_dump(mode="json", exclude_unset=True, exclude={"v"})
-        unknown = await _unregistered(registries, request)
+        unknown = await _unregistered(registries, request) or await code_errors(tracker.storage, body)
         if unknown:
             problem = schemas.Problem(detail=f"request rejected: {describe_errors(unknown)}", errors=unknown)
             return JSONResponse(problem.model_dump(), status_code=422)

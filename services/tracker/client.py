@@ -122,6 +122,11 @@ class TrackerClient:
                                      content=file.read_bytes(), headers={"content-type": "application/octet-stream"},
                                      timeout=None))
 
+    async def upload_code(self, data: bytes, sha256: str | None = None) -> dict[str, Any]:
+        """Store a code bundle (POST /code): its reference for a job's `code` ({key, sha256, size})."""
+        return dict(await self._call("POST", "/code", params={"sha256": sha256} if sha256 else None, content=data,
+                                     headers={"content-type": "application/zip"}, timeout=None))
+
     async def registered(self, kind: str) -> list[dict[str, Any]]:
         """Every registered model or dataset (`kind`), newest first."""
         return list(await self._call("GET", f"/{kind}"))

@@ -45,9 +45,10 @@ async def bytes_per_round(tmp: Path, rounds: int, hidden: int = 256, layers: int
     transfers.install()
     settings = Settings(home=tmp / ".apiary", http_port=0, heartbeat_interval=0.5, progress_interval=0.0)
     async with Embedded(settings, workers=3) as stack:
-        url = await stack.tracker.start_http()
-        model = await cli_json(url, "model", "add", str(llama_folder(tmp / "llama", hidden, layers)))
-        dataset = await cli_json(url, "dataset", "upload", str(jsonl_dataset(tmp / "records.jsonl", 48)))
+        url, token = await stack.tracker.start_http(), await stack.api_token()
+        model = await cli_json(url, "model", "add", str(llama_folder(tmp / "llama", hidden, layers)), token=token)
+        dataset = await cli_json(url, "dataset", "upload", str(jsonl_dataset(tmp / "records.jsonl", 48)),
+                                 token=token)
         job_id = await stack.submit({
             "name": "bench-llm", "model_id": model["model_id"], "dataset_id": dataset["dataset_id"],
             "config": {"batch_size": 4, "use_peft": True, "lora_r": 16, "lora_alpha": 32},

@@ -253,6 +253,57 @@ def _register(kind: str, path: Path, name: str | None, as_json: bool) -> None:
     console.print(f"[dim]{describe(info)}; use it with {id_field}: {info[id_field]}[/dim]")
 
 
+token_app = typer.Typer(help="Tokens of the tracker's HTTP API (kept as hashes in its database: set "
+                        "APIARY_DATABASE_URL to the deployment's).", no_args_is_help=True)
+app.add_typer(token_app, name="token")
+
+
+@token_app.command("create")
+def token_create(
+    name: str = typer.Option(..., "--name", help="Who or what holds it (a person, a CI job); unique."),
+    role: str = typer.Option("submitter", "--role", help="viewer (read), submitter (also submit, and cancel its "
+                             "own jobs) or admin (everything)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: token, name, role."),
+) -> None:
+    """Make an API token and print it: this is the only time it is shown (only its hash is kept)."""
+    from services.app import tokens
+    from services.tracker.token_store import TokenError
+
+    try:
+        token = run_async(tokens.create(Settings(), name, role))
+    except TokenError as e:
+        fail(str(e))
+    if as_json:
+        print(json.dumps({"token": token, "name": name, "role": role}))
+        return
+    print(token)
+    console.print(f"[dim]{role} token {name!r}: send it as 'Authorization: Bearer TOKEN', or set APIARY_TOKEN for "
+                  "the CLI; it is not shown again[/dim]")
+
+
+@token_app.command("list")
+def token_list() -> None:
+    """List the tokens: name, role, when made (never the tokens themselves)."""
+    from services.app import tokens
+
+    for row in run_async(tokens.listed(Settings())):
+        made = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(row["created_at"]))
+        print(f"{row['name']}\t{row['role']}\t{made} UTC")
+
+
+@token_app.command("revoke")
+def token_revoke(name: str = typer.Argument(..., help="The token's name.")) -> None:
+    """Revoke a token: requests carrying it are refused from now on."""
+    from services.app import tokens
+    from services.tracker.token_store import TokenError
+
+    try:
+        run_async(tokens.revoke(Settings(), name))
+    except TokenError as e:
+        fail(str(e))
+    print(f"token {name!r} revoked")
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -69,9 +69,11 @@ async def run_job(settings: Settings, request: dict[str, Any], options: RunOptio
                 dashboard = await stack.tracker.start_http()
             except OSError as e:
                 console.print(f"[yellow]dashboard not served:[/yellow] {e}")
+            # The API wants a token: this run's own, in the address (the page keeps it for the session).
+            token = await stack.api_token() if dashboard else None
             job_id = await stack.submit(await ship(stack.api, request))  # a local `code` folder, uploaded
             if dashboard and not options.as_json:
-                console.print(f"dashboard: {dashboard}/#/jobs/{job_id}")
+                console.print(f"dashboard: {dashboard}/?token={token}#/jobs/{job_id}")
             view, exit_code = await _until_stopped(stack, job_id, options, stop)
             return {**summary(view, time.monotonic() - options.started), "exit_code": exit_code}
     finally:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import uuid
 from collections.abc import Callable
 from contextlib import aclosing
 from typing import Any
@@ -53,6 +54,7 @@ class Embedded:
         self._lock_fd: int | None = None
         # The stack's own client of its tracker's API, served in-process (no port, no socket).
         self.api: TrackerClient = in_process_client(self.tracker)
+        self._token: str | None = None
 
     async def __aenter__(self) -> Embedded:
         self._lock_fd = dblock.take(self.settings)
@@ -76,6 +78,8 @@ class Embedded:
     async def __aexit__(self, *exc: object) -> None:
         with contextlib.suppress(Exception):
             await self.api.aclose()
+        with contextlib.suppress(Exception):
+            await self._drop_token()
         for worker in self.workers:
             with contextlib.suppress(Exception):
                 await worker.stop()
@@ -86,6 +90,30 @@ class Embedded:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    async def api_token(self) -> str:
+        """An admin token of this run's HTTP API (made once, revoked when the stack stops), also left in
+        `APIARY_HOME/token` (mode 0600) for the CLI's commands while the run lasts."""
+        if self._token is None:
+            from services.app.tokens import write_run_token
+            from services.tracker import token_store
+
+            await token_store.migrate(self.ports.db)
+            self._token = await token_store.create(self.ports.db, f"apiary-run-{uuid.uuid4().hex[:8]}", "admin")
+            write_run_token(self.settings.home, self._token)
+        return self._token
+
+    async def _drop_token(self) -> None:
+        from services.app.tokens import remove_run_token
+        from services.tracker import token_store
+
+        token, self._token = self._token, None
+        if token is None:
+            return
+        remove_run_token(self.settings.home, token)
+        principal = await token_store.principal(self.ports.db, token)
+        if principal is not None:
+            await token_store.revoke(self.ports.db, principal.name)
 
     async def submit(self, request: dict[str, Any]) -> str:
         """Publish a job request as another system would; return its job id."""

@@ -11,6 +11,7 @@ from pydantic import Field
 from apiary.settings import Settings
 from services.app import dblock
 from services.app.ports import Ports
+from services.app.tokens import read_run_token
 from services.tracker.client import TrackerClient
 from services.tracker.inprocess import in_process_client
 
@@ -24,6 +25,12 @@ class ApiSettings(Settings):
 
     api_url: str = Field(default=DEFAULT_API_URL, description="the tracker's HTTP API; unset, the usual local "
                          "address for a deployment, and for the embedded default see tracker_api()")
+    token: str | None = Field(default=None, description="the API token (APIARY_TOKEN); unset, the token of the "
+                              "`apiary run` that holds APIARY_HOME (its `token` file), if any")
+
+    def api_token(self) -> str | None:
+        """The token to send: APIARY_TOKEN, else the one `apiary run` left for its own run under APIARY_HOME."""
+        return self.token or read_run_token(self.home)
 
 
 @asynccontextmanager
@@ -42,7 +49,7 @@ async def tracker_api(settings: ApiSettings, *, publish: bool = False) -> AsyncI
             yield client, settings.resolved_database_url()
         return
     transport = httpx.AsyncHTTPTransport(retries=CONNECT_RETRIES)
-    async with TrackerClient(url, transport=transport) as client:
+    async with TrackerClient(url, transport=transport, token=settings.api_token()) as client:
         yield client, url
 
 

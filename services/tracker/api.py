@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from fastapi import APIRouter, FastAPI, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
@@ -16,7 +16,8 @@ from apiary.bus.base import Unroutable
 from apiary.bus.typed import publish_event
 from apiary.contracts import JobCancelRequested, JobRequested
 from apiary.jobspec import FieldError, describe_errors
-from services.tracker import schemas
+from services.tracker import schemas, token_store
+from services.tracker.auth import Tokens, guard, may_cancel, principal_of
 from services.tracker.code_routes import code_errors, code_routes
 from services.tracker.publish import publish_job_request
 from services.tracker.registry_routes import Registries, RegistryTracker, registry_routes
@@ -59,22 +60,27 @@ def create_app(tracker: ApiTracker) -> FastAPI:
     )
     app.add_exception_handler(RequestValidationError, _invalid_request)  # type: ignore[arg-type]
     registries = Registries(tracker)
-    for router in (_job_commands(tracker, registries), _job_reads(tracker), _worker_routes(tracker),
-                   stream_routes(tracker), registry_routes(registries), code_routes(tracker)):
-        app.include_router(router, prefix=PREFIX)
+    tokens = Tokens(tracker.db)
+    # Every API route needs a token (see services.tracker.auth); the live streams also take it as ?token=.
+    authorised, streaming = [Depends(guard(tokens))], [Depends(guard(tokens, query=True))]
+    for router in (_job_commands(tracker, registries, tokens), _job_reads(tracker), _worker_routes(tracker),
+                   registry_routes(registries), code_routes(tracker)):
+        app.include_router(router, prefix=PREFIX, dependencies=authorised)
+    app.include_router(stream_routes(tracker), prefix=PREFIX, dependencies=streaming)
     app.include_router(_dashboard_routes())
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
 
 
-def _job_commands(tracker: ApiTracker, registries: Registries) -> APIRouter:
-    """Submitting and cancelling jobs: both publish on the tracker's bus."""
+def _job_commands(tracker: ApiTracker, registries: Registries, tokens: Tokens) -> APIRouter:
+    """Submitting and cancelling jobs: both publish on the tracker's bus; a job records whose token submitted
+    it, and a submitter may cancel only its own."""
     router = APIRouter()
 
     @router.post("/training-jobs", status_code=202, response_model=schemas.JobSubmitted,
                  responses={422: {"model": schemas.Problem, "description": "each bad field, named"},
                             409: {"model": schemas.Problem, "description": "the job id is taken"}, **NO_SCHEDULER})
-    async def submit_job(request: JobRequested) -> JSONResponse:
+    async def submit_job(request: JobRequested, http: Request) -> JSONResponse:
         """Publish a job request (`job.requested`); the job id is the request's, or a new one."""
         body = request.model_dump(mode="json", exclude_unset=True, exclude={"v"})
         unknown = await _unregistered(registries, request) or await code_errors(tracker.storage, body)
@@ -88,6 +94,7 @@ def _job_commands(tracker: ApiTracker, registries: Registries) -> APIRouter:
         except (RuntimeError, Unroutable) as e:
             raise HTTPException(503, str(e)) from e
         await record_requested(tracker.db, job_id, request.name, request.distributed.num_rounds)
+        await token_store.record_submitter(await tokens.ready(), job_id, principal_of(http).name)
         url = f"{PREFIX}/training-jobs/{job_id}"
         content = schemas.JobSubmitted(job_id=job_id, status="requested", url=url, events_url=f"{url}/events")
         return JSONResponse(content.model_dump(), status_code=202, headers={"Location": url})
@@ -95,13 +102,14 @@ def _job_commands(tracker: ApiTracker, registries: Registries) -> APIRouter:
     @router.post("/training-jobs/{job_id}/cancel", status_code=202, response_model=schemas.CancelRequested,
                  responses={**NOT_FOUND, 409: {"model": schemas.Problem, "description": "the job already ended"},
                             **NO_SCHEDULER})
-    async def cancel_job(job_id: str, body: schemas.CancelJob | None = None,
+    async def cancel_job(job_id: str, http: Request, body: schemas.CancelJob | None = None,
                          ahead: bool = Query(False, description="cancel also a job not known yet: if its request "
                                              "comes, it will not start")) -> dict[str, Any]:
         """Ask the scheduler to stop a job; no further round starts."""
         status = await job_status(tracker.db, job_id)
         if status is None and not ahead:
             raise no_job(job_id)
+        await may_cancel(tokens, principal_of(http), job_id, known=status is not None)
         if status in TERMINAL:
             raise HTTPException(409, f"job {job_id} already ended ({status}): there is nothing to cancel")
         try:

@@ -34,14 +34,15 @@ class TrackerClient:
     """Submit, follow and cancel jobs and list workers through a tracker's HTTP API.
 
     `base_url` names a tracker over the network; `transport` (an ASGI transport over the tracker's app)
-    serves the same API inside this process.
+    serves the same API inside this process. `token` (from `apiary token create`) is sent as a bearer token.
     """
 
     def __init__(self, base_url: str = "http://tracker", *, transport: httpx.AsyncBaseTransport | None = None,
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, token: str | None = None) -> None:
         self.base_url = base_url
         self._timeout = timeout
-        self._http = httpx.AsyncClient(base_url=base_url, transport=transport, timeout=timeout)
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        self._http = httpx.AsyncClient(base_url=base_url, transport=transport, timeout=timeout, headers=headers)
 
     async def __aenter__(self) -> TrackerClient:
         return self
@@ -78,12 +79,13 @@ class TrackerClient:
                                      params={"ahead": "true"} if ahead else None))
 
     async def answers(self) -> bool:
-        """Whether a tracker answers at this address (False: nothing listens, or not a tracker)."""
+        """Whether a tracker answers at this address (False: nothing listens, or not a tracker); one that
+        refuses this client's token answers too."""
         try:
             response = await self._http.get(f"{PREFIX}/training-jobs", params={"limit": 1})
         except httpx.TransportError:
             return False
-        return response.status_code == 200
+        return response.status_code in (200, 401, 403)
 
     async def workers(self) -> list[dict[str, Any]]:
         """Every worker the tracker has seen."""
@@ -162,15 +164,15 @@ async def _events(response: httpx.Response) -> AsyncIterator[tuple[str, str]]:
             data.append(line[5:].removeprefix(" "))
 
 
-async def get_job(base_url: str, job_id: str) -> dict[str, Any]:
+async def get_job(base_url: str, job_id: str, token: str | None = None) -> dict[str, Any]:
     """The job's detail from the tracker at `base_url`; raises JobNotFound."""
-    async with TrackerClient(base_url) as client:
+    async with TrackerClient(base_url, token=token) as client:
         return await client.get_job(job_id)
 
 
-async def watch_job(base_url: str, job_id: str) -> AsyncGenerator[dict[str, Any]]:
+async def watch_job(base_url: str, job_id: str, token: str | None = None) -> AsyncGenerator[dict[str, Any]]:
     """Each new view of the job from the tracker at `base_url`, up to the one in which it ended."""
-    async with TrackerClient(base_url) as client, aclosing(client.watch_job(job_id)) as views:
+    async with TrackerClient(base_url, token=token) as client, aclosing(client.watch_job(job_id)) as views:
         async for view in views:
             yield view
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from services.tracker.auth import IN_PROCESS_SCOPE_KEY
 from services.tracker.client import TrackerClient
 
 if TYPE_CHECKING:
@@ -21,8 +22,10 @@ class StreamingASGITransport(httpx.AsyncBaseTransport):
     """Requests to an ASGI app in this event loop; unlike httpx.ASGITransport, which returns once the
     whole body is written, a response comes back as soon as it starts, so Server-Sent Events stream."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, *, trusted: bool = False) -> None:
         self.app = app
+        # A trusted transport's requests act as admin, no token needed (see services.tracker.auth).
+        self.trusted = trusted
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """Run the app on the request; return its response, its body still being written."""
@@ -41,13 +44,15 @@ class StreamingASGITransport(httpx.AsyncBaseTransport):
         return httpx.Response(status, headers=headers, stream=_Body(exchange, task))
 
     async def _run(self, request: httpx.Request, exchange: _Exchange) -> None:
-        scope = {
+        scope: dict[str, Any] = {
             "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": request.method,
             "headers": [(k.lower(), v) for k, v in request.headers.raw], "scheme": request.url.scheme,
             "path": request.url.path, "raw_path": request.url.raw_path.split(b"?")[0],
             "query_string": request.url.query, "server": (request.url.host, request.url.port),
             "client": ("127.0.0.1", 0), "root_path": "",
         }
+        if self.trusted:
+            scope[IN_PROCESS_SCOPE_KEY] = True
         try:
             await self.app(scope, exchange.receive, exchange.send)
         finally:
@@ -99,11 +104,13 @@ class _Body(httpx.AsyncByteStream):
             await self.task
 
 
-def in_process_client(tracker: ApiTracker) -> TrackerClient:
-    """A client of this tracker's API that never leaves the process (no port, no socket)."""
+def in_process_client(tracker: ApiTracker, *, token: str | None = None) -> TrackerClient:
+    """A client of this tracker's API that never leaves the process (no port, no socket): trusted as admin,
+    since it holds the tracker's database already, unless it carries a `token` to act as that token."""
     from services.tracker.api import create_app
 
-    return TrackerClient("http://tracker.in-process", transport=StreamingASGITransport(create_app(tracker)))
+    transport = StreamingASGITransport(create_app(tracker), trusted=token is None)
+    return TrackerClient("http://tracker.in-process", transport=transport, token=token)
 
 
 __all__ = ["StreamingASGITransport", "in_process_client"]

@@ -68,7 +68,8 @@ async def test_the_job_page_follows_a_running_digits_job(browser: Browser, tmp_p
         page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
         job_id = await stack.submit(digits_request)
 
-        await page.goto(f"{url}/#/jobs/{job_id}")
+        token = await stack.api_token()
+        await page.goto(f"{url}/?token={token}#/jobs/{job_id}")  # as `apiary run` prints it
         await page.wait_for_function("+document.querySelector('#round-counter').dataset.round >= 1", timeout=60_000)
         await page.wait_for_function("+document.querySelector('#worker-loss-chart').dataset.points > 0",
                                      timeout=60_000)
@@ -90,7 +91,7 @@ async def test_the_job_page_follows_a_running_digits_job(browser: Browser, tmp_p
         drawn_rounds = await page.locator("#round-loss-chart circle").count()
         progress_states = await page.locator("#progress-table tbody tr").evaluate_all(
             "rows => rows.map(r => r.dataset.state)")
-        async with httpx.AsyncClient(base_url=url) as http:
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}) as http:
             metrics = (await http.get(f"/api/v1/training-jobs/{job_id}/metrics")).json()
 
         await page.goto(f"{url}/#/")

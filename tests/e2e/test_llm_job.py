@@ -55,12 +55,12 @@ async def test_the_documented_request_fine_tunes_a_registered_llama_moving_only_
     stack.workers = [Worker(stack.ports.bus, settings.model_copy(update={"worker_kind": kind}), worker_id=wid)
                      for wid, kind in WORKERS.items()]
     async with stack:
-        url = await stack.tracker.start_http()
-        model = await cli_json(url, "model", "add", str(base), "--name", "tiny-llama")
-        dataset = await cli_json(url, "dataset", "upload", str(data), "--name", "records")
+        url, token = await stack.tracker.start_http(), await stack.api_token()
+        model = await cli_json(url, "model", "add", str(base), "--name", "tiny-llama", token=token)
+        dataset = await cli_json(url, "dataset", "upload", str(data), "--name", "records", token=token)
 
         # Execute
-        async with httpx.AsyncClient(base_url=url) as http:
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}) as http:
             response = await http.post("/api/v1/training-jobs",
                                        json=documented_body(model["model_id"], dataset["dataset_id"]))
             assert response.status_code in (200, 201, 202), response.text

@@ -28,7 +28,7 @@ from apiary.db.sqlite import SqliteDatabase
 from apiary.settings import Settings
 from apiary.storage.local import LocalStorage
 from services.app.runtime import Embedded
-from services.tracker import Tracker
+from services.tracker import Tracker, token_store
 from services.tracker.client import watch_job
 from services.tracker.views import TERMINAL, job_view
 from services.worker.gpu import gpu_stats
@@ -92,7 +92,8 @@ async def api(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[A
                         heartbeat_interval=0.5, progress_interval=0.0)
     async with Embedded(settings, workers=2, code_paths=[str(REPO)]) as stack:
         url = await stack.tracker.start_http()
-        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        headers = {"Authorization": f"Bearer {await stack.api_token()}"}
+        async with httpx.AsyncClient(base_url=url, timeout=30, headers=headers) as http:
             yield Api(stack, http, make_dataset(tmp_path / "toy-data", 12))
 
 
@@ -218,7 +219,7 @@ async def test_the_client_watches_a_job_over_http(api: Api) -> None:
     views = []
 
     async with asyncio.timeout(120):
-        async for view in watch_job(str(api.http.base_url), job_id):
+        async for view in watch_job(str(api.http.base_url), job_id, token=await api.stack.api_token()):
             views.append(view)
 
     assert views[-1]["status"] == "completed"
@@ -376,9 +377,11 @@ async def test_the_tracker_serves_http_when_asked_and_stops_cleanly(tmp_path: Pa
         await tracker.start()
         url = tracker.http_url
         assert url is not None
+        await token_store.migrate(db)
+        token = await token_store.create(db, "watcher", "viewer")
         async with httpx.AsyncClient(base_url=url) as http:
             dashboard = await http.get("/")
-            stream = http.stream("GET", f"{API}/stream", timeout=None)
+            stream = http.stream("GET", f"{API}/stream", params={"token": token}, timeout=None)
             opened = await stream.__aenter__()
             lines = opened.aiter_lines()
             first = await anext(lines)

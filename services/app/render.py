@@ -27,10 +27,26 @@ def render_job(view: dict[str, Any], started: float | None = None) -> Group:
         f"   {time.time() - started:.0f}s" if started else "",
         (f"   {strategy_text(view)}", "dim") if view.get("strategy") else "",
     )
-    parts = [title, _shards_table(view), _rounds_table(view)]
+    parts: list[Text | Table] = [title]
+    if view.get("code"):
+        parts.append(Text(code_text(view["code"]), style="dim"))
+    parts += [_shards_table(view), _rounds_table(view)]
     if view.get("data_shards"):
         parts.append(data_table(view))
     return Group(*parts)
+
+
+def code_text(code: dict[str, Any]) -> str:
+    """The job's code bundle in one line: `code 3f2a9c0d1e4b (12.3 kB), entrypoint pkg.train:fl_train_model`."""
+    size = code.get("size")
+    shown = f" ({_bytes(size)})" if isinstance(size, int) else ""
+    return f"code {str(code.get('sha256') or '?')[:12]}{shown}, entrypoint {code.get('entrypoint') or '?'}"
+
+
+def _bytes(size: int) -> str:
+    if size < 1000:
+        return f"{size} B"
+    return f"{size / 1000:.1f} kB" if size < 10**6 else f"{size / 1e6:.1f} MB"
 
 
 def strategy_text(view: dict[str, Any]) -> str:

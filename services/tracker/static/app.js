@@ -195,6 +195,7 @@ function jobPage(jobId) {
   const parts = {
     title: h("h1", {}), id: h("div", { class: "muted mono small" }, jobId), status: h("span", {}),
     strategy: h("div", { class: "muted small", id: "strategy" }),
+    code: h("div", { class: "muted small mono", id: "code" }),
     actions: h("div", { class: "actions" }), banner: h("div", {}),
     round: h("div", { class: "stat-value", id: "round-counter" }, "–"), roundBar: h("div", {}),
     roundSub: h("div", { class: "stat-sub" }), reported: h("div", { class: "stat-value" }, "–"),
@@ -218,7 +219,7 @@ function jobPage(jobId) {
   app.replaceChildren(
     h("a", { class: "back", href: "#/" }, "← All jobs"),
     h("section", { class: "job-head" },
-      h("div", {}, h("div", { class: "title-row" }, parts.title, parts.status), parts.id, parts.strategy),
+      h("div", {}, h("div", { class: "title-row" }, parts.title, parts.status), parts.id, parts.strategy, parts.code),
       parts.actions),
     parts.banner,
     h("section", { class: "stats" },
@@ -250,6 +251,14 @@ function jobPage(jobId) {
     }
   }
 
+  /* The job's code bundle, as `apiary status` prints it: code 3f2a9c0d1e4b (12.3 kB), entrypoint pkg.train:fit. */
+  function codeText(code) {
+    const n = code.size;
+    const size = typeof n !== "number" ? "" : n < 1000 ? ` (${n} B)`
+      : n < 1e6 ? ` (${(n / 1000).toFixed(1)} kB)` : ` (${(n / 1e6).toFixed(1)} MB)`;
+    return `code ${(code.sha256 || "?").slice(0, 12)}${size}, entrypoint ${code.entrypoint || "?"}`;
+  }
+
   /* The job's strategy and its parameters, as `apiary status` prints them: fedadam (eta=0.1, tau=0.001). */
   function strategyText(job) {
     const params = Object.entries(job.strategy_params || {}).map(([k, v]) => `${k}=${v}`).join(", ");
@@ -261,6 +270,7 @@ function jobPage(jobId) {
     parts.title.textContent = job.name || job.job_id;
     parts.status.replaceChildren(badge(job.status));
     parts.strategy.textContent = job.strategy ? `strategy ${strategyText(job)}` : "";
+    parts.code.textContent = job.code ? codeText(job.code) : "";
     parts.actions.replaceChildren(TERMINAL.includes(job.status) ? "" :
       h("button", { class: "danger", id: "cancel", onclick: (e) => cancel(e.currentTarget) }, "Cancel job"));
     const banner = [];

@@ -45,18 +45,24 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def exact_match(model: Any, tokenizer: Any, records: list[dict[str, Any]], max_new_tokens: int = 12) -> float:
-    """The share of records whose greedy reply is exactly the expected code (surrounding spaces ignored)."""
+def exact_match(model: Any, tokenizer: Any, records: list[dict[str, Any]], max_new_tokens: int = 12,
+                batch_size: int = 20) -> float:
+    """The share of records whose greedy reply is exactly the expected code (surrounding spaces ignored),
+    the prompts generated `batch_size` at a time (left-padded, so that every reply starts at the end)."""
     import torch
 
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
     hits = 0
     model.eval()
-    for r in records:
-        prompt = tokenizer.apply_chat_template(r["messages"][:-1], add_generation_prompt=True, return_tensors="pt",
-                                               return_dict=True)
+    for start in range(0, len(records), batch_size):
+        batch = records[start:start + batch_size]
+        prompts = [tokenizer.apply_chat_template(r["messages"][:-1], add_generation_prompt=True, tokenize=False)
+                   for r in batch]
+        inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
-            out = model.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False,
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-        reply = tokenizer.decode(out[0][prompt["input_ids"].shape[1]:], skip_special_tokens=True)
-        hits += reply.strip() == r["messages"][-1]["content"]
+        replies = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        hits += sum(reply.strip() == r["messages"][-1]["content"] for reply, r in zip(replies, batch, strict=True))
+    tokenizer.padding_side = side
     return hits / len(records)

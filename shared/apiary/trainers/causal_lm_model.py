@@ -6,6 +6,10 @@ are imported inside the functions: the config model and the trainer's registrati
 from __future__ import annotations
 
 import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +18,8 @@ from apiary.trainers.causal_lm_config import CausalLMConfig
 
 # Families peft has no default for; the rest follow peft's own table.
 _FALLBACK_TARGETS = ["q_proj", "v_proj"]
+HF_SUFFIX = ".hf"  # a GGUF file's de-quantised Hugging Face folder, beside it
+READY = ".ready"  # written into that folder last
 
 
 def offline() -> None:
@@ -23,8 +29,15 @@ def offline() -> None:
 
 
 def load_base(model_path: Path) -> tuple[Any, Any]:
-    """The base model (float32, on the CPU) and its tokenizer; TrainerError in one line if it will not load."""
+    """The base model (float32, on the CPU) and its tokenizer; TrainerError in one line if it will not load.
+    A GGUF file is read once and kept beside it as a Hugging Face folder (see `hf_folder`)."""
     offline()
+    if model_path.is_file() and model_path.suffix == ".gguf":
+        model_path = hf_folder(model_path)
+    return _load(model_path)
+
+
+def _load(model_path: Path) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -40,6 +53,34 @@ def load_base(model_path: Path) -> tuple[Any, Any]:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def hf_folder(gguf: Path, load: Callable[[Path], tuple[Any, Any]] | None = None) -> Path:
+    """`NAME.gguf.hf/` beside the GGUF file: its weights de-quantised to float32 safetensors with its config
+    and tokenizer, written once (through a temporary folder renamed into place, so that processes sharing
+    the folder never see half of one). Reading a GGUF file costs tens of seconds on a CPU, mostly parsing
+    its metadata; the folder loads in about one."""
+    folder = gguf.with_name(gguf.name + HF_SUFFIX)
+    if (folder / READY).is_file():
+        return folder
+    model, tokenizer = (load or _load)(gguf)
+    model.hf_quantizer = None  # transformers refuses to save a model it de-quantised from GGUF
+    vars(model.config).pop("quantization_config", None)
+    partial = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=gguf.parent))
+    partial.chmod(0o755)
+    try:
+        model.save_pretrained(str(partial))
+        tokenizer.save_pretrained(str(partial))
+        (partial / READY).touch()
+        for path in partial.iterdir():
+            path.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)  # shared by jobs: none may change them
+        partial.rename(folder)
+    except OSError:
+        if not (folder / READY).is_file():  # another process renamed its own into place first: use that
+            raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return folder
 
 
 def config_object(hf_config: dict[str, Any]) -> Any:

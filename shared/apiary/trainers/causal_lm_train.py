@@ -50,9 +50,7 @@ def run_round(call: TrainCall, device: str, log_metrics: Callable[..., None]) ->
     cfg = config_from_env(call.env)
     dtype = precision(device, cfg.mixed_precision)
     records = data.read_records(Path(call.dataset["data_root"]))
-    model, tokenizer = lm.load_base(Path(call.model_path))
-    if cfg.use_peft:
-        model = lm.with_lora(model, cfg)
+    model, tokenizer = _warm_model(Path(call.model_path), cfg)
     lm.set_weights(model, w.loads(Path(call.weights_path).read_bytes()), adapter=cfg.use_peft)
     examples = [data.encode(r, tokenizer, cfg.max_seq_length) for r in records]
     train_idx, val_idx = data.split_validation(len(examples), cfg.validation_split, cfg.seed)
@@ -73,6 +71,24 @@ def run_round(call: TrainCall, device: str, log_metrics: Callable[..., None]) ->
         raise
     tensors = lm.adapter_tensors(model) if cfg.use_peft else lm.full_tensors(model)
     return tensors, len(train_idx), metrics
+
+
+# The child's model from its last round, by what built it: the next round of the job starts from the round's
+# global weights, which set every weight that trains (the adapter, or all of them), so the base is loaded
+# once per job rather than once per round.
+_warm: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+
+
+def _warm_model(model_path: Path, cfg: CausalLMConfig) -> tuple[Any, Any]:
+    """The base (wrapped with the job's LoRA adapter with `use_peft`) and its tokenizer, kept for the next
+    round; a round of another model or adapter shape drops the kept one first."""
+    key = (str(model_path), cfg.use_peft, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
+           tuple(cfg.lora_target_modules or ()))
+    if key not in _warm:
+        _warm.clear()  # before loading: two base models need not fit at once
+        model, tokenizer = lm.load_base(model_path)
+        _warm[key] = (lm.with_lora(model, cfg) if cfg.use_peft else model), tokenizer
+    return _warm[key]
 
 
 class _Loop:

@@ -251,3 +251,26 @@ def broker_user(amqp_url: str, name: str) -> Iterator[str]:
         yield urlunsplit(parts._replace(netloc=f"{quote(name, safe='')}:{password}@{parts.hostname}:{parts.port}"))
     finally:
         rabbitmqctl("delete_user", name)
+
+
+def test_a_request_published_before_the_scheduler_ever_started_is_answered_once_it_starts(
+        faults: Faults, toy_data: Data, outcome: Record) -> None:
+    cluster = faults.cluster
+    # Prepare: the tracker alone (so the exchange exists); the scheduler has never run on this broker.
+    cluster.start_service("tracker")
+    cluster.wait_for(lambda: cluster.consumers("tracker"), 60, "the tracker to consume")
+    job_id = new_id("before-scheduler")
+
+    # Execute: a request comes first; then the other services and a worker start.
+    cluster.publish_job(toy_job(job_id, toy_data(8), rounds=1, max_workers=1))
+    for name in ("sharder", "aggregator", "scheduler"):
+        cluster.start_service(name)
+    cluster.start_worker("worker-1")
+    job = cluster.wait_job(job_id)
+
+    # Assert
+    assert job["status"] == "completed", job["reason"]
+    weights, double = faults.check_exact(job_id, [faults.shard_sizes(job_id)])
+    outcome("job request published before the scheduler ever started (only the tracker up)",
+            "kept in the scheduler's queue (declared by every process) and answered once it starts",
+            f"job {job['status']}; {weights}", double)

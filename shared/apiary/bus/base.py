@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -143,10 +143,18 @@ class Bus(ABC):
     # What `_publish` raises when the broker is away; `publish` raises BrokerUnavailable for them. An
     # adapter adds its client's own connection and channel errors.
     unavailable: tuple[type[Exception], ...] = (ConnectionError, TimeoutError)
+    # Queues (logical name -> bindings) declared on connect, so no message waits for its consumer's first
+    # start (an Apiary process's bus: apiary.bus.layout.SERVICE_QUEUES; make_bus sets it).
+    layout: Mapping[str, Sequence[str]] = {}
 
     @abstractmethod
     async def connect(self) -> None:
         """Open the connection and declare the exchange and dead-letter queue."""
+
+    async def declare_layout(self) -> None:
+        """Declare every queue of `layout`, bound as it says (called by `connect`)."""
+        for name, bindings in self.layout.items():
+            await self.declare_queue(name, bindings)
 
     @abstractmethod
     async def close(self) -> None:

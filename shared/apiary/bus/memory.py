@@ -121,6 +121,7 @@ class MemoryBus(Bus):
 
     async def connect(self) -> None:
         await self.declare_queue(DEAD_LETTER_QUEUE, [])
+        await self.declare_layout()
 
     async def close(self) -> None:
         for sub in list(self._subscriptions):

@@ -21,6 +21,11 @@ class RabbitBus(Bus):
 
     `lease_renewal` (seconds, or None for never) is how often a running handler's delivery is re-held
     (see `apiary.bus.rabbitmq.rehold`); `retry_delay` is the pause before a `Retryable` is requeued.
+    With `keep_unroutable` the exchange gets an alternate exchange (`{exchange}.unroutable`) that routes
+    a message no queue is bound for into the dead-letter queue, where it is kept and visible, instead of
+    it being returned (Unroutable) or lost.
+    `queue_type` `quorum` declares every queue as a quorum queue with `delivery_limit` (see `topology`); a
+    requeue (Retryable, Decline) is then a fresh copy, so that waiting on a dependency never reaches the limit.
     """
 
     # What a publish raises once the broker has been away past its timeout: the broker is unavailable.
@@ -36,6 +41,9 @@ class RabbitBus(Bus):
         publish_timeout: float = 30.0,
         reconnect_interval: float = 2.0,
         connection_name: str | None = None,
+        keep_unroutable: bool = False,
+        queue_type: str = "classic",
+        delivery_limit: int = 20,
     ) -> None:
         if not exchange or len(exchange) > 200:
             raise ValueError(f"exchange name {exchange!r} is invalid: expected 1 to 200 characters")
@@ -46,8 +54,9 @@ class RabbitBus(Bus):
         self.publish_timeout = publish_timeout
         self.reconnect_interval = reconnect_interval
         self.connection_name = connection_name or f"apiary {exchange} pid {os.getpid()}"
+        self.keep_unroutable = keep_unroutable
         self._link = Connection(url, name=self.connection_name, reconnect_interval=reconnect_interval)
-        self._topology = Topology(self._link, exchange)
+        self._topology = Topology(self._link, exchange, queue_type=queue_type, delivery_limit=delivery_limit)
         self._publisher = Publisher(self._link, self._topology, timeout=publish_timeout, user=user_of(url))
         self._subscriptions: set[RabbitSubscription] = set()
 
@@ -63,8 +72,12 @@ class RabbitBus(Bus):
     async def connect(self) -> None:
         if self._link.robust is not None:
             return
-        await self._link.open(self.exchange)
+        alternate = self._topology.unroutable_exchange if self.keep_unroutable else None
+        has_alternate = await self._link.open(self.exchange, alternate)
         await self.declare_queue(DEAD_LETTER_QUEUE, [])
+        if has_alternate:
+            await self._topology.bind_unroutable()
+        await self.declare_layout()
 
     async def close(self) -> None:
         for sub in list(self._subscriptions):
@@ -91,7 +104,8 @@ class RabbitBus(Bus):
         if self.lease_renewal:
             lease = Lease(self._publisher, self._topology, channel, amqp_queue.name, self.lease_renewal)
         sub = RabbitSubscription(amqp_queue, channel, handler, prefetch, publisher=self._publisher, lease=lease,
-                                 retry_delay=self.retry_delay, on_cancel=self._subscriptions.discard)
+                                 retry_delay=self.retry_delay, on_cancel=self._subscriptions.discard,
+                                 requeue_by_copy=self._topology.queue_type == "quorum")
         self._subscriptions.add(sub)
         try:
             await sub.start()

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import aiormq
 from aio_pika.abc import AbstractRobustChannel, AbstractRobustConnection, AbstractRobustExchange
-from aiormq.exceptions import AMQPConnectionError
+from aiormq.exceptions import AMQPConnectionError, ChannelPreconditionFailed
+
+log = logging.getLogger("apiary.bus.rabbitmq")
 
 NOT_CONNECTED = "RabbitBus is not connected: call connect() first"
 
@@ -36,8 +39,10 @@ class Connection:
         self._channel: AbstractRobustChannel | None = None
         self._exchange: AbstractRobustExchange | None = None
 
-    async def open(self, exchange: str) -> None:
-        """Connect, and declare the durable topic exchange on a channel with publisher confirms."""
+    async def open(self, exchange: str, alternate: str | None = None) -> bool:
+        """Connect, and declare the durable topic exchange on a channel with publisher confirms; with
+        `alternate`, a fanout exchange of that name first, as the topic exchange's alternate exchange.
+        Returns whether the exchange has it (see `declare_exchanges` for one declared before without)."""
         try:
             self.robust = await aio_pika.connect_robust(
                 self.url,
@@ -50,8 +55,7 @@ class Connection:
                 f"cannot reach RabbitMQ at {where(self.url)}: {e or type(e).__name__};"
                 " check APIARY_BUS_URL and that the broker is running"
             ) from e
-        self._channel = await self.robust.channel(publisher_confirms=True, on_return_raises=True)
-        self._exchange = await self._channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC, durable=True)
+        return await declare_exchanges(self, exchange, alternate)
 
     async def close(self) -> None:
         """Close the connection and every channel on it."""
@@ -87,3 +91,27 @@ class Connection:
         finally:
             if not channel.is_closed:
                 await channel.close()
+
+
+async def declare_exchanges(link: Connection, exchange: str, alternate: str | None) -> bool:
+    """Declare the exchange (and its alternate exchange) on a new confirming channel of `link`; whether the
+    exchange has the alternate. One declared earlier without it cannot take it by redeclaring
+    (PRECONDITION_FAILED): it is then used as it is, with a warning saying how to add it."""
+    assert link.robust is not None
+    link._channel = await link.robust.channel(publisher_confirms=True, on_return_raises=True)
+    if alternate is None:
+        link._exchange = await link._channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC, durable=True)
+        return False
+    await link._channel.declare_exchange(alternate, aio_pika.ExchangeType.FANOUT, durable=True)
+    try:
+        link._exchange = await link._channel.declare_exchange(
+            exchange, aio_pika.ExchangeType.TOPIC, durable=True, arguments={"alternate-exchange": alternate})
+        return True
+    except ChannelPreconditionFailed:
+        log.warning("exchange %r was declared without an alternate exchange, so a message no queue takes is "
+                    "dropped: add it with `rabbitmqctl set_policy apiary-unroutable '^%s$' "
+                    "'{\"alternate-exchange\":\"%s\"}' --apply-to exchanges` (see the README)",
+                    exchange, exchange, alternate)
+    link._channel = await link.robust.channel(publisher_confirms=True, on_return_raises=True)
+    link._exchange = await link._channel.declare_exchange(exchange, passive=True)
+    return False

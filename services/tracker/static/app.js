@@ -27,6 +27,15 @@ function h(tag, attrs, ...children) {
 const badge = (state) => h("span", { class: `badge s-${state}` }, state);
 const num = (v, digits) => (typeof v === "number" ? Charts.fmt(+v.toFixed(digits ?? 4)) : "—");
 
+/* Labels as text in natural order: numbers by value ("10" after "9"), then the others alphabetically. */
+function labelOrder(a, b) {
+  const x = Number(a), y = Number(b);
+  const xn = a.trim() !== "" && !Number.isNaN(x), yn = b.trim() !== "" && !Number.isNaN(y);
+  if (xn && yn) return x - y;
+  if (xn !== yn) return xn ? -1 : 1;
+  return a < b ? -1 : a > b ? 1 : 0;
+}
+
 function ago(seconds) {
   if (seconds < 1) return "just now";
   if (seconds < 60) return `${Math.round(seconds)} s ago`;
@@ -72,9 +81,56 @@ function setLive(state, text) {
   live.querySelector("span").textContent = text;
 }
 
+/* ---------- the API token: asked for once, kept for the session (sessionStorage) ---------- */
+
+const TOKEN_KEY = "apiary-token";
+const token = () => sessionStorage.getItem(TOKEN_KEY) || "";
+
+/* `apiary run` prints the dashboard's address with its token (?token=): keep it, and take it out of the bar. */
+function takeTokenFromAddress() {
+  const params = new URLSearchParams(location.search);
+  if (!params.get("token")) return;
+  sessionStorage.setItem(TOKEN_KEY, params.get("token"));
+  params.delete("token");
+  const rest = params.toString();
+  history.replaceState(null, "", location.pathname + (rest ? `?${rest}` : "") + location.hash);
+}
+
+/* fetch with the token; a 401 asks for another. */
+async function api(url, options) {
+  const headers = { ...((options || {}).headers || {}), Authorization: `Bearer ${token()}` };
+  const response = await fetch(url, { ...(options || {}), headers });
+  if (response.status === 401) {
+    const body = await response.clone().json().catch(() => ({}));
+    askToken(body.detail || "the API refused the token");
+  }
+  return response;
+}
+
+/* EventSource cannot send headers: the live streams take the token in the query. */
+const withToken = (url) => `${url}${url.includes("?") ? "&" : "?"}token=${encodeURIComponent(token())}`;
+
+function askToken(reason) {
+  if (page) page.stop();
+  page = { stop: () => {} };
+  sessionStorage.removeItem(TOKEN_KEY);
+  setLive("down", "no token");
+  const input = h("input", { id: "token-input", type: "password", autocomplete: "off", size: 48,
+    placeholder: "apiary_…" });
+  const form = h("form", { id: "token-form", onsubmit: (e) => {
+    e.preventDefault();
+    if (input.value.trim()) { sessionStorage.setItem(TOKEN_KEY, input.value.trim()); route(); }
+  } }, h("label", { for: "token-input" }, "API token "), input, " ", h("button", { type: "submit" }, "Open"));
+  app.replaceChildren(h("section", { class: "card" }, h("h2", {}, "This dashboard needs an API token"),
+    reason ? h("p", { class: "empty" }, reason) : null,
+    h("p", { class: "empty" }, "Make one with `apiary token create --name NAME --role viewer`; it is kept for "
+      + "this browser tab only."), form));
+  input.focus();
+}
+
 /* An EventSource with named-event handlers; the browser reconnects on its own after errors. */
 function subscribe(url, handlers) {
-  const source = new EventSource(url);
+  const source = new EventSource(withToken(url));
   source.onopen = () => setLive("live", "live");
   source.onerror = () => {
     if (source.readyState !== EventSource.CLOSED) setLive("down", "reconnecting");
@@ -208,6 +264,7 @@ function jobPage(jobId) {
     roundChart: document.createElementNS("http://www.w3.org/2000/svg", "svg"),
     progress: h("div", {}), progressHead: h("span", { class: "muted" }), workers: h("div", {}),
     rounds: h("div", {}), final: h("div", {}),
+    data: h("div", {}), dataHead: h("span", { class: "muted small", id: "split" }),
   };
   parts.workerChart.id = "worker-loss-chart";
   parts.roundChart.id = "round-loss-chart";
@@ -237,12 +294,14 @@ function jobPage(jobId) {
       parts.progressHead), parts.progress),
     h("section", { class: "card" }, h("div", { class: "card-head" }, h("h2", {}, "Workers")), parts.workers),
     h("section", { class: "card" }, h("div", { class: "card-head" }, h("h2", {}, "Rounds")), parts.rounds),
+    h("section", { class: "card" }, h("div", { class: "card-head" }, h("h2", {}, "Data per shard"),
+      parts.dataHead), parts.data),
     parts.final);
 
   async function cancel(button) {
     button.disabled = true;
     button.textContent = "Cancelling…";
-    const response = await fetch(`${url}/cancel`, { method: "POST" });
+    const response = await api(`${url}/cancel`, { method: "POST" });
     if (!response.ok) {
       const body = await response.json().catch(() => ({}));
       button.textContent = "Cancel";
@@ -358,6 +417,46 @@ function jobPage(jobId) {
         h("td", { class: "num muted" }, r.started_at && r.ended_at ? duration(r.ended_at - r.started_at) : "…"))))));
   }
 
+  /* What each worker receives: one stacked bar per shard, a segment per label sized by its samples; a bar's
+     length is the shard's size against the largest shard's, so quantity skew shows as well as label skew. */
+  function renderData(job) {
+    const split = job.split || {};
+    const shown = { label_skew: ["alpha"], quantity_skew: ["alpha"], group: ["key"] }[split.strategy] || [];
+    parts.dataHead.textContent = split.strategy ? `split ${split.strategy}${[...shown, "seed"]
+      .filter((k) => split[k] !== undefined).map((k) => ` ${k}=${split[k]}`).join("")}` : "";
+    const shards = job.data_shards || [];
+    if (!shards.length) {
+      parts.data.replaceChildren(h("p", { class: "empty" },
+        TERMINAL.includes(job.status) ? "The dataset was not split." : "Waiting for the dataset to be split…"));
+      return;
+    }
+    const labels = [...new Set(shards.flatMap((s) => Object.keys(s.labels || {})))].sort(labelOrder);
+    const color = (label) => Charts.PALETTE[labels.indexOf(label) % Charts.PALETTE.length];
+    const largest = Math.max(...shards.map((s) => s.num_samples), 1);
+    parts.data.replaceChildren(h("table", { class: "grid", id: "data-table" },
+      h("thead", {}, h("tr", {}, ["Shard", "Samples", "Samples per label"].map((c) => h("th", {}, c)))),
+      h("tbody", {}, shards.map((s) => h("tr", { dataset: { shard: s.shard } },
+        h("td", { class: "num" }, `#${s.shard}`),
+        h("td", { class: "num" }, s.num_samples),
+        h("td", {}, stackedBar(s, labels, color, largest)))))),
+      labels.length ? h("div", { class: "legend" }, labels.map((label) =>
+        h("span", {}, h("i", { class: "dot", style: `background:${color(label)}` }), `label ${label}`))) : "");
+  }
+
+  function stackedBar(shard, labels, color, largest) {
+    const counts = shard.labels || {};
+    const stack = h("div", { class: "stack", title: `${shard.num_samples} samples` });
+    stack.style.width = `${Math.max(2, (100 * shard.num_samples) / largest)}%`;
+    if (!shard.labels) { stack.append(h("span", { class: "unlabelled" })); return stack; }
+    for (const label of labels.filter((l) => counts[l])) {
+      const segment = h("span", { title: `label ${label}: ${counts[label]}`, dataset: { label, count: counts[label] } });
+      segment.style.flexGrow = String(counts[label]);
+      segment.style.background = color(label);
+      stack.append(segment);
+    }
+    return stack;
+  }
+
   function renderFinal(job) {
     if (job.status !== "completed") { parts.final.replaceChildren(); return; }
     parts.final.replaceChildren(h("section", { class: "card" },
@@ -445,14 +544,15 @@ function jobPage(jobId) {
     }
     const job = state.job;
     if (job) {
-      renderHead(job); renderStats(job); renderProgress(job); renderRounds(job); renderFinal(job);
+      renderHead(job); renderStats(job); renderProgress(job); renderRounds(job); renderData(job); renderFinal(job);
     }
     parts.workers.replaceChildren(workersTable(state.workers, state.workersAt));
     renderCharts();
   });
 
   let source = null;
-  fetch(url).then((response) => {
+  api(url).then((response) => {
+    if (response.status === 401) return;
     if (response.status === 404) { state.missing = true; setLive("ended", "no such job"); render(); return; }
     source = subscribe(`${url}/events`, {
       job: (data) => { state.job = data; render(); },
@@ -477,13 +577,18 @@ function jobPage(jobId) {
 
 /* ---------- routing ---------- */
 
-function route() {
+async function route() {
   if (page) page.stop();
+  page = null;
+  if (!token()) { askToken(""); return; }
   setLive("connecting", "connecting");
+  // A token that the API refuses is asked for again before any stream opens (a stream cannot tell why).
+  if ((await api(`${API}/training-jobs?limit=1`)).status === 401) return;
   const match = location.hash.match(/^#\/jobs\/(.+)$/);
   page = match ? jobPage(decodeURIComponent(match[1])) : jobsPage();
   window.scrollTo(0, 0);
 }
 
+takeTokenFromAddress();
 window.addEventListener("hashchange", route);
 route();

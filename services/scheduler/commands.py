@@ -22,8 +22,9 @@ from apiary.contracts import (
     decode_body,
 )
 from apiary.db import Database, Executor
-from apiary.jobspec import FieldError, JobSpec, describe_errors, field_errors, strategy_errors
+from apiary.jobspec import FieldError, JobSpec, describe_errors, field_errors, policy_errors, strategy_errors
 from apiary.outbox import KeyedLocks, Outbox
+from apiary.policy import LIMITS, Policy
 from apiary.registry import registry_errors
 from apiary.status import JobStatus, RoundStatus
 from apiary.storage import Storage
@@ -46,21 +47,27 @@ class JobCommands:
     """Starts and stops jobs on request; each outcome is stored with the events it causes."""
 
     def __init__(self, db: Database, storage: Storage, outbox: Outbox, locks: KeyedLocks,
-                 endings: JobEndings) -> None:
+                 endings: JobEndings, policy: Policy | None = None) -> None:
         self._db, self._storage, self._outbox, self._locks, self._endings = db, storage, outbox, locks, endings
+        self._policy = policy or Policy()
 
     async def on_job_requested(self, delivery: Delivery) -> None:
         """Validate a job request; accept it and ask for shards, or reject it naming each bad field."""
         data = decode_body(delivery.body, delivery.content_type)
         raw_id = data.get("job_id")
         job_id = raw_id if isinstance(raw_id, str) and raw_id else uuid.uuid4().hex[:12]
+        if len(delivery.body) > LIMITS.request_bytes:
+            await self._reject(job_id, [FieldError(field="(request)", message=(
+                f"{len(delivery.body)} bytes, over the limit of {LIMITS.request_bytes}"))])
+            return
         try:
             request = JobRequested.model_validate(data)
         except ValidationError as e:
             await self._reject(job_id, field_errors(e))
             return
         spec = JobSpec.model_validate(request.model_dump(exclude={"job_id", "v"}))
-        if errors := strategy_errors(spec) or await registry_errors(self._storage, spec):
+        if errors := (strategy_errors(spec) or policy_errors(spec, self._policy)
+                      or await registry_errors(self._storage, spec)):
             await self._reject(job_id, errors)
             return
         # The bundle's member list is read (never imported): its entrypoint module must be there.

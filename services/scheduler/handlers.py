@@ -9,33 +9,38 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeAlias, TypeVar
 
-from apiary import keys, telemetry
+from apiary import telemetry
 from apiary.bus import Bus, Delivery
 from apiary.component import from_json
 from apiary.contracts import (
-    JobCompleted,
+    INIT,
     JobFailed,
     JobSharded,
     JobWaiting,
     RoundAggregated,
+    RoundEvaluated,
     RoundFailed,
     RoundTimeout,
+    TaskTimeout,
+    WeightsInitialized,
     WorkerHeartbeat,
     WorkerOffline,
     WorkerOnline,
 )
 from apiary.db import Database, Executor
-from apiary.jobspec import JobSpec
 from apiary.outbox import KeyedLocks, Outbox, Pending
+from apiary.policy import Policy
 from apiary.settings import Settings
 from apiary.status import JobStatus, RoundStatus
 from apiary.storage import ObjectNotFound, Storage
-from apiary.trainers import UserCodeError, UserCodeRunner
 from apiary.weights import WeightsError
 from services.scheduler import store
 from services.scheduler.commands import JobCommands
-from services.scheduler.models import evaluate, final_report, finish_built_in, initial_weights
+from services.scheduler.evaluation import DONE, FAILED, NONE, PENDING, evaluation_due
+from services.scheduler.finishing import JobFinisher
+from services.scheduler.models import checked_initial_weights, initial_weights, no_initial_weights
 from services.scheduler.rounds import (
+    NO_WEIGHTS,
     RoundTarget,
     online_preferences,
     plan_round,
@@ -47,6 +52,7 @@ from services.scheduler.rounds import (
 from services.scheduler.routing import AssignmentRouter
 from services.scheduler.state import Next, after_aggregated, after_failed, is_current, too_many_failures
 from services.scheduler.store import Job
+from services.scheduler.tasks import TaskQueue
 
 log = logging.getLogger("apiary.scheduler")
 
@@ -59,15 +65,16 @@ Outcome = TypeVar("Outcome", RoundAggregated, RoundFailed)
 class SchedulerHandlers:
     """Runs each job's state machine; every transition is stored with the events it causes."""
 
-    def __init__(self, db: Database, bus: Bus, storage: Storage, outbox: Outbox, runner: UserCodeRunner,
-                 settings: Settings) -> None:
-        self._db, self._storage, self._outbox, self._runner = db, storage, outbox, runner
+    def __init__(self, db: Database, bus: Bus, storage: Storage, outbox: Outbox, settings: Settings) -> None:
+        self._db, self._storage, self._outbox = db, storage, outbox
         self._settings = settings
         self._router = AssignmentRouter(bus, storage)
+        self._tasks = TaskQueue(storage, self._router, settings.presign_ttl)
+        self._finisher = JobFinisher(db, storage, outbox, endings=self)
         self._locks = KeyedLocks()
         # A job's commands are handled in their own module, under the same per-job locks; the Scheduler
         # subscribes to them through this object.
-        commands = JobCommands(db, storage, outbox, self._locks, endings=self)
+        commands = JobCommands(db, storage, outbox, self._locks, endings=self, policy=Policy.of(settings))
         self.on_job_requested = commands.on_job_requested
         self.on_job_cancel = commands.on_job_cancel
         self.fail_unfinished = commands.fail_unfinished
@@ -75,7 +82,7 @@ class SchedulerHandlers:
     # ------------------------------------------------------------ job.sharded, worker presence
 
     async def on_job_sharded(self, event: JobSharded, delivery: Delivery) -> None:
-        """Shards are ready: make the initial weights and start round 1."""
+        """Shards are ready: start round 1 from the job's model, or first run its init task on a worker."""
         async with self._locks(event.job_id):
             job = await store.job(self._db, event.job_id)
             if job is None or job.status != JobStatus.SHARDING:
@@ -85,13 +92,36 @@ class SchedulerHandlers:
                 await self._fail(event.job_id, event.error)
                 return
             try:
-                weights = await initial_weights(self._storage, self._runner, event.job_id, spec)
-            except (UserCodeError, WeightsError, ObjectNotFound, OSError, ValueError) as e:
+                weights = await initial_weights(self._storage, event.job_id, spec)
+            except (WeightsError, ObjectNotFound, OSError, ValueError) as e:
                 await self._fail(event.job_id, f"initial weights: {e}")
                 return
+            first = 0 if weights is None else 1  # round 0: fl_init_weights runs on a worker
             async with self._db.transaction() as tx:
-                await store.set_sharded(tx, event.job_id, event.shards, event.dataset_id, weights, time.time())
-                await self._start_round(tx, RoundTarget(event.job_id, spec, event.shards, weights, 1, 1))
+                await store.set_sharded(tx, event.job_id, event.shards, event.dataset_id, weights or NO_WEIGHTS,
+                                        time.time())
+                await self._start_round(tx, RoundTarget(event.job_id, spec, event.shards, weights or NO_WEIGHTS,
+                                                        first, 1))
+        await self._outbox.flush()
+
+    async def on_job_initialized(self, event: WeightsInitialized, delivery: Delivery) -> None:
+        """A worker ran the job's fl_init_weights: its stored result starts round 1 (once)."""
+        async with self._locks(event.job_id):
+            job = await store.job(self._db, event.job_id)
+            if job is None or job.status != JobStatus.RUNNING or (job.round, job.attempt) != (0, event.attempt):
+                return
+            if event.error or not event.found or event.weights is None:
+                await self._fail(event.job_id, f"initial weights: {event.error or no_initial_weights(job.spec)}", 0)
+                return
+            try:
+                weights = await checked_initial_weights(self._storage, event.job_id, event.weights)
+            except (ObjectNotFound, ValueError) as e:
+                await self._fail(event.job_id, f"initial weights from worker {event.worker_id}: {e}", 0)
+                return
+            log.info("job %s: initial weights made by worker %s", event.job_id, event.worker_id)
+            async with self._db.transaction() as tx:
+                await store.set_weights(tx, event.job_id, weights)
+                await self._start_round(tx, RoundTarget(event.job_id, job.spec, job.shards, weights, 1, 1))
         await self._outbox.flush()
 
     async def on_worker_presence(self, event: Presence, delivery: Delivery) -> None:
@@ -117,18 +147,76 @@ class SchedulerHandlers:
         await self._on_current(event, self._after_aggregated)
 
     async def _after_aggregated(self, job: Job, event: RoundAggregated) -> None:
-        """Close the round and start the next one, or finish the job after its last."""
+        """Close the round, queue its evaluation (if due) and start the next round, or wait for the last
+        round's evaluations; then end the job if its rounds say so (early stopping)."""
         spec = job.spec
+        if job.last_round is not None:
+            return  # a redelivered last round: it was handled
         decision = after_aggregated(event.round, spec.distributed.num_rounds)
-        if decision.next is Next.FINISH:
-            await self._finish(job, spec, event)
-            return
-        target = RoundTarget(event.job_id, spec, job.shards, event.weights, decision.round, decision.attempt)
         async with self._db.transaction() as tx:
             await self._close_round(tx, event.job_id, event.round, event.attempt, RoundStatus.AGGREGATED,
                                     weights_key=event.weights.key, metrics=event.metrics)
             await store.set_global_weights(tx, event.job_id, event.weights, event.metrics)
-            await self._start_round(tx, target, prefer=event.trained_by)
+            if evaluation_due(spec, event.round, job.evaluates):
+                await self._queue_evaluation(tx, job, event)
+            if decision.next is Next.FINISH:
+                await store.set_last_round(tx, event.job_id, event.round)
+            else:
+                target = RoundTarget(event.job_id, spec, job.shards, event.weights, decision.round, decision.attempt)
+                await self._start_round(tx, target, prefer=event.trained_by)
+        await self._finisher.settle(event.job_id)
+
+    async def _queue_evaluation(self, tx: Executor, job: Job, event: RoundAggregated) -> None:
+        """Queue the round's evaluation on a worker; the next round does not wait for it."""
+        now = time.time()
+        online = set(await store.online_workers(tx, now - self._settings.worker_offline_after))
+        await store.insert_evaluation(tx, event.job_id, event.round, event.weights.key, now)
+        queued = await self._tasks.evaluate(event.job_id, job.spec, event.round, event.attempt, event.weights,
+                                            online, now)
+        await self._outbox.add_all(tx, queued)
+
+    async def on_round_evaluated(self, event: RoundEvaluated, delivery: Delivery) -> None:
+        """A worker evaluated a round: its metrics are recorded (once); the job may end now."""
+        async with self._locks(event.job_id):
+            job = await store.job(self._db, event.job_id)
+            if job is None or job.status.terminal:
+                return
+            if await store.evaluation_status(self._db, event.job_id, event.round) != PENDING:
+                log.info("job %s: round %d's evaluation already recorded; duplicate ignored", event.job_id,
+                         event.round)
+                return
+            status = NONE if not event.found else FAILED if event.error else DONE
+            if event.error:
+                log.warning("job %s: evaluation of round %d failed: %s", event.job_id, event.round, event.error)
+            async with self._db.transaction() as tx:
+                await store.settle_evaluation(tx, event.job_id, event.round, status, time.time(),
+                                              metrics=event.metrics, error=event.error, worker_id=event.worker_id)
+                if status != FAILED and job.evaluates is None:
+                    await store.set_evaluates(tx, event.job_id, event.found)
+            await self._finisher.settle(event.job_id)
+        await self._outbox.flush()
+
+    async def on_task_timeout(self, event: TaskTimeout, delivery: Delivery) -> None:
+        """An init or evaluate task's time is up: a job still waiting for its initial weights fails; an
+        evaluation not in yet is recorded as failed (the job goes on)."""
+        async with self._locks(event.job_id):
+            job = await store.job(self._db, event.job_id)
+            if job is None or job.status.terminal:
+                return
+            timeout = job.spec.distributed.aggregation_timeout
+            if event.task == INIT:
+                if job.status == JobStatus.RUNNING and (job.round, job.attempt) == (0, event.attempt):
+                    await self._fail(event.job_id, f"initial weights: no worker ran fl_init_weights within "
+                                                   f"{timeout:.0f}s (aggregation_timeout)", 0)
+                return
+            if await store.evaluation_status(self._db, event.job_id, event.round) != PENDING:
+                return
+            why = f"no worker reported it within {timeout:.0f}s (aggregation_timeout)"
+            log.warning("job %s: evaluation of round %d failed: %s", event.job_id, event.round, why)
+            async with self._db.transaction() as tx:
+                await store.settle_evaluation(tx, event.job_id, event.round, FAILED, time.time(), error=why)
+            await self._finisher.settle(event.job_id)
+        await self._outbox.flush()
 
     async def on_round_failed(self, event: RoundFailed, delivery: Delivery) -> None:
         """A round failed: retry it from the last global weights, or fail the job."""
@@ -149,27 +237,6 @@ class SchedulerHandlers:
             else:
                 await store.set_failures(tx, event.job_id, decision.failures)
                 await self._start_round(tx, _target(job, decision.round, decision.attempt))
-
-    async def _finish(self, job: Job, spec: JobSpec, event: RoundAggregated) -> None:
-        """The last round aggregated: store the final model and its report, and complete the job."""
-        job_id = job.job_id
-        final_key = keys.final_model(job_id)
-        data = await self._storage.get_bytes(event.weights.key)
-        await self._storage.put_bytes(final_key, data)
-        evaluated, evaluation_error = await evaluate(self._runner, job_id, spec, event.round, data)
-        evaluation_error = evaluation_error or await finish_built_in(self._storage, job_id, spec, data)
-        metrics = {**event.metrics, **evaluated}
-        history = await store.round_history(self._db, job_id)
-        report = final_report(job_id, spec.name, metrics, history, event, evaluation_error)
-        await self._storage.put_bytes(keys.final_metrics(job_id), report)
-        final_uri = self._storage.uri(final_key)
-        async with self._db.transaction() as tx:
-            await self._close_round(tx, job_id, event.round, event.attempt, RoundStatus.AGGREGATED,
-                                    weights_key=event.weights.key, metrics=event.metrics)
-            await store.complete_job(tx, job_id, final_uri, metrics, event.weights, evaluation_error, time.time())
-            await self._outbox.add(tx, JobCompleted(job_id=job_id, rounds_completed=event.round,
-                                                    final_model=final_uri, metrics=metrics))
-        log.info("job %s completed after %d rounds: %s", job_id, event.round, metrics)
 
     async def _on_current(self, event: Outcome, act: Callable[[Job, Outcome], Awaitable[None]]) -> None:
         """Under the job's lock, `act` on the running job if the outcome is for the attempt it runs now
@@ -193,7 +260,9 @@ class SchedulerHandlers:
         spec = target.spec
         seen = await store.online_workers(tx, time.time() - self._settings.worker_offline_after)
         online, wrong = usable_workers(seen, spec.worker_selection.kinds)
-        waiting = waiting_for_workers(spec.distributed.min_workers, spec.worker_selection.pinned, online, wrong)
+        # Round 0 (the init task) needs one worker of the job's; its rounds need min_workers.
+        needed = 1 if target.round == 0 else spec.distributed.min_workers
+        waiting = waiting_for_workers(needed, spec.worker_selection.pinned, online, wrong)
         if waiting is not None:
             await store.set_waiting(tx, target.job_id, target.round, target.attempt, waiting.reason, time.time())
             await self._outbox.add(tx, JobWaiting(job_id=target.job_id, reason=waiting.reason, round=target.round,
@@ -201,9 +270,19 @@ class SchedulerHandlers:
             log.info("job %s: round %d %s", target.job_id, target.round, waiting.reason)
             return
         await store.end_waiting(tx, target.job_id)
+        if target.round == 0:
+            await self._launch_init(tx, target, online)
+            return
         for reason in wrong.values():
             log.warning("job %s: round %d: %s: its shard gets no assignment", target.job_id, target.round, reason)
         await self._launch_round(tx, target, online_preferences(prefer, online), absent=set(wrong))
+
+    async def _launch_init(self, tx: Executor, target: RoundTarget, online: set[str]) -> None:
+        """Round 0: queue the job's init task (its fl_init_weights, on a worker)."""
+        now = time.time()
+        await store.set_current(tx, target.job_id, 0, target.attempt, now)
+        await self._outbox.add_all(tx, await self._tasks.init(target.job_id, target.spec, target.attempt, online, now))
+        log.info("job %s: initial weights asked of a worker (fl_init_weights)", target.job_id)
 
     async def _launch_round(self, tx: Executor, target: RoundTarget, prefer: dict[int, str],
                             absent: set[str] | None = None) -> None:

@@ -1,52 +1,56 @@
-"""The job's model at its two ends: round 0's weights, and the final model's evaluation and report."""
+"""The job's model at its two ends: round 0's weights (where no user code makes them), and the final report."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import tempfile
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 from apiary import keys
-from apiary.contracts import ObjectRef, RoundAggregated
+from apiary.contracts import ObjectRef
 from apiary.jobspec import JobSpec
 from apiary.registry import RegistryError, model_info
 from apiary.storage import Storage
-from apiary.trainers import TrainerError, UserCodeError, UserCodeRunner
+from apiary.trainers import TrainerError
 from apiary.weights import read_header
 from services.scheduler import builtin
 
 log = logging.getLogger("apiary.scheduler")
 
-INIT_TIMEOUT = 600.0
 
-
-async def initial_weights(storage: Storage, runner: UserCodeRunner, job_id: str, spec: JobSpec) -> ObjectRef:
-    """Round 0's weights: the built-in trainer's (from the registered model), the job's checkpoint, or the
-    entrypoint module's fl_init_weights(env)."""
+async def initial_weights(storage: Storage, job_id: str, spec: JobSpec) -> ObjectRef | None:
+    """Round 0's weights where no user code is needed: the built-in trainer's (from the registered model) or
+    the job's checkpoint; None when the entrypoint module's fl_init_weights(env) must make them (an init
+    task, on a worker)."""
     if spec.trainer is not None:
         return await builtin.initial_weights(storage, job_id, spec)
-    target = keys.global_weights(job_id, 0)
     source = spec.model or spec.model_id
     if isinstance(source, int):  # a registered checkpoint
         source = (await model_info(storage, source))["key"]
-    if source:
-        data = await _read_model(storage, source)
-        read_header(data)
-        return await storage.put_bytes(target, data)
-    with tempfile.TemporaryDirectory(prefix="apiary-init-") as tmp:
-        path = Path(tmp) / "init.safetensors"
-        found = await runner.init_weights(spec.module, spec.env(0), path, timeout=INIT_TIMEOUT)
-        if not found:
-            raise ValueError(
-                f"no initial weights: give the job a 'model' checkpoint or define "
-                f"fl_init_weights(env) in {spec.module}"
-            )
-        read_header(await asyncio.to_thread(path.read_bytes))
-        return await storage.put_file(target, path)
+    if not source:
+        return None
+    data = await _read_model(storage, source)
+    read_header(data)
+    return await storage.put_bytes(keys.global_weights(job_id, 0), data)
+
+
+def no_initial_weights(spec: JobSpec) -> str:
+    """Why a job has no initial weights: its module defines no fl_init_weights and it names no model."""
+    return (f"no initial weights: give the job a 'model' checkpoint or define fl_init_weights(env) in "
+            f"{spec.module}")
+
+
+async def checked_initial_weights(storage: Storage, job_id: str, weights: ObjectRef) -> ObjectRef:
+    """The weights an init task reported, once verified: the object its upload URL wrote, of that size and
+    sha256, a well-formed safetensors file. ValueError (or ObjectNotFound) naming what is wrong."""
+    expected = keys.global_weights(job_id, 0)
+    if weights.key != expected:
+        raise ValueError(f"reported weights {weights.key!r} are not the init task's upload ({expected!r})")
+    read_header(await storage.verified_bytes(weights))
+    return weights
 
 
 async def _read_model(storage: Storage, source: str) -> bytes:
@@ -61,24 +65,6 @@ async def _read_model(storage: Storage, source: str) -> bytes:
     if Path(source).is_file():
         return await asyncio.to_thread(Path(source).read_bytes)
     return await storage.get_bytes(source)
-
-
-async def evaluate(runner: UserCodeRunner, job_id: str, spec: JobSpec, round_index: int,
-                   data: bytes) -> tuple[dict[str, Any], str | None]:
-    """The final model's metrics from the entrypoint module's evaluation (if it has one), and the
-    evaluation's error if it failed (the job still completes). A built-in job has no user code to run here:
-    its rounds report validation loss."""
-    if spec.trainer is not None:
-        return {}, None
-    with tempfile.TemporaryDirectory(prefix="apiary-eval-") as tmp:
-        path = Path(tmp) / "final.safetensors"
-        path.write_bytes(data)
-        try:
-            return dict(await runner.evaluate(spec.module, spec.env(round_index), path,
-                                              timeout=INIT_TIMEOUT) or {}), None
-        except UserCodeError as e:
-            log.warning("job %s: evaluation failed: %s", job_id, e)
-            return {}, str(e)
 
 
 async def finish_built_in(storage: Storage, job_id: str, spec: JobSpec, data: bytes) -> str | None:
@@ -96,10 +82,10 @@ async def finish_built_in(storage: Storage, job_id: str, spec: JobSpec, data: by
 
 
 def final_report(job_id: str, name: str, metrics: dict[str, Any], history: list[dict[str, Any]],
-                 last: RoundAggregated, evaluation_error: str | None) -> bytes:
-    """The job's metrics report: final metrics and every round, the last one as it just aggregated."""
-    rounds = [r for r in history if (r["round"], r["attempt"]) != (last.round, last.attempt)]
-    rounds.append({"round": last.round, "attempt": last.attempt, "status": "aggregated", "metrics": last.metrics})
-    report = {"job_id": job_id, "name": name, "final": metrics, "rounds": rounds,
-              "evaluation_error": evaluation_error}
+                 evaluations: list[dict[str, Any]], kept: int, reason: str | None) -> bytes:
+    """The job's metrics report: final metrics (of round `kept`), every round and every evaluation."""
+    report = {"job_id": job_id, "name": name, "final": metrics, "final_round": kept, "rounds": history,
+              "evaluations": [{"round": e["round"], "status": e["status"], "metrics": e["metrics"],
+                               "error": e["error"]} for e in evaluations],
+              "reason": reason}
     return json.dumps(report, indent=1).encode()

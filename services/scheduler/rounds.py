@@ -12,7 +12,6 @@ from apiary.contracts import Assignment, ModelRef, ObjectRef, RoundStart, ShardI
 from apiary.jobspec import JobSpec
 from apiary.strategies.format import UpdateFormat
 
-
 # The weights of a job whose round 0 (its init task, on a worker) has not made them yet.
 NO_WEIGHTS = ObjectRef(key="", size=0, sha256="")
 

@@ -7,7 +7,6 @@ from typing import Any
 from apiary.bus import EventHandler, Raw
 from apiary.component import Component
 from apiary.outbox import Outbox
-from apiary.trainers import UserCodeRunner
 from services.scheduler.handlers import SchedulerHandlers
 from services.scheduler.store import MIGRATIONS, OUTBOX
 
@@ -17,11 +16,11 @@ class Scheduler(Component):
 
     name = "scheduler"
 
-    def __init__(self, *args: Any, runner: UserCodeRunner | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.outbox = Outbox(self.db, self.bus, OUTBOX)
-        self.runner = runner or UserCodeRunner(self.settings.code_path, name="apiary-scheduler-user-code")
-        self.handlers = SchedulerHandlers(self.db, self.bus, self.storage, self.outbox, self.runner, self.settings)
+        # No user code runs here: a job's fl_init_weights and fl_evaluate_model are tasks for workers.
+        self.handlers = SchedulerHandlers(self.db, self.bus, self.storage, self.outbox, self.settings)
 
     async def start(self) -> None:
         """Migrate, publish what an earlier run left in the outbox, and start consuming."""
@@ -33,6 +32,9 @@ class Scheduler(Component):
             "job.sharded": h.on_job_sharded,
             "round.aggregated": h.on_round_aggregated,
             "round.failed": h.on_round_failed,
+            "job.initialized": h.on_job_initialized,
+            "round.evaluated": h.on_round_evaluated,
+            "task.timeout": h.on_task_timeout,
             "job.cancel": h.on_job_cancel,
             "worker.online": h.on_worker_presence,
             "worker.heartbeat": h.on_worker_presence,
@@ -41,9 +43,8 @@ class Scheduler(Component):
         await self.consume("scheduler", handlers)
 
     async def stop(self) -> None:
-        """Stop consuming, then the user-code process and the outbox's background flush."""
+        """Stop consuming, then the outbox's background flush."""
         await super().stop()
-        await self.runner.stop()
         await self.outbox.close()
 
     async def fail_unfinished(self, reason: str) -> list[str]:

@@ -42,6 +42,16 @@ MIGRATIONS = [
     """,
     # The kind each worker declared (own | platform): a mixed job's listed workers must have theirs.
     "ALTER TABLE worker_presence ADD COLUMN kind TEXT",
+    # Each evaluated round's evaluation (on a worker), and per job: whether its module evaluates (NULL: not
+    # known yet) and the last round once it aggregated (the job completes when its evaluations are in).
+    """
+    CREATE TABLE IF NOT EXISTS evaluations (
+      job_id TEXT NOT NULL, round BIGINT NOT NULL, status TEXT NOT NULL, weights_key TEXT,
+      metrics TEXT, error TEXT, worker_id TEXT, queued_at DOUBLE PRECISION NOT NULL, ended_at DOUBLE PRECISION,
+      PRIMARY KEY (job_id, round));
+    ALTER TABLE jobs ADD COLUMN evaluates BIGINT;
+    ALTER TABLE jobs ADD COLUMN last_round BIGINT
+    """,
 ]
 
 OUTBOX = "scheduler_outbox"
@@ -72,6 +82,18 @@ class Job:
     def shards(self) -> list[ShardInfo]:
         """Its shards ([] until they are made)."""
         return [ShardInfo.model_validate(s) for s in from_json(self.row["shards"], [])]
+
+    @property
+    def evaluates(self) -> bool | None:
+        """Whether its module has fl_evaluate_model (None: no evaluation has said yet)."""
+        value = self.row.get("evaluates")
+        return None if value is None else bool(value)
+
+    @property
+    def last_round(self) -> int | None:
+        """Its last round, once that aggregated (it completes when its evaluations are in)."""
+        value = self.row.get("last_round")
+        return None if value is None else int(value)
 
     @property
     def weights(self) -> ObjectRef:
@@ -254,3 +276,62 @@ async def round_history(db: Executor, job_id: str) -> list[dict[str, Any]]:
         job_id,
     )
     return [{**r, "metrics": from_json(r["metrics"], {})} for r in rows]
+
+
+async def set_current(tx: Executor, job_id: str, round_index: int, attempt: int, now: float) -> None:
+    """The job runs this round and attempt now (round 0: its init task)."""
+    await tx.execute("UPDATE jobs SET round = $2, attempt = $3, updated_at = $4 WHERE job_id = $1",
+                     job_id, round_index, attempt, now)
+
+
+async def set_weights(tx: Executor, job_id: str, weights: ObjectRef) -> None:
+    """The job's current global weights (its initial ones, from its init task)."""
+    await tx.execute("UPDATE jobs SET weights_key = $2, weights_size = $3, weights_sha256 = $4 WHERE job_id = $1",
+                     job_id, weights.key, weights.size, weights.sha256)
+
+
+async def set_last_round(tx: Executor, job_id: str, round_index: int) -> None:
+    """The job's last round aggregated: it completes once its evaluations are in."""
+    await tx.execute("UPDATE jobs SET last_round = $2 WHERE job_id = $1", job_id, round_index)
+
+
+async def set_evaluates(tx: Executor, job_id: str, evaluates: bool) -> None:
+    """Whether the job's module has fl_evaluate_model, as its first evaluation found."""
+    await tx.execute("UPDATE jobs SET evaluates = $2 WHERE job_id = $1", job_id, int(evaluates))
+
+
+async def insert_evaluation(tx: Executor, job_id: str, round_index: int, weights_key: str, now: float) -> None:
+    """A round's evaluation is queued (once)."""
+    await tx.execute(
+        "INSERT INTO evaluations (job_id, round, status, weights_key, queued_at) VALUES ($1, $2, 'pending', $3, $4)"
+        " ON CONFLICT DO NOTHING", job_id, round_index, weights_key, now)
+
+
+async def evaluation_status(db: Executor, job_id: str, round_index: int) -> str | None:
+    """A round's evaluation status, or None if none was queued."""
+    value = await db.fetchval("SELECT status FROM evaluations WHERE job_id = $1 AND round = $2", job_id, round_index)
+    return None if value is None else str(value)
+
+
+async def settle_evaluation(tx: Executor, job_id: str, round_index: int, status: str, now: float, *,
+                            metrics: dict[str, float] | None = None, error: str | None = None,
+                            worker_id: str | None = None) -> None:
+    """A pending evaluation ended: done (with its metrics), failed (why), or none (no function to run)."""
+    await tx.execute(
+        "UPDATE evaluations SET status = $3, metrics = $4, error = $5, worker_id = $6, ended_at = $7"
+        " WHERE job_id = $1 AND round = $2 AND status = 'pending'",
+        job_id, round_index, status, to_json(metrics or {}), error, worker_id, now)
+
+
+async def evaluations(db: Executor, job_id: str) -> list[dict[str, Any]]:
+    """The job's evaluations in round order: round, status, metrics and error."""
+    rows = await db.fetch("SELECT round, status, metrics, error FROM evaluations WHERE job_id = $1 ORDER BY round",
+                          job_id)
+    return [{**r, "metrics": from_json(r["metrics"], {})} for r in rows]
+
+
+async def aggregated_rounds(db: Executor, job_id: str) -> dict[int, dict[str, Any]]:
+    """Each aggregated round's global weights' key and its metrics, by round."""
+    rows = await db.fetch("SELECT round, weights_key, metrics FROM rounds WHERE job_id = $1 AND status = 'aggregated'",
+                          job_id)
+    return {int(r["round"]): {"weights_key": r["weights_key"], "metrics": from_json(r["metrics"], {})} for r in rows}

@@ -149,8 +149,10 @@ class ModelRef(BaseModel):
 
 # What an assignment asks of its worker: train a shard for a round, make the job's initial weights
 # (`fl_init_weights`) or evaluate a round's global weights (`fl_evaluate_model`). User code runs only on workers.
-TRAIN, INIT, EVALUATE = "train", "init", "evaluate"
 TaskKind = Literal["train", "init", "evaluate"]
+TRAIN: Literal["train"] = "train"
+INIT: Literal["init"] = "init"
+EVALUATE: Literal["evaluate"] = "evaluate"
 
 
 class CodeBundle(BaseModel):

@@ -147,27 +147,27 @@ def _saved_weights(function: str, weights: Any) -> bytes:
         raise UserCodeError(f"{function} returned weights that cannot be saved: {describe(e)}") from e
 
 
-def _run_init(module: str, env: dict[str, Any], target: str) -> dict[str, Any]:
-    from apiary import weights as w
-
-    fn = _resolve(module, INIT_FUNCTION, optional=True)
+def _run_init(call: TrainCall) -> dict[str, Any]:
+    fn = _resolve(call.module, INIT_FUNCTION, optional=True)
     if fn is None:
         return {"found": False}
-    weights = fn(env)
+    weights = fn(dict(call.env))
     if not hasattr(weights, "items"):
         raise UserCodeError(f"{INIT_FUNCTION} must return a name -> tensor mapping")
-    Path(target).write_bytes(w.dumps(weights))
-    return {"found": True}
+    size, sha256 = save_result(call.result_path, weights, INIT_FUNCTION)
+    return {"found": True, "size": size, "sha256": sha256}
 
 
-def _run_evaluate(module: str, env: dict[str, Any], weights_path: str) -> dict[str, Any]:
+def _run_evaluate(call: TrainCall) -> dict[str, Any]:
     from apiary import weights as w
 
-    fn = _resolve(module, EVALUATE_FUNCTION, optional=True)
+    fn = _resolve(call.module, EVALUATE_FUNCTION, optional=True)
     if fn is None:
         return {"found": False, "metrics": {}}
-    metrics = fn(w.loads(Path(weights_path).read_bytes()), env) or {}
-    return {"found": True, "metrics": {k: float(v) for k, v in dict(metrics).items() if _is_number(v)}}
+    metrics = fn(w.loads(Path(call.weights_path).read_bytes()), dict(call.env))
+    if metrics is not None and not hasattr(metrics, "items"):
+        raise UserCodeError(f"{EVALUATE_FUNCTION} must return a dict of metrics, got {type(metrics).__name__}")
+    return {"found": True, "metrics": {k: float(v) for k, v in dict(metrics or {}).items() if _is_number(v)}}
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -193,9 +193,9 @@ def _run(kind: str, args: Any, conn: Connection) -> dict[str, Any]:
     if kind == "train":
         return _run_train(args, conn)
     if kind == "init":
-        return _run_init(*args)
+        return _run_init(args)
     if kind == "evaluate":
-        return _run_evaluate(*args)
+        return _run_evaluate(args)
     raise UserCodeError(f"unknown call {kind!r}")
 
 

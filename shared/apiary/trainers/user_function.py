@@ -48,15 +48,31 @@ class UserCodeRunner(ChildTrainer):
 
     async def init_weights(self, module: str, env: dict[str, Any], target: Path, *, timeout: float) -> bool:
         """Write the module's `fl_init_weights(env)` to `target`; False if the module has none."""
-        out = await self._call("init", (module, env, str(target)), timeout)
-        return bool(out["found"])
+        return await self.init_task(_task_call(module, env, result_path=str(target)), timeout=timeout)
 
     async def evaluate(
         self, module: str, env: dict[str, Any], weights_path: Path, *, timeout: float
     ) -> dict[str, float] | None:
         """The module's `fl_evaluate_model(weights, env)` metrics; None if it has none."""
-        out = await self._call("evaluate", (module, env, str(weights_path)), timeout)
+        return await self.evaluate_task(_task_call(module, env, weights_path=str(weights_path)), timeout=timeout)
+
+    async def init_task(self, call: TrainCall, *, timeout: float | None = None) -> bool:
+        """An init assignment: write `call.module`'s `fl_init_weights(call.env)` to `call.result_path`;
+        False if the module has none. UserCodeError with one clear line if it fails."""
+        out = await self._call("init", call, timeout)
+        return bool(out["found"])
+
+    async def evaluate_task(self, call: TrainCall, *, timeout: float | None = None) -> dict[str, float] | None:
+        """An evaluate assignment: `call.module`'s `fl_evaluate_model` on the weights at `call.weights_path`;
+        None if the module has none. UserCodeError with one clear line if it fails."""
+        out = await self._call("evaluate", call, timeout)
         return out["metrics"] if out["found"] else None
+
+
+def _task_call(module: str, env: dict[str, Any], *, weights_path: str = "", result_path: str = "") -> TrainCall:
+    """A call of one of the module's other functions, outside any assignment."""
+    return TrainCall(module=module, function="", weights_path=weights_path, result_path=result_path, out_dir="",
+                     env=env, dataset={}, round={}, job={})
 
 
 def _from_setup(setup: TrainerSetup) -> Trainer:

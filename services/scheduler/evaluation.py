@@ -1,0 +1,115 @@
+"""A job's evaluations and its end, as pure functions: which rounds are evaluated, which worker an init or
+evaluate task goes to, what early stopping sees of the rounds so far, and when (and with which round's
+model) the job completes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from apiary.early_stopping import EarlyStopping, best_round, decide, missing_metric
+from apiary.jobspec import JobSpec
+
+PENDING, DONE, FAILED, NONE = "pending", "done", "failed", "none"  # an evaluation's status; none: no function
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One round's evaluation as the scheduler stored it."""
+
+    round: int
+    status: str
+    metrics: dict[str, float]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Ending:
+    """The job ends: completed after `last` (the last round aggregated), keeping round `kept`'s model; a
+    `reason` when it stopped early (or its final evaluation failed), or `failure` when it must fail."""
+
+    last: int
+    kept: int
+    reason: str | None = None
+    failure: str | None = None
+
+
+def evaluation_due(spec: JobSpec, round_index: int, evaluates: bool | None) -> bool:
+    """Whether the round's global model is evaluated on a worker: a user-code job whose module has (or may
+    have: not yet known) fl_evaluate_model, every `evaluate_every` rounds and after the last."""
+    if spec.trainer is not None or evaluates is False:
+        return False
+    every = spec.distributed.evaluate_every
+    return round_index == spec.distributed.num_rounds or (every > 0 and round_index % every == 0)
+
+
+def task_worker(spec: JobSpec, online: set[str], turn: int = 0) -> str | None:
+    """The worker an init or evaluate task goes to: None for the pool; in a pinned or mixed job one of its
+    own workers (the listed own ones first, in mixed mode), an online one if any, taking turns by `turn`."""
+    selection = spec.worker_selection
+    listed = [str(w) for w in selection.worker_ids] if selection.mode == "mixed" else []
+    candidates = listed or selection.pinned
+    if not candidates:
+        return None
+    up = [w for w in candidates if w in online] or candidates
+    return up[turn % len(up)]
+
+
+def judged_by_evaluation(spec: JobSpec, evaluates: bool | None) -> bool:
+    """Whether early stopping reads evaluation metrics (a job evaluated every N rounds) rather than the
+    rounds' aggregated training metrics (a built-in job, a module without fl_evaluate_model, or
+    evaluate_every 0)."""
+    return spec.trainer is None and evaluates is not False and spec.distributed.evaluate_every > 0
+
+
+def history(rule: EarlyStopping, by_evaluation: bool, rounds: Mapping[int, Mapping[str, float]],
+            evaluations: Sequence[Evaluation]) -> tuple[list[tuple[int, float]], str | None]:
+    """The (round, value) pairs early stopping sees, in round order, up to the first evaluation still
+    pending (rounds judged after it wait for it); and why the job must fail if a round lacks the metric."""
+    seen: list[tuple[int, float]] = []
+    if not by_evaluation:
+        for round_index in sorted(rounds):
+            if (why := missing_metric(rule, round_index, rounds[round_index])) is not None:
+                return seen, why
+            seen.append((round_index, float(rounds[round_index][rule.metric])))
+        return seen, None
+    for e in sorted(evaluations, key=lambda e: e.round):
+        if e.status == PENDING:
+            break
+        if e.status != DONE:
+            continue  # a failed evaluation says nothing about the metric
+        if (why := missing_metric(rule, e.round, e.metrics)) is not None:
+            return seen, why
+        seen.append((e.round, float(e.metrics[rule.metric])))
+    return seen, None
+
+
+def ending(spec: JobSpec, last_round: int | None, by_evaluation: bool, rounds: Mapping[int, Mapping[str, float]],
+           evaluations: Sequence[Evaluation]) -> Ending | None:
+    """Whether the job ends now, and how: stopped early, failed for a metric no round reports, or completed
+    once its last round aggregated and no evaluation is pending; None while it goes on."""
+    rule = spec.distributed.early_stopping
+    if rule is not None:
+        seen, why = history(rule, by_evaluation, rounds, evaluations)
+        if why is not None:
+            return Ending(max(rounds, default=0), max(rounds, default=0), failure=why)
+        stop = decide(seen, rule)
+        if stop is not None:
+            return Ending(max(rounds, default=stop.round), stop.best_round, reason=stop.reason)
+    if last_round is None or any(e.status == PENDING for e in evaluations):
+        return None
+    kept = last_round
+    if rule is not None and rule.keep_best:
+        seen, _ = history(rule, by_evaluation, rounds, evaluations)
+        kept = best_round(seen, rule) or last_round
+    final = next((e for e in evaluations if e.round == last_round), None)
+    reason = f"evaluation of round {last_round} failed: {final.error}" if final and final.status == FAILED else None
+    return Ending(last_round, kept, reason=reason)
+
+
+def final_metrics(kept: int, rounds: Mapping[int, Mapping[str, float]],
+                  evaluations: Sequence[Evaluation]) -> dict[str, Any]:
+    """The job's metrics: the kept round's aggregated training metrics, its evaluation's over them."""
+    evaluated = next((e.metrics for e in evaluations if e.round == kept and e.status == DONE), {})
+    return {**rounds.get(kept, {}), **evaluated}

@@ -1,0 +1,53 @@
+"""A job's init and evaluate tasks: assignments for a worker (the job's code runs there, never here) with
+their presigned URLs and queue, and the delayed timeout after which the scheduler stops waiting for them."""
+
+from __future__ import annotations
+
+from apiary import keys
+from apiary.contracts import EVALUATE, INIT, Assignment, ObjectRef, TaskKind, TaskTimeout
+from apiary.jobspec import JobSpec
+from apiary.outbox import Pending
+from apiary.storage import Storage
+from services.scheduler.evaluation import task_worker
+from services.scheduler.rounds import Queue, Route
+from services.scheduler.routing import AssignmentRouter
+
+
+class TaskQueue:
+    """Makes a job's init and evaluate assignments and the events that queue them."""
+
+    def __init__(self, storage: Storage, router: AssignmentRouter, presign_ttl: int) -> None:
+        self._storage, self._router, self._presign_ttl = storage, router, presign_ttl
+
+    async def init(self, job_id: str, spec: JobSpec, attempt: int, online: set[str], now: float) -> list[Pending]:
+        """Round 0: a worker runs the module's fl_init_weights and uploads the result as round 1's weights."""
+        target = keys.global_weights(job_id, 0)
+        timeout = spec.distributed.aggregation_timeout
+        upload = self._storage.presign_put(target, int(timeout + self._presign_ttl))
+        return await self._queued(job_id, spec, INIT, 0, attempt, online, now,
+                                  upload_url=upload, result_key=target, env=spec.env(0))
+
+    async def evaluate(self, job_id: str, spec: JobSpec, round_index: int, attempt: int, weights: ObjectRef,
+                       online: set[str], now: float) -> list[Pending]:
+        """A worker evaluates the round's global weights with the module's fl_evaluate_model."""
+        ttl = int(spec.distributed.aggregation_timeout + self._presign_ttl)
+        return await self._queued(job_id, spec, EVALUATE, round_index, attempt, online, now,
+                                  weights_url=self._storage.presign_get(weights.key, ttl),
+                                  weights_sha256=weights.sha256, env=spec.env(round_index))
+
+    async def _queued(self, job_id: str, spec: JobSpec, task: TaskKind, round_index: int, attempt: int,
+                      online: set[str], now: float, **fields: object) -> list[Pending]:
+        """The assignment on its queue, then its delayed timeout."""
+        timeout = spec.distributed.aggregation_timeout
+        worker = task_worker(spec, online, round_index)
+        ended = self._storage.presign_get(keys.job_ended(job_id), int(timeout + self._presign_ttl))
+        assignment = Assignment.model_validate({
+            "task": task, "job_id": job_id, "round": round_index, "attempt": attempt, "job_name": spec.name,
+            "num_rounds": spec.distributed.num_rounds, "entrypoint": spec.entrypoint, "trainer": spec.trainer,
+            "deadline": now + timeout, "issued_at": now, "ended_url": ended, "pinned_worker": worker, **fields,
+            # The job's code bundle and requirements, as its training assignments carry them.
+            **self._router.code(spec, int(timeout + self._presign_ttl)),
+        })
+        queue = await self._router.queue(Route(Queue.PINNED, worker) if worker else Route(Queue.POOL))
+        expire = TaskTimeout(job_id=job_id, round=round_index, attempt=attempt, task=task)
+        return [Pending(assignment, routing_key=queue), Pending(expire, delay=timeout)]

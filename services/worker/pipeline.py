@@ -24,7 +24,7 @@ from services.worker import transfers
 from services.worker.bundles import BundleCache, BundleError, code_for
 from services.worker.model_cache import ModelCache
 from services.worker.progress import ProgressStream
-from services.worker.tasks import TaskRun, task_function
+from services.worker.tasks import TaskRun, task_failed, task_function
 
 log = logging.getLogger("apiary.worker")
 
@@ -164,7 +164,10 @@ class AssignmentRun:
         try:
             self.code_path = await code_for(self.worker.bundles, self.a)
         except BundleError as e:
-            await self.worker.failed(self.a, str(e))
+            if self.a.task != TRAIN:
+                await task_failed(self.worker, self.a, str(e))
+            else:
+                await self.worker.failed(self.a, str(e))
             return False
         return True
 

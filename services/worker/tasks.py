@@ -9,7 +9,7 @@ import hashlib
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 from apiary import telemetry, transfer
 from apiary.backoff import while_unavailable
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("apiary.worker")
 
-Report = WeightsInitialized | RoundEvaluated
+Report: TypeAlias = WeightsInitialized | RoundEvaluated
 
 
 class TaskRun:
@@ -42,9 +42,7 @@ class TaskRun:
             if report.error:
                 telemetry.fail(span, "user_code.error", report.error)
                 log.warning("worker %s: job %s %s failed: %s", self.worker.worker_id, a.job_id, a.task, report.error)
-        await while_unavailable(lambda: publish_event(self.worker.bus, report),
-                                self.worker.settings.dependency_backoff(),
-                                f"worker {self.worker.worker_id}: report of job {a.job_id}'s {a.task}", log)
+        await publish_report(self.worker, a, report)
         log.info("worker %s: job %s %s (round %d) done", self.worker.worker_id, a.job_id, a.task, a.round)
 
     def _runner(self) -> UserCodeRunner:
@@ -86,6 +84,24 @@ class TaskRun:
         if metrics is None:
             return done.model_copy(update={"found": False})
         return done.model_copy(update={"metrics": metrics})
+
+
+async def task_failed(worker: Slot, a: Assignment, error: str) -> None:
+    """Report that an init or evaluate assignment could not run, and why (one line)."""
+    log.warning("worker %s: job %s %s failed: %s", worker.worker_id, a.job_id, a.task, error)
+    report: Report
+    if a.task == INIT:
+        report = WeightsInitialized(job_id=a.job_id, attempt=a.attempt, worker_id=worker.worker_id, error=error)
+    else:
+        report = RoundEvaluated(job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=worker.worker_id,
+                                error=error)
+    await publish_report(worker, a, report)
+
+
+async def publish_report(worker: Slot, a: Assignment, report: Report) -> None:
+    """Publish a task's report, waiting for the broker rather than running the task again."""
+    await while_unavailable(lambda: publish_event(worker.bus, report), worker.settings.dependency_backoff(),
+                            f"worker {worker.worker_id}: report of job {a.job_id}'s {a.task}", log)
 
 
 def task_function(task: str) -> str:

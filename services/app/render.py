@@ -104,14 +104,22 @@ def _shards_table(view: dict[str, Any]) -> Table:
 
 def _rounds_table(view: dict[str, Any]) -> Table:
     rounds = Table(box=None, pad_edge=False, show_header=True, header_style="dim")
-    for column in ("round", "status", "loss", "val_loss", "other aggregated metrics"):
+    for column in ("round", "status", "loss", "val_loss", "other aggregated metrics", "evaluation"):
         rounds.add_column(column)
     for r in view.get("rounds", [])[-5:]:
         metrics = r.get("metrics") or {}
         others = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k not in _ROUND_COLUMNS)
         rounds.add_row(f"{r['round']}" + (f".{r['attempt']}" if r["attempt"] > 1 else ""), r["status"],
-                       *(_number(metrics.get(name)) for name in _ROUND_COLUMNS), others or (r.get("reason") or ""))
+                       *(_number(metrics.get(name)) for name in _ROUND_COLUMNS), others or (r.get("reason") or ""),
+                       evaluation_text(r))
     return rounds
+
+
+def evaluation_text(r: dict[str, Any]) -> Text | str:
+    """A round's evaluation of its global model (on a worker): its metrics, why it failed, or nothing."""
+    if r.get("evaluation_error"):
+        return Text(f"failed: {r['evaluation_error']}", style="red")
+    return ", ".join(f"{k}={v:.4g}" for k, v in (r.get("evaluation") or {}).items())
 
 
 # The training loss and the held-out (validation) loss, sample-weighted over the round's workers, side by side.

@@ -96,10 +96,17 @@ async def _round_failed(tx: Executor, b: dict[str, Any], ts: float) -> None:
     await store.round_ended(tx, b["job_id"], b["round"], b["attempt"], "failed", ts, reason=b["reason"])
 
 
+async def _round_evaluated(tx: Executor, b: dict[str, Any], ts: float) -> None:
+    if b.get("found", True) is not False:
+        await store.round_evaluated(tx, b["job_id"], b["round"], b.get("attempt", 1), b.get("metrics") or {},
+                                    b.get("error"))
+
+
 async def _job_completed(tx: Executor, b: dict[str, Any], ts: float) -> None:
     await store.ensure_job(tx, b["job_id"], ts)
     await store.update_job(tx, b["job_id"], ts, status="completed", round=b["rounds_completed"],
-                           final_model=b["final_model"], metrics=to_json(b.get("metrics", {})))
+                           final_model=b["final_model"], metrics=to_json(b.get("metrics", {})),
+                           reason=b.get("reason"))
 
 
 async def _job_waiting(tx: Executor, b: dict[str, Any], ts: float) -> None:
@@ -149,6 +156,7 @@ VIEWS: dict[str, View] = {
     "worker.failed": _worker_failed,
     "round.aggregated": _round_aggregated,
     "round.failed": _round_failed,
+    "round.evaluated": _round_evaluated,
     "job.completed": _job_completed,
     "job.failed": _job_failed,
     "job.waiting": _job_waiting,

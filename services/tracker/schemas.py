@@ -77,6 +77,9 @@ class RoundView(BaseModel):
     reason: str | None
     started_at: float | None
     ended_at: float | None
+    evaluation: dict[str, float] | None = Field(
+        default=None, description="the round's global model evaluated on a worker (fl_evaluate_model), if it was")
+    evaluation_error: str | None = Field(default=None, description="why the round's evaluation failed, if it did")
 
 
 class ShardProgress(BaseModel):
@@ -198,6 +201,8 @@ class JobMetrics(BaseModel):
     workers: list[WorkerSeries]
     rounds: list[RoundPoint]
     round_marks: list[RoundMark]
+    evaluations: dict[str, list[RoundPoint]] = Field(
+        default_factory=dict, description="each evaluation metric after each evaluated round (x = round)")
 
 
 class Assignment(BaseModel):

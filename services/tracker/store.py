@@ -54,6 +54,8 @@ MIGRATIONS = [
     " ts DOUBLE PRECISION NOT NULL); CREATE INDEX IF NOT EXISTS forged_reports_job ON forged_reports (job_id, seq)",
     # The job's code bundle (key, sha256, size, entrypoint), from its request.
     "ALTER TABLE job_views ADD COLUMN code TEXT",
+    # Each evaluated round's evaluation metrics (round.evaluated, on a worker) or why its evaluation failed.
+    "ALTER TABLE round_views ADD COLUMN evaluation TEXT; ALTER TABLE round_views ADD COLUMN evaluation_error TEXT",
 ]
 
 SHARD_ROWS_PER_INSERT = 500  # well under SQLite's and PostgreSQL's limits on parameters per statement
@@ -278,3 +280,13 @@ async def mark_silent_offline(db: Executor, seen_before: float) -> int:
     return await db.execute(
         "UPDATE workers SET status = 'offline' WHERE status = 'online' AND last_seen < $1", seen_before
     )
+
+
+async def round_evaluated(tx: Executor, job_id: str, round_index: int, attempt: int, metrics: dict[str, float],
+                          error: str | None) -> None:
+    """A round's evaluation: its metrics, or why it failed; the first report counts (a redelivery changes
+    nothing)."""
+    await tx.execute(
+        "UPDATE round_views SET evaluation = $4, evaluation_error = $5 WHERE job_id = $1 AND round = $2"
+        " AND attempt = $3 AND evaluation IS NULL AND evaluation_error IS NULL",
+        job_id, round_index, attempt, None if error else to_json(metrics), error)

@@ -42,10 +42,11 @@ async def job_view(db: Executor, job_id: str) -> dict[str, Any] | None:
     job["data_shards"] = from_json(job["data_shards"], [])
     job["code"] = from_json(job["code"])
     rounds = await db.fetch(
-        "SELECT round, attempt, status, metrics, reason, started_at, ended_at FROM round_views"
-        " WHERE job_id = $1 ORDER BY round, attempt", job_id,
+        "SELECT round, attempt, status, metrics, reason, started_at, ended_at, evaluation, evaluation_error"
+        " FROM round_views WHERE job_id = $1 ORDER BY round, attempt", job_id,
     )
-    job["rounds"] = [{**r, "metrics": from_json(r["metrics"], {})} for r in rounds]
+    job["rounds"] = [{**r, "metrics": from_json(r["metrics"], {}), "evaluation": from_json(r["evaluation"])}
+                     for r in rounds]
     shards = await db.fetch(
         "SELECT s.shard, s.worker_id, s.state, s.step, s.metrics, s.error, s.updated_at, w.status AS worker_status"
         " FROM shard_views s LEFT JOIN workers w ON w.worker_id = s.worker_id"
@@ -113,7 +114,7 @@ async def job_metrics(db: Executor, job_id: str, name: str = "loss", after: int 
     )
     names = await db.fetch("SELECT DISTINCT name FROM metrics WHERE job_id = $1 ORDER BY name", job_id)
     rounds = await db.fetch(
-        "SELECT round, attempt, status, metrics, started_at, ended_at FROM round_views"
+        "SELECT round, attempt, status, metrics, started_at, ended_at, evaluation FROM round_views"
         " WHERE job_id = $1 ORDER BY round, attempt", job_id,
     )
     return {
@@ -123,6 +124,8 @@ async def job_metrics(db: Executor, job_id: str, name: str = "loss", after: int 
         "cursor": max((r["seq"] for r in rows), default=after),
         "workers": worker_series(rows, job["created_at"]),
         "rounds": round_series(rounds, name),
+        # The round's evaluation of the global model (on a worker), of each metric it reported.
+        "evaluations": evaluation_series(rounds),
         "round_marks": [
             {"round": r["round"], "attempt": r["attempt"], "x": _since(r["started_at"], job["created_at"])}
             for r in rounds if r["started_at"] is not None
@@ -149,6 +152,16 @@ def round_series(rounds: Iterable[dict[str, Any]], name: str) -> list[dict[str, 
         if isinstance(value, int | float):
             points.append({"x": r["round"], "y": float(value), "attempt": r["attempt"]})
     return points
+
+
+def evaluation_series(rounds: Iterable[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Each evaluation metric's value after each evaluated round (x = round), by metric name."""
+    series: dict[str, list[dict[str, Any]]] = {}
+    for r in rounds:
+        for metric, value in (from_json(r.get("evaluation"), {}) or {}).items():
+            if isinstance(value, int | float):
+                series.setdefault(metric, []).append({"x": r["round"], "y": float(value), "attempt": r["attempt"]})
+    return series
 
 
 def _since(ts: float, origin: float) -> float:

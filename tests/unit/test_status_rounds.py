@@ -50,3 +50,25 @@ def test_a_round_without_val_loss_shows_a_dash_and_a_failed_round_its_reason() -
     # Assert
     assert ["1", "aggregated", "0.5000", "-"] in rows
     assert ["2", "failed", "-", "-", "too", "few", "workers"] in rows
+
+
+def test_each_round_prints_its_evaluation_or_why_it_failed() -> None:
+    # Prepare: round 1 evaluated on a worker, round 2's evaluation failed, round 3 not evaluated (yet)
+    view = _view([
+        {"round": 1, "attempt": 1, "status": "aggregated", "metrics": {"loss": 0.5},
+         "evaluation": {"accuracy": 0.9125, "loss": 0.25}},
+        {"round": 2, "attempt": 1, "status": "aggregated", "metrics": {"loss": 0.4},
+         "evaluation_error": "RuntimeError: no held-out data (train.py:9 in fl_evaluate_model)"},
+        {"round": 3, "attempt": 1, "status": "aggregated", "metrics": {"loss": 0.3}, "evaluation": None},
+    ])
+
+    # Execute
+    lines = _printed(view)
+    rows = [line.split() for line in lines]
+
+    # Assert
+    assert "evaluation" in next(line for line in lines if "val_loss" in line and "round" in line)
+    assert ["1", "aggregated", "0.5000", "-", "accuracy=0.9125,", "loss=0.25"] in rows
+    assert ["2", "aggregated", "0.4000", "-", "failed:", "RuntimeError:", "no", "held-out", "data",
+            "(train.py:9", "in", "fl_evaluate_model)"] in rows
+    assert ["3", "aggregated", "0.3000", "-"] in rows

@@ -11,7 +11,8 @@ from pathlib import Path
 from apiary import bundle, transfer
 from apiary.contracts import Assignment, CodeBundle
 
-READY = ".ready"  # beside each bundle's folder: written last; its mtime is when the bundle was last used
+# Beside each bundle's folder, written last: holds the folder's size; its mtime is when the bundle was last used.
+READY = ".ready"
 DEFAULT_LIMIT = 2 * 2**30
 
 
@@ -40,7 +41,7 @@ class BundleCache:
             folder, ready = self.folder(ref.sha256), self.root / f"{ref.sha256}{READY}"
             if not ready.is_file() or not folder.is_dir():
                 await self._download(ref, folder, deadline)
-                ready.touch()
+                ready.write_text(str(await asyncio.to_thread(_size, folder)))  # read by clean(), never walked again
                 self.downloads += 1
             else:
                 os.utime(ready)
@@ -64,7 +65,7 @@ class BundleCache:
     def clean(self) -> None:
         """Drop the least recently used bundles (never the one in use) until the cache fits its limit."""
         entries = sorted(self.root.glob(f"*{READY}"), key=lambda p: p.stat().st_mtime) if self.root.is_dir() else []
-        sizes = {e: _size(self.folder(e.name.removesuffix(READY))) for e in entries}
+        sizes = {e: _recorded_size(e, self.folder(e.name.removesuffix(READY))) for e in entries}
         total = sum(sizes.values())
         for ready in entries:
             if total <= self.limit:
@@ -93,6 +94,14 @@ async def code_for(cache: BundleCache, a: Assignment) -> Path | None:
         raise BundleError(f"requirement not met on this worker: {'; '.join(unmet)} (nothing is installed at run "
                           "time: run the job on workers whose image provides it)")
     return folder
+
+
+def _recorded_size(ready: Path, folder: Path) -> int:
+    """A cached bundle's unpacked size, as recorded in its marker when it was unpacked (walked if unreadable)."""
+    try:
+        return int(ready.read_text())
+    except (OSError, ValueError):
+        return _size(folder)
 
 
 def _size(folder: Path) -> int:

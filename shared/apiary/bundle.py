@@ -254,19 +254,22 @@ def unpack(archive: Path, target: Path, limits: Limits = DEFAULT_LIMITS) -> None
     inspect(data, limits)
     tmp = target.with_name(f".{target.name}.part")
     remove_tree(tmp)
-    written = 0
+    written, folders = 0, set()
     with zipfile.ZipFile(io.BytesIO(data)) as zf:
         for info in zf.infolist():
             if info.is_dir():
                 continue
-            written = _extract(zf, info, tmp / check_member(info), written, limits)
+            dest = tmp / check_member(info)
+            if dest.parent not in folders:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                folders.add(dest.parent)
+            written = _extract(zf, info, dest, written, limits)
     _make_read_only(tmp)
     remove_tree(target)
     tmp.replace(target)
 
 
 def _extract(zf: zipfile.ZipFile, info: zipfile.ZipInfo, dest: Path, written: int, limits: Limits) -> int:
-    dest.parent.mkdir(parents=True, exist_ok=True)
     with zf.open(info) as source, dest.open("wb") as out:
         own = 0
         while chunk := source.read(_CHUNK):

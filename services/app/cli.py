@@ -50,8 +50,10 @@ def run(
     stop = StopSignals()
     stop.catch()  # from here on a Ctrl-C is a cancel, whenever it comes
     quiet_openmp()
-    settings = Settings()
     request, code_root = _checked_job(job_file)
+    from services.app.jobcheck import embedded_settings
+
+    settings = embedded_settings(Settings(), request, job_file)
     from apiary import telemetry
     from services.app.run import RunOptions, gpu_list, run_job
     from services.app.runtime import DatabaseInUse

@@ -14,6 +14,8 @@ from pydantic import ValidationError
 
 from apiary.contracts import JobRequested
 from apiary.jobspec import ENTRYPOINT_RE, field_errors, parse_entrypoint
+from apiary.policy import Policy, job_errors
+from apiary.settings import Settings
 from services.app.code import local_code, pack_problems
 from services.app.jobfile import code_root_for, local_path
 
@@ -50,7 +52,19 @@ def check_request(request: dict[str, Any], job_file: Path) -> Checked:
     elif isinstance(entrypoint, str) and ENTRYPOINT_RE.match(entrypoint):
         checked.code_root = code_root_for(entrypoint, folder)
         checked.problems += _code_problems(entrypoint, folder, checked.code_root)
+    policy = Policy.of(embedded_settings(Settings(), request, job_file))
+    checked.problems += [f"{field}: {why}" for field, why in job_errors(request, policy)]
     return checked
+
+
+def embedded_settings(settings: Settings, request: dict[str, Any], job_file: Path) -> Settings:
+    """The settings of an embedded run of this job file: whoever runs `apiary run` is its operator, so the
+    file's own entrypoint is allowed, and local data may come from the file's folder and the current one
+    unless APIARY_DATA_ROOTS says otherwise."""
+    entrypoint = request.get("entrypoint")
+    allowed = [*settings.allowed_entrypoints, *([entrypoint] if isinstance(entrypoint, str) else [])]
+    roots = settings.data_roots or [job_file.resolve().parent, Path.cwd()]
+    return settings.model_copy(update={"allowed_entrypoints": allowed, "data_roots": roots})
 
 
 def _code_problems(entrypoint: str, folder: Path, root: Path | None) -> list[str]:

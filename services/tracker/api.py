@@ -15,7 +15,9 @@ from apiary.bus import Bus
 from apiary.bus.base import Unroutable
 from apiary.bus.typed import publish_event
 from apiary.contracts import JobCancelRequested, JobRequested
-from apiary.jobspec import FieldError, describe_errors
+from apiary.jobspec import FieldError, describe_errors, policy_errors
+from apiary.policy import LIMITS, Policy
+from apiary.settings import Settings
 from services.tracker import schemas, token_store
 from services.tracker.auth import Tokens, guard, may_cancel, principal_of
 from services.tracker.code_routes import code_errors, code_routes
@@ -47,6 +49,10 @@ class ApiTracker(LiveTracker, RegistryTracker, Protocol):
     def bus(self) -> Bus:
         """The bus that job requests and cancels are published on."""
 
+    @property
+    def settings(self) -> Settings:
+        """Its settings: what the operator's policy allows a job request (apiary.policy)."""
+
 
 def create_app(tracker: ApiTracker) -> FastAPI:
     """The API and the dashboard, reading the tracker's tables and publishing on its bus."""
@@ -59,6 +65,7 @@ def create_app(tracker: ApiTracker) -> FastAPI:
         redoc_url=None,
     )
     app.add_exception_handler(RequestValidationError, _invalid_request)  # type: ignore[arg-type]
+    app.middleware("http")(_bounded_job_requests)
     registries = Registries(tracker)
     tokens = Tokens(tracker.db)
     # Every API route needs a token (see services.tracker.auth); the live streams also take it as ?token=.
@@ -72,6 +79,16 @@ def create_app(tracker: ApiTracker) -> FastAPI:
     return app
 
 
+async def _bounded_job_requests(request: Request, call_next: Any) -> Any:
+    """A job request's body is refused past LIMITS.request_bytes (413), before it is read."""
+    length = request.headers.get("content-length", "")
+    if (request.method == "POST" and request.url.path == f"{PREFIX}/training-jobs" and length.isdigit()
+            and int(length) > LIMITS.request_bytes):
+        detail = f"request body is {length} bytes, over the limit of {LIMITS.request_bytes}"
+        return JSONResponse(schemas.Problem(detail=detail, errors=[]).model_dump(), status_code=413)
+    return await call_next(request)
+
+
 def _job_commands(tracker: ApiTracker, registries: Registries, tokens: Tokens) -> APIRouter:
     """Submitting and cancelling jobs: both publish on the tracker's bus; a job records whose token submitted
     it, and a submitter may cancel only its own."""
@@ -83,7 +100,8 @@ def _job_commands(tracker: ApiTracker, registries: Registries, tokens: Tokens) -
     async def submit_job(request: JobRequested, http: Request) -> JSONResponse:
         """Publish a job request (`job.requested`); the job id is the request's, or a new one."""
         body = request.model_dump(mode="json", exclude_unset=True, exclude={"v"})
-        unknown = await _unregistered(registries, request) or await code_errors(tracker.storage, body)
+        unknown = (policy_errors(request, Policy.of(tracker.settings)) or await _unregistered(registries, request)
+                   or await code_errors(tracker.storage, body))
         if unknown:
             problem = schemas.Problem(detail=f"request rejected: {describe_errors(unknown)}", errors=unknown)
             return JSONResponse(problem.model_dump(), status_code=422)

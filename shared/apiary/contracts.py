@@ -10,6 +10,7 @@ import msgpack
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from apiary.jobspec import FieldError, JobSpec
+from apiary.policy import LIMITS
 from apiary.strategies import DEFAULT_STRATEGY
 from apiary.strategies.format import UpdateFormat
 
@@ -376,6 +377,9 @@ def encode(event: BaseModel) -> bytes:
 
 def decode_body(body: bytes, content_type: str | None = MSGPACK) -> dict[str, Any]:
     """Decode a msgpack or JSON body into a dict, or raise DecodeError."""
+    if len(body) > LIMITS.message_bytes:
+        raise DecodeError(f"body is {len(body)} bytes, over the limit of {LIMITS.message_bytes} (weights and data"
+                          " travel by storage key, never on the bus)")
     try:
         if content_type and "json" in content_type:
             data = json.loads(body)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from apiary.policy import LIMITS, Refused, check_zip
+
 MANIFEST = "manifest.json"
 
 
@@ -31,13 +33,19 @@ class Manifest:
     @classmethod
     def parse(cls, raw: bytes, where: str) -> Manifest:
         """Parse and check manifest bytes; `where` names the dataset in errors."""
+        if len(raw) > LIMITS.manifest_bytes:
+            raise DatasetError(f"{where}: {MANIFEST} is {len(raw)} bytes, over the limit of {LIMITS.manifest_bytes}")
         try:
             data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise DatasetError(f"{where}: {MANIFEST} is not valid JSON ({e})") from e
         if not isinstance(data, dict) or not isinstance(data.get("samples"), list):
             raise DatasetError(f"{where}: {MANIFEST} must be an object with a 'samples' list")
         samples = data["samples"]
+        entries = len(samples) + (len(data["files"]) if isinstance(data.get("files"), list) else 0)
+        if entries > LIMITS.manifest_entries:
+            raise DatasetError(f"{where}: {MANIFEST} lists {entries} entries, over the limit of "
+                               f"{LIMITS.manifest_entries}")
         if not samples:
             raise DatasetError(f"{where}: {MANIFEST} lists no samples")
         for i, sample in enumerate(samples):
@@ -66,6 +74,21 @@ def _safe_member(path: str, where: str) -> str:
     return path
 
 
+def open_zip(path: Path) -> zipfile.ZipFile:
+    """A dataset or shard zip, opened once checked (apiary.policy.check_zip): no member with an absolute
+    path, `..` or a symbolic link, and no expansion past the limits; else DatasetError naming the member."""
+    try:
+        zf = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        raise DatasetError(f"dataset {path} is not a readable zip file: {e}") from e
+    try:
+        check_zip(zf, f"dataset {path}", path.stat().st_size)
+    except Refused as e:
+        zf.close()
+        raise DatasetError(str(e)) from None
+    return zf
+
+
 class DatasetSource:
     """Read access to a dataset folder or zip file."""
 
@@ -79,7 +102,7 @@ class DatasetSource:
             raise DatasetError(f"dataset {self.path} does not exist")
         if not zipfile.is_zipfile(self.path):
             raise DatasetError(f"dataset {self.path} is neither a folder nor a zip file")
-        self._zip = zipfile.ZipFile(self.path)
+        self._zip = open_zip(self.path)
         names = self._zip.namelist()
         if MANIFEST not in names:
             # A zip of a folder: accept one top-level directory holding the manifest.
@@ -277,7 +300,7 @@ def extract_shard(zip_path: Path, target: Path) -> None:
     """Unpack a shard zip into a folder, refusing members that would escape it."""
     tmp = target.with_name(f".{target.name}.part")
     shutil.rmtree(tmp, ignore_errors=True)
-    with zipfile.ZipFile(zip_path) as zf:
+    with open_zip(zip_path) as zf:
         for name in zf.namelist():
             _safe_member(name.rstrip("/"), str(zip_path))
         zf.extractall(tmp)

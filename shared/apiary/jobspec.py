@@ -19,6 +19,7 @@ from pydantic import (
 from apiary.bundle import requirement_error
 from apiary.early_stopping import BUILT_IN_METRICS, EarlyStopping
 from apiary.jobspec_builtin import built_in_errors, did_you_mean, merged_errors
+from apiary.policy import Policy, job_errors
 from apiary.strategies import DEFAULT_STRATEGY
 from apiary.trainers.causal_lm_config import CausalLMConfig
 
@@ -302,6 +303,13 @@ class FieldError(BaseModel):
 
     field: str
     message: str
+
+
+def policy_errors(spec: JobSpec, policy: Policy) -> list[FieldError]:
+    """What the operator's policy refuses in a valid request: an entrypoint it does not allow, a local
+    dataset or model path outside its data roots (apiary.policy)."""
+    request = spec.model_dump(include={"entrypoint", "dataset", "model", "code"})
+    return [FieldError(field=field, message=why) for field, why in job_errors(request, policy)]
 
 
 def field_errors(error: ValidationError, request: Any = None) -> list[FieldError]:

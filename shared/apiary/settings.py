@@ -24,7 +24,14 @@ class Settings(BaseSettings):
     s3_endpoint_url: str | None = None
     s3_region: str = "us-east-1"
     exchange: str = "apiary"
+    # This process's own broker user and password (from `apiary broker setup`), in place of APIARY_BUS_URL's.
+    bus_user: str | None = None
+    bus_password: str | None = None
     prefetch: int = Field(default=16, ge=1)
+    # RabbitMQ only: `quorum` declares every durable queue as a quorum queue (replicated across a cluster's
+    # nodes), where a message delivered more than `queue_delivery_limit` times is dead-lettered.
+    queue_type: Literal["classic", "quorum"] = "classic"
+    queue_delivery_limit: int = Field(default=20, ge=1)
     worker_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-worker")
     worker_prefetch: int = Field(default=1, ge=1)
     gpu: int | None = None
@@ -46,10 +53,27 @@ class Settings(BaseSettings):
     # retry_cap s: a small cap, so that work resumes within seconds of the dependency's return.
     retry_initial: float = Field(default=0.25, gt=0)
     retry_cap: float = Field(default=4.0, gt=0)
+    # What job requests may reach (apiary.policy): entrypoints matching these globs (besides built-in trainers
+    # and code bundles), and local dataset/model paths under these folders (none: the current folder).
+    allowed_entrypoints: list[str] = Field(default_factory=lambda: ["examples.*"])
+    data_roots: list[Path] = Field(default_factory=list)
 
     def dependency_backoff(self) -> Backoff:
         """How long work waits between tries while a dependency is away (no limit on tries)."""
         return Backoff(base=self.retry_initial, cap=max(self.retry_cap, self.retry_initial))
+
+    def resolved_bus_url(self) -> str:
+        """The bus URL, logged in as APIARY_BUS_USER / APIARY_BUS_PASSWORD where they are set."""
+        if not self.bus_user or self.bus_url.startswith("memory:"):
+            return self.bus_url
+        from urllib.parse import quote, urlsplit, urlunsplit
+
+        parts = urlsplit(self.bus_url)
+        host = parts.hostname or "localhost"
+        host = f"[{host}]" if ":" in host else host
+        login = quote(self.bus_user, safe="") + (f":{quote(self.bus_password, safe='')}" if self.bus_password else "")
+        netloc = f"{login}@{host}" + (f":{parts.port}" if parts.port else "")
+        return urlunsplit(parts._replace(netloc=netloc))
 
     def resolved_database_url(self) -> str:
         """The database URL, defaulting to a SQLite file under `home`."""

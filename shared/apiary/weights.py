@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save as _save
 
-MAX_HEADER = 100 * 1024 * 1024
+from apiary.policy import LIMITS
+
+MAX_HEADER = LIMITS.safetensors_header_bytes
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -57,11 +59,13 @@ def read_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, dict], 
         raise WeightsError(f"safetensors header length {header_len} is out of bounds")
     try:
         header = json.loads(bytes(view[8 : 8 + header_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise WeightsError(f"safetensors header is not JSON: {e}") from e
     if not isinstance(header, dict):
         raise WeightsError("safetensors header is not a map")
     header.pop("__metadata__", None)
+    if len(header) > LIMITS.tensors:
+        raise WeightsError(f"safetensors header lists {len(header)} tensors, over the limit of {LIMITS.tensors}")
     base = 8 + header_len
     size = len(view) - base
     spans = []

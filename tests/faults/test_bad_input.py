@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import uuid
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -274,3 +276,59 @@ def test_a_request_published_before_the_scheduler_ever_started_is_answered_once_
     outcome("job request published before the scheduler ever started (only the tracker up)",
             "kept in the scheduler's queue (declared by every process) and answered once it starts",
             f"job {job['status']}; {weights}", double)
+
+
+def test_a_request_reaching_outside_what_the_operator_allows_is_rejected_naming_each_field(
+        faults: Faults, outcome: Record) -> None:
+    cluster = faults.cluster
+    cluster.start(workers=0)
+    job_id = new_id("outside-policy")
+
+    cluster.publish_job({"job_id": job_id, "name": "outside", "entrypoint": "os:system", "dataset": "/etc",
+                         "model": "/root/model.safetensors"})
+    view = cluster.wait_for(lambda: (v := faults.status_cli(job_id)[0]) and v["status"] == "rejected" and v, 60,
+                            "the job to be rejected")
+
+    errors = {e["field"]: e["message"] for e in view["errors"]}
+    assert list(errors) == ["entrypoint", "dataset", "model"], errors
+    assert errors["entrypoint"] == "'os:system' is a standard-library module, not training code"
+    assert errors["dataset"].startswith("/etc is outside the folders local data may be read from")
+    assert cluster.job(job_id) is None
+    outcome("job request with entrypoint os:system, dataset /etc and model /root/...",
+            "job.rejected naming entrypoint, dataset and model; nothing runs", f"rejected: {view['reason'][:100]}…", 0)
+
+
+def _zip_dataset(path: Path, members: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return path
+
+
+def test_a_zip_bomb_and_an_escaping_zip_member_are_refused_before_anything_is_unpacked(
+        faults: Faults, tmp_path: Path, outcome: Record) -> None:
+    cluster = faults.cluster
+    cluster.start(workers=1)
+    manifest = json.dumps({"samples": [{"path": "a.txt"}, {"path": "b.txt"}]}).encode()
+    cases = {
+        "zip-bomb": (_zip_dataset(tmp_path / "bomb.zip", {"manifest.json": manifest, "a.txt": b"a",
+                                                           "b.txt": bytes(256 * 1024 * 1024)}), "zip bomb"),
+        "zip-escape": (_zip_dataset(tmp_path / "escape.zip", {"manifest.json": manifest, "a.txt": b"a",
+                                                               "b.txt": b"b", "../../evil.txt": b"x"}),
+                       "member '../../evil.txt' must stay inside the archive"),
+    }
+    jobs = {}
+    for case, (dataset, _) in cases.items():
+        jobs[case] = new_id(case)
+        cluster.publish_job(toy_job(jobs[case], dataset, rounds=1, max_workers=1))
+
+    ended = {case: cluster.wait_job(job_id) for case, job_id in jobs.items()}
+
+    for case, (_, must) in cases.items():
+        assert ended[case]["status"] == "failed", ended[case]
+        assert must in ended[case]["reason"], ended[case]["reason"]
+    assert not (tmp_path.parent / "evil.txt").exists() and not (tmp_path / "evil.txt").exists()
+    assert all(faults.alive().values())
+    outcome("dataset zips: a 256 MiB zip bomb and a '../../evil.txt' member",
+            "each job fails naming the member before anything is unpacked; services stay up",
+            f"failed: {ended['zip-bomb']['reason'][:70]}…; {ended['zip-escape']['reason'][:70]}…", 0)

@@ -26,13 +26,23 @@ def built_in_errors(data: Any) -> list[InitErrorDetails]:
     if not (data.get("model") or data.get("model_id")):
         # The one line a request naming neither code nor a model gets (a built-in job needs model_id).
         return [{"type": "missing", "loc": ("entrypoint",), "input": data}]
+    errors = [by_path_error(data["model"])] if data.get("model") and data.get("model_id") is None else []
     if not isinstance(data.get("config", {}), dict):
-        return []
+        return errors
     try:
         CausalLMConfig.model_validate(data.get("config", {}))
     except ValidationError as e:
-        return [config_error(item) for item in e.errors()]
-    return []
+        return [*errors, *(config_error(item) for item in e.errors())]
+    return errors
+
+
+def by_path_error(model: Any) -> InitErrorDetails:
+    """A built-in job naming its base model by path: the trainer fine-tunes registered models only, which
+    workers fetch (and cache) by sha256 from storage, so the path is refused before the job is accepted."""
+    error = PydanticCustomError("registered_model", "a built-in job fine-tunes a registered model: register "
+                                "{model} with `apiary model add PATH` and give its integer model_id instead",
+                                {"model": repr(model)})
+    return {"type": error, "loc": ("model",), "input": model}
 
 
 def config_error(item: Any) -> InitErrorDetails:

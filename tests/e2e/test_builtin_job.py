@@ -50,8 +50,8 @@ async def test_unknown_ids_are_rejected_naming_them(embedded: StackFactory) -> N
     assert view["status"] == "rejected"
     assert {e["field"] for e in view["errors"]} == {"model_id", "dataset_id"}
     assert "model_id 7 is unknown" in view["reason"] and "dataset_id '42' is unknown" in view["reason"]
-    assert unregistered["status"] == "rejected"
-    assert "a built-in job fine-tunes a registered model" in unregistered["reason"]
+    assert unregistered["status"] == "rejected" and [e["field"] for e in unregistered["errors"]] == ["model"]
+    assert "a built-in job fine-tunes a registered model: register '/models/tiny'" in unregistered["reason"]
 
 
 async def test_a_lora_job_moves_only_adapters_and_ends_with_a_peft_adapter_folder(embedded: StackFactory,

@@ -116,3 +116,18 @@ async def test_a_bad_record_or_an_unknown_id_is_refused_naming_it(make_database:
     assert "model_id: model 7 is unknown" in str(unknown.value)
     assert "dataset_id: dataset 41 is unknown" in str(unknown.value)
     assert listed == []
+
+
+async def test_a_built_in_job_naming_its_model_by_path_is_refused_at_submission(make_database: DatabaseFactory,
+                                                                                tmp_path: Path) -> None:
+    # Prepare
+    request = {"name": "ft", "dataset_id": 1, "model": "/models/tiny-llama", "config": {"lora_r": 4}}
+
+    # Execute
+    async with tracker_client(make_database, tmp_path / "store") as api:
+        with pytest.raises(TrackerError) as by_path:
+            await api.submit_job(request)
+
+    # Assert
+    assert by_path.value.status_code == 422
+    assert "model: a built-in job fine-tunes a registered model: register '/models/tiny-llama'" in str(by_path.value)

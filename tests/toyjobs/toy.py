@@ -2,6 +2,7 @@
 
 env MODE picks a behaviour: ok (default), raise, exit, hang, nan, badshape, zero_samples, slow.
 env FAIL_SHARDS (a list) limits a failure mode to those shards; the others behave normally.
+env EVAL_MODE raise makes fl_evaluate_model fail (in the rounds EVAL_FAIL_ROUNDS lists, or every round).
 """
 
 from __future__ import annotations
@@ -77,5 +78,9 @@ def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) ->
 
 
 def fl_evaluate_model(weights: dict[str, torch.Tensor], env: dict[str, Any]) -> dict[str, float]:
-    """A metric computed from the final weights, so the test can check evaluation ran on them."""
+    """A metric computed from the weights, so the test can check evaluation ran on them; env EVAL_MODE
+    raise (in the rounds listed in EVAL_FAIL_ROUNDS, or all) makes it fail."""
+    fail_rounds = env.get("EVAL_FAIL_ROUNDS")
+    if env.get("EVAL_MODE") == "raise" and (fail_rounds is None or env.get("ROUND") in fail_rounds):
+        raise RuntimeError(f"toy evaluation failure in round {env.get('ROUND')}")
     return {"weight_sum": float(weights["layer.weight"].sum())}

@@ -3,14 +3,15 @@ line and written into shards as their own JSONL beside a manifest."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from apiary.dataset import MANIFEST, DatasetError
+from apiary.dataset import MANIFEST, DatasetError, open_zip
 from apiary.trainers.causal_lm_data import SHAPES, record_shape
 
 JSONL = ".jsonl"
@@ -42,12 +43,33 @@ class TextDataset:
 
 def parse_records(raw: bytes, where: str) -> list[dict[str, Any]]:
     """Every record of a JSONL body (blank lines skipped); DatasetError naming the file and line of a bad one."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DatasetError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    records = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    records = list(_checked(raw.splitlines(), where))
+    if not records:
+        raise DatasetError(f"{where}: holds no records")
+    return records
+
+
+def count_records(path: Path) -> int | None:
+    """How many records a text dataset holds, each checked as `parse_records` checks it, reading its JSONL a
+    line at a time (a registration never holds the file); None for a dataset of samples."""
+    found = _jsonl_member(Path(path))
+    if found is None:
+        return None
+    where, member = found
+    with _open_member(Path(path), member) as lines:
+        count = sum(1 for _ in _checked(lines, where))
+    if not count:
+        raise DatasetError(f"{where}: holds no records")
+    return count
+
+
+def _checked(lines: Iterable[bytes], where: str) -> Iterator[dict[str, Any]]:
+    """The records of JSONL lines, blank ones skipped; DatasetError naming the file and line of a bad one."""
+    for number, raw in enumerate(lines, start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DatasetError(f"{where} line {number}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         if not line.strip():
             continue
         try:
@@ -57,10 +79,7 @@ def parse_records(raw: bytes, where: str) -> list[dict[str, Any]]:
         if not isinstance(record, dict) or record_shape(record) is None:
             raise DatasetError(f"{where} line {number}: not a record of a known shape: expected one of "
                                f"{', '.join(SHAPES)}")
-        records.append(record)
-    if not records:
-        raise DatasetError(f"{where}: holds no records")
-    return records
+        yield record
 
 
 def write_text_shard(dataset: TextDataset, indices: Sequence[int], shard: dict[str, Any], target: Path) -> int:
@@ -77,22 +96,46 @@ def write_text_shard(dataset: TextDataset, indices: Sequence[int], shard: dict[s
 
 def _jsonl_bytes(path: Path) -> tuple[str, bytes] | None:
     """The one JSONL file of a text dataset (its name for errors, its bytes); None for a manifest dataset."""
+    found = _jsonl_member(path)
+    if found is None:
+        return None
+    with _open_member(path, found[1]) as lines:
+        return found[0], lines.read()
+
+
+def _jsonl_member(path: Path) -> tuple[str, str] | None:
+    """The one JSONL file of a text dataset: its name for errors and where it is (`path` itself: ``, a folder's
+    file or a zip's member: its relative name); None for a manifest dataset."""
     if path.is_file() and path.suffix == JSONL:
-        return path.name, path.read_bytes()
+        return path.name, ""
     if path.is_dir():
         if (path / MANIFEST).exists():
             return None
         files = sorted(p for p in path.rglob(f"*{JSONL}") if p.is_file())
         member = _only(path.name, [p.relative_to(path).as_posix() for p in files])
-        return None if member is None else (member, (path / member).read_bytes())
+        return None if member is None else (member, member)
     if path.is_file() and zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as zf:
+        with open_zip(path) as zf:
             names = zf.namelist()
             if any(n == MANIFEST or n.endswith("/" + MANIFEST) for n in names):
                 return None
             member = _only(path.name, [n for n in names if n.endswith(JSONL)])
-            return None if member is None else (f"{path.name}:{member}", zf.read(member))
+            return None if member is None else (f"{path.name}:{member}", member)
     return None
+
+
+@contextlib.contextmanager
+def _open_member(path: Path, member: str) -> Iterator[IO[bytes]]:
+    """The JSONL file `_jsonl_member` found, opened for reading in binary (lines as it iterates)."""
+    if not member:
+        with path.open("rb") as f:
+            yield f
+    elif path.is_dir():
+        with (path / member).open("rb") as f:
+            yield f
+    else:
+        with open_zip(path) as zf, zf.open(member) as f:
+            yield f
 
 
 def _only(where: str, members: list[str]) -> str | None:

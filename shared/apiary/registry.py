@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from apiary.contracts import ModelRef
 from apiary.dataset import DatasetError, DatasetSource
-from apiary.dataset_text import JSONL, TextDataset
+from apiary.dataset_text import JSONL, count_records
 from apiary.jobspec import FieldError, JobSpec
 from apiary.storage import ObjectNotFound, Storage
 
@@ -62,9 +62,9 @@ def dataset_upload(path: Path, tmp: Path, name: str | None = None) -> Upload:
 
 def count_samples(file: Path) -> int:
     """How many samples (or text records) a dataset file holds; DatasetError saying what is wrong."""
-    text = TextDataset.open(file)
-    if text is not None:
-        return len(text.records)
+    records = count_records(file)
+    if records is not None:
+        return records
     source = DatasetSource(file)
     try:
         manifest = source.manifest()

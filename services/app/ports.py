@@ -13,7 +13,8 @@ class Ports:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.bus: Bus = make_bus(settings.bus_url, exchange=settings.exchange)
+        self.bus: Bus = make_bus(settings.resolved_bus_url(), exchange=settings.exchange,
+                                 queue_type=settings.queue_type, delivery_limit=settings.queue_delivery_limit)
         self.db: Database = make_database(settings.resolved_database_url())
         self.storage: Storage = make_storage(settings.resolved_storage_url(), endpoint_url=settings.s3_endpoint_url,
                                              region=settings.s3_region)

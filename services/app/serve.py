@@ -80,7 +80,8 @@ async def serve_worker(settings: Settings) -> None:
     from services.worker import Worker
 
     telemetry.setup("apiary-worker")
-    bus = make_bus(settings.bus_url, exchange=settings.exchange)
+    bus = make_bus(settings.resolved_bus_url(), exchange=settings.exchange, queue_type=settings.queue_type,
+                   delivery_limit=settings.queue_delivery_limit)
     await bus.connect()
     worker = Worker(bus, settings)
     health = await _health(settings, {"bus": bus_check(bus, worker.control_queue)})

@@ -3,6 +3,9 @@
 Concurrency: a subscription is one channel holding `prefetch` consumers (slots) of prefetch 1 each, so
 re-holding a delivery can cancel that one consumer (freeing no extra broker credit) and the number of running
 handlers never exceeds `prefetch`.
+
+With `requeue_by_copy` (quorum queues, whose broker counts every return towards the delivery limit) a requeue
+publishes a copy and acks the delivery, as a re-held one always does: only a consumer's death counts then.
 """
 
 from __future__ import annotations
@@ -34,12 +37,13 @@ class RabbitSubscription(Subscription):
     def __init__(
         self, queue: AbstractRobustQueue, channel: AbstractRobustChannel, handler: Handler, prefetch: int, *,
         publisher: Publisher, lease: Lease | None, retry_delay: float,
-        on_cancel: Callable[[RabbitSubscription], None],
+        on_cancel: Callable[[RabbitSubscription], None], requeue_by_copy: bool = False,
     ) -> None:
         self._queue, self._channel = queue, channel
         self._handler, self._prefetch = handler, prefetch
         self._publisher, self._lease, self._retry_delay = publisher, lease, retry_delay
         self._on_cancel = on_cancel
+        self._requeue_by_copy = requeue_by_copy
         self._tags: dict[int, str | None] = {}
         self._held: set[Held] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -133,7 +137,7 @@ class RabbitSubscription(Subscription):
     async def _apply(self, held: Held, delivery: Delivery, outcome: Outcome, reason: str | None) -> None:
         """Ack, requeue or dead-letter; a re-held delivery is requeued as a copy (its original is acked)."""
         message = held.message
-        if outcome is Outcome.REQUEUE and held.hold is None:
+        if outcome is Outcome.REQUEUE and held.hold is None and not self._requeue_by_copy:
             await message.nack(requeue=True)
             return
         if outcome is Outcome.REQUEUE:

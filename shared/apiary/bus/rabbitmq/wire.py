@@ -14,8 +14,9 @@ from apiary.bus.base import Delivery, dead_letter_headers
 HELD_KEY_HEADER = "x-apiary-held-routing-key"
 REDELIVERED_HEADER = "x-apiary-redelivered"
 _INTERNAL_HEADERS = (HELD_KEY_HEADER, REDELIVERED_HEADER)
-# Added by the broker when it dead-letters (delay, hold and reroute queues): not the sender's headers.
-_BROKER_HEADER_PREFIXES = ("x-death", "x-first-death-", "x-last-death-")
+# Added by the broker when it dead-letters (delay, hold and reroute queues), or a quorum queue's count of
+# a message's deliveries: not the sender's headers.
+_BROKER_HEADER_PREFIXES = ("x-death", "x-first-death-", "x-last-death-", "x-delivery-count")
 # What a broker restart or a dropped connection raises: the call may work once the link is back.
 TRANSIENT = (AMQPConnectionError, ChannelClosed, ChannelInvalidStateError, ConnectionError)
 
@@ -49,7 +50,8 @@ def dead_letter(delivery: Delivery, reason: str) -> aio_pika.Message:
 
 def held_copy(message: AbstractIncomingMessage, routing_key: str) -> aio_pika.Message:
     """A copy that remembers its routing key and counts as redelivered if it comes back."""
-    headers = {**(message.headers or {}), HELD_KEY_HEADER: routing_key, REDELIVERED_HEADER: True}
+    headers = {k: v for k, v in (message.headers or {}).items() if k != "x-delivery-count"}  # a fresh count
+    headers.update({HELD_KEY_HEADER: routing_key, REDELIVERED_HEADER: True})
     return _persistent(message.body, headers, message.content_type, message.message_id)
 
 

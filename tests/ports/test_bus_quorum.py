@@ -1,0 +1,147 @@
+"""The bus port suite again on RabbitMQ quorum queues (`APIARY_QUEUE_TYPE=quorum`), and what only they do.
+
+Every test of tests/ports/test_bus.py runs here once more (its RabbitMQ-only section too), on a bus that
+declares quorum queues; the memory bus has no queue types, so it is not repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator
+
+import pytest
+
+from apiary.bus.base import Bus, Delivery, Retryable
+from apiary.bus.rabbitmq import RabbitBus
+from tests.fixtures.services import rabbitmqctl
+from tests.ports import test_bus
+from tests.ports.test_bus import Recorder, consuming, eventually
+
+# The suite's tests, collected here as this module's own (pytest collects every test_* name of a module);
+# but the control case of re-holding (the broker's consumer timeout with re-holding off), which is no adapter
+# code's behaviour.
+CONTROL = "test_without_re_holding_the_broker_closes_the_channel_and_the_consumer_recovers"
+globals().update({name: test for name, test in vars(test_bus).items() if name.startswith("test_") and name != CONTROL})
+
+QuorumBus = functools.partial(RabbitBus, queue_type="quorum")
+
+
+@pytest.fixture
+async def bus(rabbit_url: str, bus_namespace: str) -> AsyncIterator[Bus]:
+    """The suite's bus, on quorum queues."""
+    adapter = QuorumBus(rabbit_url, exchange=bus_namespace, retry_delay=0.2)
+    await adapter.connect()
+    yield adapter
+    await adapter.close()
+
+
+@pytest.fixture(autouse=True)
+def _rabbit_only_section_on_quorum(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite's RabbitMQ-only tests build their bus with `test_bus.RabbitBus`: make that a quorum one."""
+    monkeypatch.setattr(test_bus, "RabbitBus", QuorumBus)
+
+
+def queue_types(namespace: str) -> dict[str, str]:
+    """Each queue of the namespace and its type, as the broker lists them."""
+    rows = rabbitmqctl("list_queues", "-q", "--no-table-headers", "name", "type")
+    types = {}
+    for line in rows.splitlines():
+        name, _, kind = line.strip().rpartition("\t")
+        if name.startswith(f"{namespace}."):
+            types[name.removeprefix(f"{namespace}.")] = kind
+    return types
+
+
+async def test_every_queue_is_a_quorum_queue(bus: Bus, bus_namespace: str) -> None:
+    # Prepare / Execute: a port queue, the dead-letter queue (on connect) and a delay queue.
+    await bus.declare_queue("scheduler", ["job.*"])
+    await bus.publish("job.requested", b"later", delay=60)
+
+    # Assert
+    assert queue_types(bus_namespace) == {"scheduler": "quorum", "dead": "quorum",
+                                          "delay.60000.job.requested": "quorum"}
+
+
+async def test_a_message_whose_consumer_dies_past_the_delivery_limit_is_dead_lettered(
+    rabbit_url: str, bus_namespace: str
+) -> None:
+    # Prepare: a delivery limit of 2, and a message that kills each consumer that takes it.
+    survivor = QuorumBus(rabbit_url, exchange=bus_namespace, delivery_limit=2)
+    await survivor.connect()
+    await survivor.declare_queue("work", ["work"])
+    await survivor.publish("work", b"crashes-its-consumer", headers={"job_id": "j1"})
+
+    # Execute: three consumers die holding it (their connection goes, nothing is settled).
+    for _ in range(3):
+        taken = asyncio.Event()
+
+        async def hangs(delivery: Delivery, taken: asyncio.Event = taken) -> None:
+            taken.set()
+            await asyncio.Event().wait()
+
+        dying = QuorumBus(rabbit_url, exchange=bus_namespace, delivery_limit=2)
+        await dying.connect()
+        await dying.consume("work", hangs, prefetch=1)
+        await asyncio.wait_for(taken.wait(), test_bus.DEADLINE)
+        assert dying._connection is not None
+        await dying._connection.close()
+
+    # Assert: the broker dead-lettered it into the dead-letter queue; nothing is left to deliver.
+    try:
+        await eventually(lambda: survivor.queue_size("dead"), "the dead letter")
+        recorder = Recorder()
+        async with consuming(survivor, "dead", recorder):
+            await eventually(lambda: len(recorder.seen) == 1, "the dead letter to be read")
+        assert recorder.bodies == [b"crashes-its-consumer"]
+        assert recorder.seen[0].headers == {"job_id": "j1"}
+        assert await survivor.queue_size("work") == 0
+    finally:
+        await survivor.close()
+
+
+async def test_a_retryable_requeued_more_often_than_the_delivery_limit_is_still_handled(
+    rabbit_url: str, bus_namespace: str
+) -> None:
+    # Prepare: a delivery limit of 1, and a handler whose dependency is away for its first four tries.
+    bus = QuorumBus(rabbit_url, exchange=bus_namespace, delivery_limit=1, retry_delay=0.05)
+    await bus.connect()
+    tries: list[bool] = []
+
+    async def waits_for_a_dependency(delivery: Delivery) -> None:
+        tries.append(delivery.redelivered)
+        if len(tries) <= 4:
+            raise Retryable("the database is away")
+
+    try:
+        await bus.declare_queue("aggregator", ["worker.done"])
+        async with consuming(bus, "aggregator", waits_for_a_dependency):
+            # Execute
+            await bus.publish("worker.done", b"report")
+            await eventually(lambda: len(tries) == 5, "the fifth try")
+
+        # Assert: handled on the fifth try, never dead-lettered.
+        assert tries == [False, True, True, True, True]
+        assert await bus.queue_size("dead") == 0
+        assert await bus.queue_size("aggregator") == 0
+    finally:
+        await bus.close()
+
+
+async def test_a_queue_declared_as_the_other_type_is_refused_in_one_line(
+    rabbit_url: str, bus_namespace: str
+) -> None:
+    # Prepare: a classic deployment declared the scheduler's queue.
+    classic = RabbitBus(rabbit_url, exchange=bus_namespace)
+    await classic.connect()
+    await classic.declare_queue("scheduler", ["job.*"])
+    await classic.close()
+    quorum = QuorumBus(rabbit_url, exchange=bus_namespace)
+
+    # Execute / Assert: a process given quorum queues says what to do.
+    try:
+        with pytest.raises(ValueError, match="same APIARY_QUEUE_TYPE") as refused:
+            await quorum.connect()  # the dead-letter queue, declared classic above, is the first refusal
+        assert "\n" not in str(refused.value)
+    finally:
+        await quorum.close()

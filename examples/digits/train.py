@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from apiary.sdk import proximal_term
+
 NUM_CLASSES = 10
 LOG_EVERY = 5  # batches between live loss reports
 
@@ -118,6 +120,8 @@ def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) ->
     max_steps = int(env["STEPS_PER_ROUND"]) if env.get("STEPS_PER_ROUND") is not None else None
     if max_steps is not None and max_steps < 1:
         raise ValueError(f"STEPS_PER_ROUND must be at least 1 or unset, got {max_steps}")
+    # FedProx (distributed.strategy: fedprox) passes its proximal_mu here; 0 for every other strategy.
+    mu = float(env.get("PROXIMAL_MU") or 0.0)
     round_index = int(payload.get("round", {}).get("index", 0))
     shard_index = int(payload["dataset"].get("shard_index", 0))
 
@@ -126,6 +130,7 @@ def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) ->
     x, y = x.to(device), y.to(device)
     model = build_model().to(device)
     model.load_state_dict(payload["initial_weights"])
+    anchor = {k: v.detach().to(device) for k, v in payload["initial_weights"].items()} if mu > 0 else {}
     # Only weights travel between rounds, so the optimizer restarts each round; Adam copes well.
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     # Different shuffles per round and shard, yet the same ones on every rerun.
@@ -140,8 +145,9 @@ def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) ->
                 break
             logits = model(x[batch])
             loss = F.cross_entropy(logits, y[batch])
+            objective = loss + proximal_term(model, anchor, mu) if mu > 0 else loss
             optimizer.zero_grad()
-            loss.backward()
+            objective.backward()
             optimizer.step()
             step += 1
             total += loss.item() * len(batch)

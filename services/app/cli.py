@@ -306,6 +306,51 @@ def token_revoke(name: str = typer.Argument(..., help="The token's name.")) -> N
     print(f"token {name!r} revoked")
 
 
+broker_app = typer.Typer(help="The message broker's users: one per service role and one per worker.",
+                         no_args_is_help=True)
+app.add_typer(broker_app, name="broker")
+
+
+@broker_app.command("setup")
+def broker_setup(
+    workers: list[str] = typer.Option([], "--worker", "-w", help="A worker id to make a user for (repeat it)."),
+    vhost: str = typer.Option(None, "--vhost", help="The broker's virtual host (default: APIARY_BUS_URL's, or /)."),
+    definitions: Path = typer.Option(None, "--definitions", help="Write the definitions (vhost, every user with "
+                                     "its password hash, permissions) to this file for a broker to load at start, "
+                                     "instead of applying them with rabbitmqctl."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: vhost, users (name, role, worker_id, "
+                                 "password where made now)."),
+) -> None:
+    """Create the broker's users with only the rights each role needs (idempotent: a user that exists keeps its
+    password); new passwords are printed once and kept in APIARY_HOME/broker-credentials.json (mode 0600)."""
+    from urllib.parse import unquote, urlsplit
+
+    from services.app import broker_setup as setup
+
+    settings = Settings()
+    where = vhost or unquote(urlsplit(settings.bus_url).path.removeprefix("/")) or "/"
+    credentials = settings.home / setup.CREDENTIALS_FILE
+    try:
+        if definitions is not None:
+            definitions.write_text(json.dumps(setup.full_definitions(settings.exchange, where, workers, credentials),
+                                              indent=1) + "\n")
+            print(f"definitions written to {definitions}; passwords in {credentials}")
+            return
+        result = setup.setup(settings.exchange, where, workers, credentials)
+    except (setup.BrokerSetupError, ValueError) as e:
+        fail(str(e))
+    users = [{"name": u.name, "role": u.role, "worker_id": u.worker_id, "password": result.created.get(u.name)}
+             for u in result.users]
+    if as_json:
+        print(json.dumps({"vhost": where, "users": users}))
+        return
+    for user in users:
+        made = f"APIARY_BUS_USER={user['name']} APIARY_BUS_PASSWORD={user['password']}" if user["password"] else \
+            "exists (password unchanged)"
+        print(f"{user['role']:<10} {user['worker_id'] or '':<16} {made}")
+    console.print(f"[dim]vhost {where}; new passwords are also in {credentials}[/dim]")
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -25,6 +25,12 @@ def worker_user(worker_id: str, prefix: str = DEFAULT_PREFIX) -> str:
     return f"{prefix}{_WORKER}{worker_id}"
 
 
+def is_worker_user(user: str) -> bool:
+    """Whether a broker user is a worker's, whatever its prefix (its permissions then cover only its own queues)."""
+    head, found, worker_id = user.rpartition(_WORKER)
+    return bool(found and worker_id and (not head or head.endswith("-")))
+
+
 def worker_of(user_id: str | None, prefix: str = DEFAULT_PREFIX) -> str | None:
     """The worker id a broker user belongs to, or None if it is no worker's user (a service, or unset)."""
     head = f"{prefix}{_WORKER}"
@@ -33,4 +39,4 @@ def worker_of(user_id: str | None, prefix: str = DEFAULT_PREFIX) -> str | None:
     return user_id[len(head):]
 
 
-__all__ = ["DEFAULT_PREFIX", "SERVICE_ROLES", "service_user", "worker_of", "worker_user"]
+__all__ = ["DEFAULT_PREFIX", "SERVICE_ROLES", "is_worker_user", "service_user", "worker_of", "worker_user"]

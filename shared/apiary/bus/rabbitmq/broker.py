@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from aio_pika.abc import AbstractRobustConnection
 
 from apiary.bus.base import DEAD_LETTER_QUEUE, Bus, Delivery, Handler, Reroute, Subscription
+from apiary.bus.identity import is_worker_user
 from apiary.bus.rabbitmq import wire
 from apiary.bus.rabbitmq.connection import Connection, user_of
 from apiary.bus.rabbitmq.publisher import Publisher
@@ -59,6 +60,9 @@ class RabbitBus(Bus):
         self._topology = Topology(self._link, exchange, queue_type=queue_type, delivery_limit=delivery_limit)
         self._publisher = Publisher(self._link, self._topology, timeout=publish_timeout, user=user_of(url))
         self._subscriptions: set[RabbitSubscription] = set()
+        # A worker's broker user (apiary broker setup) may declare only its own queues: it checks that what the
+        # services declare is there instead of declaring it.
+        self.passive_topology = is_worker_user(user_of(url))
 
     @property
     def _connection(self) -> AbstractRobustConnection | None:
@@ -72,12 +76,24 @@ class RabbitBus(Bus):
     async def connect(self) -> None:
         if self._link.robust is not None:
             return
+        if self.passive_topology:
+            await self._link.open_existing(self.exchange)
+            await self._require([DEAD_LETTER_QUEUE, *self.layout])
+            return
         alternate = self._topology.unroutable_exchange if self.keep_unroutable else None
         has_alternate = await self._link.open(self.exchange, alternate)
         await self.declare_queue(DEAD_LETTER_QUEUE, [])
         if has_alternate:
             await self._topology.bind_unroutable()
         await self.declare_layout()
+
+    async def _require(self, queues: Sequence[str]) -> None:
+        """Check that the services declared these queues (a worker's user may not declare them)."""
+        for name in queues:
+            if await self._topology.ready_count(self.queue_name(name)) is None:
+                await self._link.close()
+                raise ConnectionError(f"RabbitMQ has no queue {self.queue_name(name)!r} yet: start the services "
+                                      "first (they declare it), then the workers")
 
     async def close(self) -> None:
         for sub in list(self._subscriptions):

@@ -10,7 +10,7 @@ from urllib.parse import unquote, urlsplit
 import aio_pika
 import aiormq
 from aio_pika.abc import AbstractRobustChannel, AbstractRobustConnection, AbstractRobustExchange
-from aiormq.exceptions import AMQPConnectionError, ChannelPreconditionFailed
+from aiormq.exceptions import AMQPConnectionError, ChannelNotFoundEntity, ChannelPreconditionFailed
 
 log = logging.getLogger("apiary.bus.rabbitmq")
 
@@ -43,6 +43,10 @@ class Connection:
         """Connect, and declare the durable topic exchange on a channel with publisher confirms; with
         `alternate`, a fanout exchange of that name first, as the topic exchange's alternate exchange.
         Returns whether the exchange has it (see `declare_exchanges` for one declared before without)."""
+        await self._connect()
+        return await declare_exchanges(self, exchange, alternate)
+
+    async def _connect(self) -> None:
         try:
             self.robust = await aio_pika.connect_robust(
                 self.url,
@@ -55,7 +59,19 @@ class Connection:
                 f"cannot reach RabbitMQ at {where(self.url)}: {e or type(e).__name__};"
                 " check APIARY_BUS_URL and that the broker is running"
             ) from e
-        return await declare_exchanges(self, exchange, alternate)
+
+    async def open_existing(self, exchange: str) -> None:
+        """Connect, and use the exchange as the services declared it (a passive declare: for a user that may not
+        declare it, such as a worker's)."""
+        await self._connect()
+        assert self.robust is not None
+        self._channel = await self.robust.channel(publisher_confirms=True, on_return_raises=True)
+        try:
+            self._exchange = await self._channel.declare_exchange(exchange, passive=True)
+        except ChannelNotFoundEntity:
+            await self.close()
+            raise ConnectionError(f"RabbitMQ at {where(self.url)} has no exchange {exchange!r} yet: start the "
+                                  "services first (they declare it), then the workers") from None
 
     async def close(self) -> None:
         """Close the connection and every channel on it."""

@@ -1,0 +1,108 @@
+"""What each broker user may do: one user per service role and one per worker, with RabbitMQ permissions
+(configure, write, read: regular expressions over exchange and queue names) and topic permissions (over the
+routing keys published to, and bound from, the `apiary` exchange). Pure: `broker_setup` applies it.
+
+A worker may declare, bind and read only its own queues (`assign.worker.<id>`, `assign.prefer.<id>`,
+`control.worker.<id>`), the pool (`assign.pool`) and its private hold queues, and publish only the routing
+keys in `WORKER_PUBLISHES`. Services are trusted with their exchange's whole namespace, each publishing only
+its own events.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from apiary.bus.identity import DEFAULT_PREFIX, SERVICE_ROLES, service_user, worker_user
+
+# What a worker publishes: its own events, an assignment it hands back to the pool while busy, and the
+# answers to tasks run on workers (initial weights, evaluation).
+WORKER_PUBLISHES = (r"worker\..+", r"assign\.pool", r"job\.initialized", r"round\.evaluated")
+# What each service publishes on the exchange (delayed events go through the default exchange, and the
+# broker, not the service, dead-letters them into the exchange, so topic permissions do not apply there).
+SERVICE_PUBLISHES: dict[str, tuple[str, ...]] = {
+    "scheduler": (r"job\..+", r"shard\..+", r"round\..+", r"assign\..+", r"task\..+"),
+    "sharder": (r"job\.sharded",),
+    "aggregator": (r"round\..+", r"job\..+"),
+    "tracker": (r"job\.requested", r"job\.cancel"),
+}
+HASHING = "rabbit_password_hashing_sha256"
+
+
+@dataclass(frozen=True)
+class BrokerUser:
+    """One broker user and what it may do in the vhost."""
+
+    name: str
+    role: str  # a service role, or "worker"
+    configure: str
+    write: str
+    read: str
+    topic_write: str
+    topic_read: str
+    worker_id: str | None = None
+
+
+def _any(patterns: Sequence[str]) -> str:
+    return f"^({'|'.join(patterns)})$"
+
+
+def service(role: str, exchange: str, prefix: str = DEFAULT_PREFIX) -> BrokerUser:
+    """A service's user: its exchange's namespace for queues, only its own events to publish."""
+    e = re.escape(exchange)
+    namespace = _any([e, rf"{e}\..+", r"amq\.default"])
+    return BrokerUser(service_user(role, prefix), role, configure=_any([e, rf"{e}\..+"]), write=namespace,
+                      read=_any([e, rf"{e}\..+"]), topic_write=_any(SERVICE_PUBLISHES[role]), topic_read=".*")
+
+
+def worker(worker_id: str, exchange: str, prefix: str = DEFAULT_PREFIX) -> BrokerUser:
+    """A worker's user: its own queues and the pool to read, only `WORKER_PUBLISHES` to publish."""
+    if not re.fullmatch(r"[\w.@\-]{1,100}", worker_id):
+        raise ValueError(f"worker id {worker_id!r} is invalid: expected 1 to 100 letters, digits, '.', '_', '@', '-'")
+    e, w = re.escape(exchange), re.escape(worker_id)
+    own = [rf"assign\.worker\.{w}", rf"assign\.prefer\.{w}", rf"control\.worker\.{w}"]
+    names = "|".join([*own, r"assign\.pool", r"hold\.[0-9a-f]+"])
+    queues = [rf"{e}\.({names})"]
+    # The exchange and the dead-letter queue are declared by every process as it connects (configure).
+    configure = _any([e, rf"{e}\.dead", *queues])
+    return BrokerUser(worker_user(worker_id, prefix), "worker", configure=configure,
+                      write=_any([e, r"amq\.default", *queues]), read=_any([e, *queues]),
+                      topic_write=_any(WORKER_PUBLISHES),
+                      topic_read=_any([*own, r"assign\.pool", r"job\.failed"]), worker_id=worker_id)
+
+
+def plan(exchange: str, workers: Sequence[str], prefix: str = DEFAULT_PREFIX) -> list[BrokerUser]:
+    """Every user of a deployment: one per service role, then one per worker id."""
+    return [*(service(role, exchange, prefix) for role in SERVICE_ROLES),
+            *(worker(worker_id, exchange, prefix) for worker_id in workers)]
+
+
+def password_hash(password: str, salt: bytes | None = None) -> str:
+    """RabbitMQ's stored form of a password (rabbit_password_hashing_sha256: base64 of salt + sha256)."""
+    salt = os.urandom(4) if salt is None else salt
+    return base64.b64encode(salt + hashlib.sha256(salt + password.encode()).digest()).decode()
+
+
+def definitions(users: Sequence[BrokerUser], vhost: str, exchange: str, passwords: Mapping[str, str]
+                ) -> dict[str, Any]:
+    """RabbitMQ definitions (as `rabbitmqctl import_definitions` and `load_definitions` read them): the vhost,
+    the users that have a password in `passwords` (others are left as they are), and every user's
+    permissions and topic permissions."""
+    return {
+        "vhosts": [{"name": vhost}],
+        "users": [{"name": u.name, "password_hash": password_hash(passwords[u.name]), "hashing_algorithm": HASHING,
+                   "tags": []} for u in users if u.name in passwords],
+        "permissions": [{"user": u.name, "vhost": vhost, "configure": u.configure, "write": u.write,
+                         "read": u.read} for u in users],
+        "topic_permissions": [{"user": u.name, "vhost": vhost, "exchange": exchange, "write": u.topic_write,
+                               "read": u.topic_read} for u in users],
+    }
+
+
+__all__ = ["SERVICE_PUBLISHES", "WORKER_PUBLISHES", "BrokerUser", "definitions", "password_hash", "plan", "service",
+           "worker"]

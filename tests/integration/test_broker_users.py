@@ -1,0 +1,212 @@
+"""`apiary broker setup` against the real broker, in a vhost and with user names of the test's own (removed
+afterwards): each worker may publish only its own events as itself, and read only its own queues and the
+pool; running setup again changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote, urlsplit
+
+import aio_pika
+import pytest
+from aiormq.exceptions import AMQPError
+
+from apiary.bus import Delivery, make_bus
+from apiary.bus.rabbitmq import RabbitBus
+from apiary.settings import Settings
+from services.app import broker_setup
+from services.app.broker_setup import SetupResult
+from services.worker import Worker
+from tests.fixtures.cluster import SERVICES, Cluster
+from tests.fixtures.services import AMQP_URL
+from tests.toyjobs.toy import make_dataset
+
+EXCHANGE = "apiary"
+WORKERS = ("w1", "w2")
+
+
+@dataclass
+class Deployment:
+    """A vhost set up by `apiary broker setup`, and each user's password."""
+
+    vhost: str
+    prefix: str
+    credentials: Path
+    result: SetupResult
+
+    def user(self, role: str) -> str:
+        """The broker user of a service role, or of worker `wN`."""
+        return f"{self.prefix}worker.{role}" if role in WORKERS else f"{self.prefix}{role}"
+
+    def url(self, role: str, *, password_of: str | None = None) -> str:
+        """An AMQP URL logging in as `role`'s user (with another role's password if asked)."""
+        passwords = broker_setup.load_credentials(self.credentials)
+        parts = urlsplit(AMQP_URL)
+        login = f"{quote(self.user(role), safe='')}:{quote(passwords[self.user(password_of or role)], safe='')}"
+        return f"amqp://{login}@{parts.hostname}:{parts.port or 5672}/{quote(self.vhost, safe='')}"
+
+
+def _listing(vhost: str) -> tuple[str, ...]:
+    ctl = broker_setup.rabbitmqctl
+    return (ctl("list_users", "-q"), ctl("list_permissions", "-p", vhost, "-q"),
+            ctl("list_topic_permissions", "-p", vhost, "-q"))
+
+
+@pytest.fixture
+def deployment(tmp_path: Path, rabbit_url: str) -> Iterator[Deployment]:
+    tag = uuid.uuid4().hex[:10]
+    vhost, prefix = f"apiary_test_{tag}", f"apiary-test-{tag}-"
+    credentials = tmp_path / broker_setup.CREDENTIALS_FILE
+    result = broker_setup.setup(EXCHANGE, vhost, list(WORKERS), credentials, prefix=prefix)
+    try:
+        yield Deployment(vhost, prefix, credentials, result)
+    finally:
+        broker_setup.remove(result.users)
+        broker_setup.rabbitmqctl("delete_vhost", vhost)
+
+
+@pytest.fixture
+async def services_up(deployment: Deployment) -> AsyncIterator[RabbitBus]:
+    """The aggregator's bus, which (as every service's) declares the whole topology as it connects."""
+    bus = make_bus(deployment.url("aggregator"), exchange=EXCHANGE)
+    assert isinstance(bus, RabbitBus)
+    await bus.connect()
+    yield bus
+    await bus.close()
+
+
+async def _ignore(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+    """A consumer that takes nothing (it is never allowed to start)."""
+
+
+async def _publish_raw(url: str, routing_key: str, *, user_id: str | None = None) -> None:
+    """Publish with a plain client, as a rogue process holding these credentials could."""
+    connection = await aio_pika.connect(url)
+    try:
+        channel = await connection.channel(publisher_confirms=True)
+        exchange = await channel.get_exchange(EXCHANGE, ensure=False)
+        await exchange.publish(aio_pika.Message(b"{}", user_id=user_id), routing_key, timeout=10)
+    finally:
+        await connection.close()
+
+
+async def test_a_worker_publishes_its_events_as_itself_and_nothing_else(
+        deployment: Deployment, services_up: RabbitBus, tmp_path: Path) -> None:
+    # Prepare: worker w1 started as `apiary worker` starts, on its own user
+    seen: list[Delivery] = []
+    got = asyncio.Event()
+
+    async def record(delivery: Delivery) -> None:
+        seen.append(delivery)
+        got.set()
+
+    subscription = await services_up.consume("aggregator", record)
+    settings = Settings(home=tmp_path / "w1", heartbeat_interval=60)
+    worker_bus = make_bus(deployment.url("w1"), exchange=EXCHANGE)
+    await worker_bus.connect()
+    worker = Worker(worker_bus, settings, worker_id="w1")
+    try:
+        await worker.start()
+
+        # Execute
+        await worker_bus.publish("worker.done", b"\x80")
+        await asyncio.wait_for(got.wait(), 15)
+        as_other = _publish_raw(deployment.url("w1"), "worker.done", user_id=deployment.user("w2"))
+        off_limits = _publish_raw(deployment.url("w1"), "round.aggregated")
+        with pytest.raises(AMQPError, match=r"user_id property set to '.*w2' but authenticated user was"):
+            await as_other
+        with pytest.raises(AMQPError, match=r"ACCESS_REFUSED.*round.aggregated"):
+            await off_limits
+        with pytest.raises(AMQPError, match="ACCESS_REFUSED"):
+            await aio_pika.connect(deployment.url("w2", password_of="w1"))
+    finally:
+        await worker.stop()
+        await worker_bus.close()
+        await subscription.cancel()
+
+    # Assert
+    assert [(d.routing_key, d.user_id) for d in seen] == [("worker.done", deployment.user("w1"))]
+
+
+async def test_a_worker_cannot_read_another_workers_queue_nor_bind_its_own_to_other_events(
+        deployment: Deployment, services_up: RabbitBus) -> None:
+    # Prepare: w2's pinned queue exists (the scheduler declares it before queuing an assignment there)
+    await services_up.declare_queue("assign.worker.w2", ["assign.worker.w2"])
+    connection = await aio_pika.connect(deployment.url("w1"))
+    try:
+        # Execute
+        channel = await connection.channel()
+        with pytest.raises(AMQPError, match=r"ACCESS_REFUSED.*assign.worker.w2"):
+            queue = await channel.declare_queue(f"{EXCHANGE}.assign.worker.w2", passive=True)
+            await queue.consume(_ignore)
+        channel = await connection.channel()
+        own = await channel.declare_queue(f"{EXCHANGE}.control.worker.w1", durable=True)
+        with pytest.raises(AMQPError, match=r"ACCESS_REFUSED.*worker.done"):
+            await own.bind(EXCHANGE, "worker.done")
+        channel = await connection.channel()
+        with pytest.raises(AMQPError, match="ACCESS_REFUSED"):
+            await channel.queue_delete(f"{EXCHANGE}.aggregator")
+    finally:
+        await connection.close()
+
+    # Assert: the aggregator's queue is still there
+    assert await services_up.queue_size("aggregator") == 0
+
+
+def test_setting_up_again_changes_nothing(deployment: Deployment) -> None:
+    # Prepare
+    before = _listing(deployment.vhost)
+    passwords = broker_setup.load_credentials(deployment.credentials)
+
+    # Execute
+    again = broker_setup.setup(EXCHANGE, deployment.vhost, list(WORKERS), deployment.credentials,
+                               prefix=deployment.prefix)
+
+    # Assert
+    assert again.created == {} and again.applied["users"] == []
+    assert _listing(deployment.vhost) == before
+    assert broker_setup.load_credentials(deployment.credentials) == passwords
+    assert len(deployment.result.created) == 4 + len(WORKERS)
+    assert (deployment.credentials.stat().st_mode & 0o777) == 0o600
+
+
+def test_a_job_runs_with_every_process_on_its_own_broker_user(cluster: Cluster, tmp_path: Path) -> None:
+    # Prepare: users for the cluster's exchange (on the default vhost), then each process started as its own
+    workers, prefix = ["worker-1", "worker-2"], f"apiary-test-{uuid.uuid4().hex[:10]}-"
+    credentials = tmp_path / broker_setup.CREDENTIALS_FILE
+    result = broker_setup.setup(cluster.exchange, "/", workers, credentials, prefix=prefix)
+    passwords = broker_setup.load_credentials(credentials)
+
+    def login(user: str) -> dict[str, str]:
+        return {"APIARY_BUS_USER": user, "APIARY_BUS_PASSWORD": passwords[user]}
+
+    try:
+        for name in SERVICES:
+            cluster.start_service(name, **login(f"{prefix}{name}"))
+        cluster.wait_for(lambda: all(cluster.consumers(n) for n in SERVICES), 60, "the services to consume")
+        for name in workers:
+            cluster.start_worker(name, **login(f"{prefix}worker.{name}"))
+        cluster.wait_workers(workers)
+        connected = set(broker_setup.rabbitmqctl("list_connections", "-q", "user").split())
+        job_id = f"users-{uuid.uuid4().hex[:8]}"
+
+        # Execute
+        cluster.publish_job({
+            "job_id": job_id, "name": "toy", "entrypoint": "tests.toyjobs.toy:fl_train_model",
+            "dataset": str(make_dataset(tmp_path / "toy", 12)), "config": {"mode": "ok"},
+            "distributed": {"num_rounds": 2, "min_workers": 2, "max_workers": 2}})
+        job = cluster.wait_job(job_id, timeout=180)
+    finally:
+        cluster.stop_all()
+        broker_setup.remove(result.users)
+
+    # Assert
+    assert {u.name for u in result.users} <= connected
+    assert job["status"] == "completed", job["reason"]
+    trained_by = {r["worker_id"] for r in cluster.query(
+        "SELECT DISTINCT worker_id FROM contributions WHERE job_id = $1 AND status = 'accepted'", job_id)}
+    assert trained_by <= set(workers) and trained_by

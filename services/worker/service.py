@@ -281,7 +281,7 @@ class Worker:
     def span_attributes(self, a: Assignment) -> dict[str, Any]:
         """What every span of an assignment says about it."""
         return {"apiary.job_id": a.job_id, "apiary.round": a.round, "apiary.attempt": a.attempt,
-                "apiary.shard": a.shard, "apiary.worker_id": self.worker_id}
+                "apiary.shard": a.shard, "apiary.worker_id": self.worker_id, "apiary.task": a.task}
 
     def trainer_for(self, a: Assignment) -> Trainer:
         """The trainer for the assignment's job (made on first use); TrainerError if there is none."""

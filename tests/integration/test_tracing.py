@@ -48,8 +48,9 @@ def check_round_traces(spans: list[Span], job_id: str, rounds: int, shards: int)
         members = by_trace[root.trace_id]
         assert root.parent_id is None
         # From the pool, or (from round 2) from the queue of the worker that trained the shard before.
+        # (The round's evaluation, an assignment too, may share its trace: only training ones count here.)
         assignments = [s for s in members if s.name.startswith(("assign.pool ", "assign.prefer."))
-                       and s.name.endswith(" process")]
+                       and s.name.endswith(" process") and s.attributes.get("apiary.task") == "train"]
         assert len(assignments) == shards
         for a in assignments:
             assert a.parent_id == root.span_id

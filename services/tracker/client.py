@@ -121,8 +121,9 @@ class TrackerClient:
     async def register(self, kind: str, file: Path, name: str) -> dict[str, Any]:
         """Register a model or dataset file (`kind`: models or datasets; POST /{kind}): its record, with its id."""
         return dict(await self._call("POST", f"/{kind}", params={"name": name, "filename": file.name},
-                                     content=file.read_bytes(), headers={"content-type": "application/octet-stream"},
-                                     timeout=None))
+                                     content=_chunks(file), timeout=None,
+                                     headers={"content-type": "application/octet-stream",
+                                              "content-length": str(file.stat().st_size)}))
 
     async def upload_code(self, data: bytes, sha256: str | None = None) -> dict[str, Any]:
         """Store a code bundle (POST /code): its reference for a job's `code` ({key, sha256, size})."""
@@ -148,6 +149,16 @@ def _raise_for(response: httpx.Response) -> None:
     if response.status_code == 404:
         raise JobNotFound(detail)
     raise TrackerError(response.status_code, detail)
+
+
+UPLOAD_CHUNK = 1 << 20  # bytes read at a time from a file being registered: a model is never held whole
+
+
+async def _chunks(file: Path) -> AsyncIterator[bytes]:
+    """The file's bytes, a chunk at a time, read off the event loop."""
+    with file.open("rb") as f:
+        while chunk := await asyncio.to_thread(f.read, UPLOAD_CHUNK):
+            yield chunk
 
 
 async def _events(response: httpx.Response) -> AsyncIterator[tuple[str, str]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -29,7 +29,7 @@ class StreamingASGITransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """Run the app on the request; return its response, its body still being written."""
-        exchange = _Exchange(await request.aread())
+        exchange = _Exchange(request.stream)  # type: ignore[arg-type]  # an async transport gets an async stream
         task = asyncio.create_task(self._run(request, exchange), name="tracker:in-process-request")
         waiters: set[asyncio.Future[Any]] = {exchange.started, task}
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
@@ -62,8 +62,9 @@ class StreamingASGITransport(httpx.AsyncBaseTransport):
 class _Exchange:
     """One request's ASGI channel: the request body in, the response start and body chunks out."""
 
-    def __init__(self, body: bytes) -> None:
-        self.body: bytes | None = body
+    def __init__(self, body: AsyncIterable[bytes]) -> None:
+        # Read a chunk at a time as the app asks for it: a model registered in-process is never held whole.
+        self.body: AsyncIterator[bytes] | None = aiter(body)
         self.started: asyncio.Future[tuple[int, list[tuple[bytes, bytes]]]] = \
             asyncio.get_running_loop().create_future()
         self.chunks: asyncio.Queue[bytes | None] = asyncio.Queue()
@@ -71,8 +72,11 @@ class _Exchange:
 
     async def receive(self) -> Message:
         if self.body is not None:
-            body, self.body = self.body, None
-            return {"type": "http.request", "body": body, "more_body": False}
+            chunk = await anext(self.body, None)
+            if chunk is not None:
+                return {"type": "http.request", "body": chunk, "more_body": True}
+            self.body = None
+            return {"type": "http.request", "body": b"", "more_body": False}
         await self.disconnected.wait()
         return {"type": "http.disconnect"}
 

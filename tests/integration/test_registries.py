@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tracemalloc
 import zipfile
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -131,3 +132,25 @@ async def test_a_built_in_job_naming_its_model_by_path_is_refused_at_submission(
     # Assert
     assert by_path.value.status_code == 422
     assert "model: a built-in job fine-tunes a registered model: register '/models/tiny-llama'" in str(by_path.value)
+
+
+async def test_a_large_upload_is_streamed_to_storage_never_held_whole(make_database: DatabaseFactory,
+                                                                      tmp_path: Path) -> None:
+    # Prepare: 48 MB of records, each line checked and counted on its way to storage
+    line = json.dumps({"prompt": "q" * 400, "completion": "a" * 600})
+    count = 48_000_000 // (len(line) + 1)
+    data = _jsonl(tmp_path / "big.jsonl", [line] * count)
+
+    # Execute
+    async with tracker_client(make_database, tmp_path / "store") as api:
+        tracemalloc.start()
+        try:
+            info = await api.register("datasets", data, "big")
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+
+    # Assert: the client sends it in chunks, the route writes them as they come, registration reads it by line;
+    # what remains is a few of storage's 4 MiB hashing buffers, whatever the file's size
+    assert info["num_samples"] == count and info["size"] == data.stat().st_size
+    assert peak < data.stat().st_size / 2, f"peak {peak} bytes while registering {data.stat().st_size}"

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from apiary import bundle
-from services.tracker.client import TrackerClient
+from services.tracker.client import TrackerClient, TrackerError
 
 log = logging.getLogger("apiary.cli")
 
@@ -42,7 +42,8 @@ def pack_problems(request: dict[str, Any], packed: bundle.Packed | None = None) 
 
 async def ship(api: TrackerClient, request: dict[str, Any]) -> dict[str, Any]:
     """The request with its local `code` packed, uploaded and replaced by the stored bundle's reference
-    ({key, sha256, size}); unchanged without one. RuntimeError in one line if the folder cannot be packed."""
+    ({key, sha256, size}); unchanged without one. RuntimeError in one line if the folder cannot be packed, lacks
+    the entrypoint's module, or is refused."""
     source = local_code(request)
     if source is None:
         return request
@@ -50,10 +51,15 @@ async def ship(api: TrackerClient, request: dict[str, Any]) -> dict[str, Any]:
         packed = await asyncio.to_thread(bundle.pack, source)
     except (ValueError, OSError) as e:
         raise RuntimeError(f"code: {str(e).removeprefix('code: ')}") from None
+    if problems := pack_problems(request, packed):
+        raise RuntimeError("; ".join(problems))
     for path, why in packed.left_out:
-        if why not in ("ignored",):
+        if why != "ignored":
             log.warning("code bundle: %s left out (%s)", path, why)
-    stored = await api.upload_code(packed.data, packed.sha256)
+    try:
+        stored = await api.upload_code(packed.data, packed.sha256)
+    except TrackerError as e:
+        raise RuntimeError(f"code: the tracker refused the bundle: {e}") from None
     log.info("code bundle %s: %d files, %d bytes", packed.sha256[:12], len(packed.files), packed.size)
     return {**request, "code": stored}
 

@@ -19,6 +19,7 @@ from apiary import bundle, keys
 from apiary.weights import dumps, loads
 from services.tracker.client import TrackerError
 from tests.fixtures.embedded import REPO, StackFactory, toy_request
+from tests.toyjobs.toy import make_dataset
 
 MODULE = "shippedtoy.train"  # importable from nowhere but its bundle
 TRAIN_PY = '''
@@ -156,11 +157,11 @@ async def test_the_api_stores_a_bundle_once_and_refuses_bad_ones(embedded: Stack
     assert escaping.value.status_code == 422 and "contains '..'" in str(escaping.value)
 
 
-def test_apiary_run_packs_and_ships_a_job_files_code_folder(tmp_path: Path, toy_dataset: Path) -> None:
+def test_apiary_run_packs_and_ships_a_job_files_code_folder(tmp_path: Path) -> None:
     project = tmp_path / "project"
     _code(project / "src", 5)
     _checkpoint(project / "init.safetensors")
-    request = _request(toy_dataset, Path("init.safetensors"), "src")
+    request = _request(make_dataset(project / "data", 6), Path("init.safetensors"), "src")
     (project / "job.json").write_text(json.dumps(request))
     environment = {k: v for k, v in os.environ.items() if not k.startswith("APIARY_")}
     environment.update({"APIARY_HOME": str(tmp_path / ".apiary"), "PYTHONPATH": str(REPO)})
@@ -191,3 +192,41 @@ def test_apiary_run_names_an_entrypoint_absent_from_the_code_folder(tmp_path: Pa
     assert run.returncode == 2
     assert f"entrypoint: module 'shippedtoy.missing' is not in the code folder {tmp_path / 'src'}" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+async def test_init_and_evaluate_run_from_the_bundle_on_workers(embedded: StackFactory, toy_dataset: Path,
+                                                                tmp_path: Path) -> None:
+    extra = {"shippedtoy/train.py": TRAIN_PY.format(version=1) + '''
+import torch
+
+def fl_init_weights(env):
+    return {"w": torch.full((3,), 10.0)}
+
+def fl_evaluate_model(weights, env):
+    return {"shipped_eval": float(weights["w"].sum())}
+'''}
+    async with embedded(workers=1) as stack:
+        code = await _upload(stack, _code(tmp_path / "full", 1, extra))
+        request = _request(toy_dataset, tmp_path / "unused", code)
+        del request["model"]
+        view = await stack.wait(await stack.submit(request), timeout=120)
+        final = loads(await stack.ports.storage.get_bytes(keys.final_model(view["job_id"])))
+
+    assert view["status"] == "completed", view.get("reason")
+    assert final["w"].tolist() == [11.0, 11.0, 11.0]
+    assert view["metrics"]["shipped_eval"] == 33.0
+
+
+async def test_shipping_refuses_a_folder_without_the_entrypoint_and_stores_a_good_one_once(
+        embedded: StackFactory, tmp_path: Path) -> None:
+    from services.app.code import ship
+
+    folder = _code(tmp_path / "src", 1)
+    async with embedded(workers=1) as stack:
+        with pytest.raises(RuntimeError) as absent:
+            await ship(stack.api, {"code": str(folder), "entrypoint": "shippedtoy.nope:fl_train_model"})
+        shipped = await ship(stack.api, {"code": str(folder), "entrypoint": f"{MODULE}:fl_train_model"})
+        stored = await stack.ports.storage.list("code/")
+
+    assert str(absent.value).startswith(f"entrypoint: module 'shippedtoy.nope' is not in the code folder {folder}")
+    assert shipped["code"]["key"] in stored and len(stored) == 1

@@ -1,0 +1,325 @@
+#!/usr/bin/env python
+"""Scale benchmark: K contributions a round against the real services, with simulated workers.
+
+The four services run as operators run them (`apiary serve NAME` processes, 1 or 2 replicas of each) on the
+local RabbitMQ and PostgreSQL and a local-folder store. The workers are simulated: ONE process runs K
+`services.worker.Worker` objects (the real worker code: worker.online, heartbeats, the pinned, preferred and
+pool queues, presigned downloads of the shard and the global weights, presigned upload of the result,
+worker.done echoing the assignment's secret), each with an in-process trainer that returns the weights it
+got (`NoOpTrainer`: no child process, no user code). A job of R rounds with K shards (min_workers =
+max_workers = K) is submitted; rounds 2..R are measured (round 1 pays the shard downloads).
+
+Figures, for each K and replica count:
+- round time: from a round's `started_at` to the next round's (the last round: to the job's end), the
+  median over rounds 2..R;
+- time per contribution: round time / K;
+- busy time: the length of the union of the intervals in which at least one simulated worker was handling
+  an assignment of that round (from taking its delivery to worker.done being confirmed by the broker),
+  i.e. the time during which the workers' own work (downloads, no-op training, upload, report) was going on;
+- control-plane time per contribution: (round time - busy time) / K: the time in the round when no worker
+  had anything to do (assigning, aggregating, starting the next round), per contribution;
+- CPU seconds per round of each service (all its replicas, user + system from /proc/<pid>/stat), of the
+  simulated workers' process, RabbitMQ and PostgreSQL, over rounds 2..R.
+
+Reference in the same run: Flower 1.42's single-process simulation of K no-op clients (scripts/bench_flower.py,
+same 100k... model shapes at --params), in a Python that has `flwr[simulation]` (--flower-python).
+
+Usage: python scripts/bench_scale.py [--k 10 100 1000] [--replicas 1 2] [--rounds 3] [--params 10000]
+                                     [--flower-python PY] [--plot docs/scale.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_round import _cpu_by_command, _cpu_seconds, admin, measure_flower  # noqa: E402
+
+from tests.fixtures.cluster import SERVICES, Cluster  # noqa: E402
+from tests.toyjobs.toy import make_dataset  # noqa: E402
+
+AMQP = os.environ.get("APIARY_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+POSTGRES = os.environ.get("APIARY_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+WORKERS_PER_CONNECTION = 100  # each worker holds 4 channels; RabbitMQ allows 2047 a connection
+
+
+def _service_cpu(processes: Mapping[str, subprocess.Popen[bytes]]) -> dict[str, float]:
+    """CPU seconds so far of each service (its replicas summed), RabbitMQ and PostgreSQL."""
+    cpu: dict[str, float] = {}
+    for name, process in processes.items():
+        service = name.split("-")[0]
+        cpu[service] = cpu.get(service, 0.0) + _cpu_seconds(process.pid)
+    servers = _cpu_by_command(("beam.smp", "postgres"))
+    cpu["rabbitmq"], cpu["postgresql"] = sum(servers["beam.smp"].values()), sum(servers["postgres"].values())
+    return cpu
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of these (start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def simulated_workers(env: dict[str, str], k: int, log: Path, times: Path) -> subprocess.Popen[bytes]:
+    """The one process of K simulated workers (this script's `--simulate K`)."""
+    return subprocess.Popen([sys.executable, __file__, "--simulate", str(k), "--times", str(times)], cwd=REPO,
+                            env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def run(k: int, replicas: int, rounds: int, params: int, tmp: Path) -> dict[str, Any]:
+    """One deployment, one job of `rounds` rounds and K contributions each; its figures."""
+    db = f"apiary_bench_{uuid.uuid4().hex[:8]}"
+    admin(f'CREATE DATABASE "{db}"')
+    exchange = f"apiary_bench_{uuid.uuid4().hex[:8]}"
+    base = tmp / f"k{k}-r{replicas}"
+    cluster = Cluster(base, AMQP, exchange, POSTGRES.rsplit("/", 1)[0] + f"/{db}", f"file://{base / 'store'}", "")
+    deployed = {"APIARY_HEARTBEAT_INTERVAL": "5", "APIARY_PROGRESS_INTERVAL": "1"}
+    times = base / "times.jsonl"
+    try:
+        cluster.start(workers=0, **deployed)
+        for name in SERVICES:
+            for index in range(2, replicas + 1):
+                cluster.start_replica(name, index, **deployed)
+        sim = simulated_workers(cluster.env(**deployed), k, cluster.logs / "simulated.log", times)
+        cluster.processes["simulated"] = sim
+        cluster.wait_workers([f"sim-{i:04d}" for i in range(k)], timeout=600)
+        job_id = f"scale-k{k}-{uuid.uuid4().hex[:6]}"
+        cluster.publish_job({
+            "job_id": job_id, "name": job_id, "entrypoint": "tests.toyjobs.identity:fl_train_model",
+            "dataset": str(make_dataset(base / "data", 2 * k)), "config": {"params": params},
+            "distributed": {"num_rounds": rounds, "min_workers": k, "max_workers": k,
+                            "aggregation_timeout": 1800},
+        })
+        cluster.wait_for(lambda: cluster.query("SELECT 1 FROM rounds WHERE job_id = $1 AND round = 2", job_id),
+                         1800, "round 2", interval=0.5)
+        before = _service_cpu(cluster.processes)
+        job = cluster.wait_job(job_id, timeout=3600, interval=2)
+        after = _service_cpu(cluster.processes)
+        if job["status"] != "completed":
+            raise RuntimeError(f"benchmark job {job['status']}: {job['reason']}")
+        return _figures(cluster, job_id, k, rounds, times, {n: after[n] - before.get(n, 0.0) for n in after})
+    finally:
+        cluster.stop_all()
+        from tests.fixtures.services import delete_rabbit_namespace
+
+        delete_rabbit_namespace(AMQP, exchange)
+        admin(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _figures(cluster: Cluster, job_id: str, k: int, rounds: int, times: Path,
+             cpu: dict[str, float]) -> dict[str, Any]:
+    starts = {r["round"]: r["started_at"] for r in cluster.query(
+        "SELECT round, started_at FROM rounds WHERE job_id = $1 AND attempt = 1", job_id)}
+    end = cluster.query("SELECT updated_at FROM jobs WHERE job_id = $1", job_id)[0]["updated_at"]
+    intervals: dict[int, list[tuple[float, float]]] = {}
+    for line in times.read_text().splitlines():
+        row = json.loads(line)
+        if row["job_id"] == job_id:
+            intervals.setdefault(row["round"], []).append((row["taken"], row["done"]))
+    measured = range(2, rounds + 1)
+    round_s = [starts.get(r + 1, end) - starts[r] for r in measured]
+    busy_s = [min(busy_time(intervals.get(r, [])), t) for r, t in zip(measured, round_s, strict=True)]
+    contributions = [len(intervals.get(r, [])) for r in measured]
+    if any(c != k for c in contributions):
+        raise RuntimeError(f"expected {k} contributions a round, the simulated workers made {contributions}")
+    median = statistics.median(round_s)
+    control = statistics.median((t - b) / k for t, b in zip(round_s, busy_s, strict=True))
+    return {"round_s": round(median, 3), "per_contribution_ms": round(median / k * 1000, 2),
+            "busy_s": round(statistics.median(busy_s), 3), "control_per_contribution_ms": round(control * 1000, 2),
+            "cpu_s_per_round": {n: round(v / len(round_s), 2) for n, v in sorted(cpu.items(), key=lambda i: -i[1])},
+            "rounds": len(round_s)}
+
+
+# --- the simulated workers (run with --simulate K) ------------------------------------------------------
+
+
+def _no_op_trainer(times: Path) -> Any:
+    """A trainer that returns the weights it got, in-process, recording when each assignment was taken."""
+    from safetensors.torch import save_file
+
+    from apiary.trainers import TrainCall, TrainResult, UserCodeRunner
+    from tests.toyjobs.identity import fl_init_weights
+
+    class NoOpTrainer(UserCodeRunner):
+        """Training is the identity; init writes the toy's weights; no evaluation."""
+
+        def __init__(self) -> None:  # no child process: nothing of UserCodeRunner's own is used
+            pass
+
+        @property
+        def pid(self) -> int | None:
+            return None
+
+        async def start(self) -> None:
+            return None
+
+        async def stop(self) -> None:
+            return None
+
+        async def train(self, call: TrainCall, *, timeout: float | None = None,
+                        on_metrics: Any = None) -> TrainResult:
+            data = Path(call.weights_path).read_bytes()
+            Path(call.result_path).write_bytes(data)
+            return TrainResult(samples=int(call.dataset["num_samples"]), size=len(data),
+                               sha256=hashlib.sha256(data).hexdigest())
+
+        async def init_task(self, call: TrainCall, *, timeout: float | None = None) -> bool:
+            save_file(fl_init_weights(call.env), call.result_path)
+            return True
+
+        async def evaluate_task(self, call: TrainCall, *, timeout: float | None = None) -> None:
+            return None
+
+    return NoOpTrainer()
+
+
+async def simulate(k: int, times: Path) -> None:
+    """K workers in this process, on buses of WORKERS_PER_CONNECTION workers each, until SIGTERM."""
+    import signal
+
+    from apiary.bus import make_bus
+    from apiary.settings import Settings
+    from services.worker import Worker
+
+    settings = Settings()
+    trainer = _no_op_trainer(times)
+    buses, workers = [], []
+    for first in range(0, k, WORKERS_PER_CONNECTION):
+        bus = make_bus(settings.resolved_bus_url(), exchange=settings.exchange, queue_type=settings.queue_type)
+        await bus.connect()
+        buses.append(bus)
+        for i in range(first, min(k, first + WORKERS_PER_CONNECTION)):
+            worker = Worker(bus, settings, worker_id=f"sim-{i:04d}", runner=trainer)
+            _record_assignments(worker, times)
+            await worker.start()
+            workers.append(worker)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    for worker in workers:
+        await worker.stop()
+    for bus in buses:
+        await bus.close()
+
+
+def _record_assignments(worker: Any, times: Path) -> None:
+    """Append (job, round, taken, done) of each training assignment the worker handles to `times`."""
+    handle = worker.on_assignment
+
+    async def timed(assignment: Any, delivery: Any) -> None:
+        taken = time.time()
+        await handle(assignment, delivery)
+        if assignment.task == "train":
+            with times.open("a") as out:
+                out.write(json.dumps({"job_id": assignment.job_id, "round": assignment.round,
+                                      "taken": taken, "done": time.time()}) + "\n")
+
+    worker.on_assignment = timed
+
+
+# --- report --------------------------------------------------------------------------------------------
+
+
+def plot(results: dict[int, dict[int, dict[str, Any]]], flower: dict[int, float], path: Path) -> None:
+    """Round time against K, one line per replica count, Flower's points beside them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for replicas, by_k in sorted(results.items()):
+        ks = sorted(by_k)
+        ax.plot(ks, [by_k[k]["round_s"] for k in ks], marker="o",
+                label=f"Apiary, {replicas} replica{'s' if replicas > 1 else ''} of each service")
+    if flower:
+        ks = sorted(flower)
+        ax.plot(ks, [flower[k] for k in ks], marker="s", linestyle="--", label="Flower 1.42 simulation")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("contributions per round (K)")
+    ax.set_ylabel("round time (s)")
+    ax.set_title("Round time against K (simulated no-op workers)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def report(results: dict[int, dict[int, dict[str, Any]]], flower: dict[int, float]) -> None:
+    """The figures the issue asks for."""
+    for replicas, by_k in sorted(results.items()):
+        for k, r in sorted(by_k.items()):
+            cpu = ", ".join(f"{n} {v:.2f}" for n, v in r["cpu_s_per_round"].items())
+            print(f"replicas={replicas} K={k}: round {r['round_s']:.2f} s, {r['per_contribution_ms']:.1f} ms per "
+                  f"contribution, busy {r['busy_s']:.2f} s, control plane {r['control_per_contribution_ms']:.2f} ms "
+                  f"per contribution; CPU s per round: {cpu}")
+        if 1000 in by_k and 100 in by_k:
+            print(f"replicas={replicas}: round time K=1000 / K=100 = "
+                  f"{by_k[1000]['round_s'] / by_k[100]['round_s']:.2f} (target <= 11)")
+    for k, seconds in sorted(flower.items()):
+        print(f"Flower 1.42 simulation, K={k} no-op clients: {seconds:.2f} s a round")
+        for replicas, by_k in sorted(results.items()):
+            if k in by_k:
+                print(f"  replicas={replicas}: Apiary round / Flower round = {by_k[k]['round_s'] / seconds:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--k", type=int, nargs="+", default=[10, 100, 1000])
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--params", type=int, default=10_000, help="parameters of the toy model's weights")
+    parser.add_argument("--flower-python", help="a Python with flwr[simulation]: measure Flower's reference now")
+    parser.add_argument("--plot", type=Path, default=REPO / "docs" / "scale.png")
+    parser.add_argument("--simulate", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--times", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    # The policy of these deployments (apiary.policy): the toy job's entrypoint, data under the temporary folder.
+    os.environ.setdefault("APIARY_ALLOWED_ENTRYPOINTS", json.dumps(["tests.toyjobs.*"]))
+    os.environ.setdefault("APIARY_DATA_ROOTS", json.dumps([tempfile.gettempdir()]))
+    if args.simulate:
+        asyncio.run(simulate(args.simulate, args.times))
+        return
+    if args.rounds < 2:
+        parser.error("--rounds must be at least 2: round 1 pays the shard downloads and is not measured")
+    flower: dict[int, float] = {}
+    if args.flower_python:
+        flower = measure_flower(args.flower_python, [max(args.k)], args.rounds)
+    results: dict[int, dict[int, dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="apiary-scale-") as tmp:
+        for replicas in args.replicas:
+            for k in args.k:
+                results.setdefault(replicas, {})[k] = run(k, replicas, args.rounds, args.params, Path(tmp))
+                print(f"replicas={replicas} K={k}: {json.dumps(results[replicas][k])}", flush=True)
+    report(results, flower)
+    plot(results, flower, args.plot)
+    print(json.dumps({"apiary": results, "flower": flower}))
+
+
+if __name__ == "__main__":
+    main()

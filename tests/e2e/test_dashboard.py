@@ -88,7 +88,12 @@ async def test_the_job_page_follows_a_running_digits_job(browser: Browser, tmp_p
         counter = await page.inner_text("#round-counter")
         status = await page.inner_text(".job-head .badge")
         drawn_points = await _points(page)
-        drawn_rounds = await page.locator("#round-loss-chart circle").count()
+        drawn_rounds = await page.locator("#round-loss-chart g[data-name='aggregated loss'] circle").count()
+        # The digits module's fl_evaluate_model on a worker after each round: its loss beside the training
+        # loss, its accuracy on a chart of its own.
+        drawn_evaluation_losses = await page.locator(
+            "#round-loss-chart g[data-name='evaluation loss'] circle").count()
+        drawn_accuracies = await page.locator("#evaluation-chart g[data-name='evaluation accuracy'] circle").count()
         progress_states = await page.locator("#progress-table tbody tr").evaluate_all(
             "rows => rows.map(r => r.dataset.state)")
         async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}) as http:
@@ -106,6 +111,8 @@ async def test_the_job_page_follows_a_running_digits_job(browser: Browser, tmp_p
     assert counter == f"{NUM_ROUNDS} / {NUM_ROUNDS}" and status == "completed"
     assert drawn_points == sum(len(s["points"]) for s in metrics["workers"]) > later_points
     assert drawn_rounds == len(metrics["rounds"]) == NUM_ROUNDS
+    assert drawn_evaluation_losses == len(metrics["evaluations"]["loss"]) == NUM_ROUNDS
+    assert drawn_accuracies == len(metrics["evaluations"]["accuracy"]) == NUM_ROUNDS
     assert progress_states and set(progress_states) == {"reported"}
     assert "completed" in listed and f"{NUM_ROUNDS} / {NUM_ROUNDS}" in listed
     assert problems == []

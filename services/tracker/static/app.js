@@ -158,6 +158,38 @@ function valLossPoints(job) {
     .map((r) => ({ x: r.round, y: r.metrics.val_loss }));
 }
 
+/* Each metric of the rounds' evaluations of the global model on a worker (fl_evaluate_model), by name:
+   points x = round. */
+function evaluationSeries(job) {
+  const series = new Map();
+  for (const r of (job ? job.rounds : [])) {
+    for (const [name, value] of Object.entries(r.evaluation || {})) {
+      if (typeof value !== "number") continue;
+      if (!series.has(name)) series.set(name, []);
+      series.get(name).push({ x: r.round, y: value });
+    }
+  }
+  return series;
+}
+
+/* The evaluation metrics drawn beside the aggregated training loss: losses, on the loss chart's scale. */
+function evaluationLosses(job) {
+  return [...evaluationSeries(job)].filter(([name]) => name.endsWith("loss"));
+}
+
+/* The other evaluation metrics drawn on their own chart: scores between 0 and 1 (accuracy, F1, ...). */
+function evaluationScores(job) {
+  return [...evaluationSeries(job)].filter(([name, points]) =>
+    !name.endsWith("loss") && points.every((p) => p.y >= 0 && p.y <= 1));
+}
+
+const EVALUATION_COLORS = ["#1a9e5b", "#b5367a", "#7a5af8", "#d9480f"];
+
+function evaluationText(r) {
+  if (r.evaluation_error) return r.evaluation_error;
+  return Object.entries(r.evaluation || {}).map(([k, v]) => `${k} ${num(v)}`).join(" · ") || "—";
+}
+
 /* ---------- workers table (both pages) ---------- */
 
 const KIND_TITLE = { own: "the user's own machine", platform: "a platform worker" };
@@ -262,6 +294,8 @@ function jobPage(jobId) {
     workerLegend: h("div", { class: "legend" }), roundLegend: h("div", { class: "legend" }),
     controls: h("div", { class: "controls" }),
     roundChart: document.createElementNS("http://www.w3.org/2000/svg", "svg"),
+    evaluationChart: document.createElementNS("http://www.w3.org/2000/svg", "svg"),
+    evaluationLegend: h("div", { class: "legend" }),
     progress: h("div", {}), progressHead: h("span", { class: "muted" }), workers: h("div", {}),
     rounds: h("div", {}), final: h("div", {}),
     data: h("div", {}), dataHead: h("span", { class: "muted small", id: "split" }),
@@ -270,6 +304,8 @@ function jobPage(jobId) {
   parts.roundChart.id = "round-loss-chart";
   parts.workerChart.classList.add("chart");
   parts.roundChart.classList.add("chart");
+  parts.evaluationChart.id = "evaluation-chart";
+  parts.evaluationChart.classList.add("chart");
 
   const stat = (label, value, sub, extra) => h("div", { class: "stat" }, h("div", { class: "stat-label" }, label),
     value, extra, sub);
@@ -293,6 +329,9 @@ function jobPage(jobId) {
     h("section", { class: "card" }, h("div", { class: "card-head" }, h("h2", {}, "Workers in this round"),
       parts.progressHead), parts.progress),
     h("section", { class: "card" }, h("div", { class: "card-head" }, h("h2", {}, "Workers")), parts.workers),
+    h("section", { class: "card" }, h("div", { class: "card-head" }, h("h2", {}, "Evaluation per round"),
+      h("span", { class: "muted small" }, "the global model, on a worker")), parts.evaluationChart,
+      parts.evaluationLegend),
     h("section", { class: "card" }, h("div", { class: "card-head" }, h("h2", {}, "Rounds")), parts.rounds),
     h("section", { class: "card" }, h("div", { class: "card-head" }, h("h2", {}, "Data per shard"),
       parts.dataHead), parts.data),
@@ -406,7 +445,8 @@ function jobPage(jobId) {
   function renderRounds(job) {
     if (!job.rounds.length) { parts.rounds.replaceChildren(h("p", { class: "empty" }, "No round yet.")); return; }
     parts.rounds.replaceChildren(h("table", { class: "grid" },
-      h("thead", {}, h("tr", {}, ["Round", "Status", "Loss", "Val loss", "Other metrics", "Duration"].map((c) => h("th", {}, c)))),
+      h("thead", {}, h("tr", {}, ["Round", "Status", "Loss", "Val loss", "Other metrics", "Evaluation", "Duration"]
+        .map((c) => h("th", {}, c)))),
       h("tbody", {}, job.rounds.slice().reverse().map((r) => h("tr", {},
         h("td", { class: "num" }, `${r.round}${r.attempt > 1 ? ` (attempt ${r.attempt})` : ""}`),
         h("td", {}, badge(r.status)),
@@ -414,6 +454,7 @@ function jobPage(jobId) {
         h("td", { class: "num val-loss" }, num(r.metrics.val_loss)),
         h("td", { class: r.reason ? "error-text" : "muted" }, r.reason || Object.entries(r.metrics)
           .filter(([k]) => k !== "loss" && k !== "val_loss").map(([k, v]) => `${k} ${num(v)}`).join(" · ") || "—"),
+        h("td", { class: r.evaluation_error ? "error-text evaluation" : "muted evaluation" }, evaluationText(r)),
         h("td", { class: "num muted" }, r.started_at && r.ended_at ? duration(r.ended_at - r.started_at) : "…"))))));
   }
 
@@ -485,7 +526,8 @@ function jobPage(jobId) {
 
   function renderControls() {
     const values = [...state.curves.values()].flat().map((p) => p.y).concat(state.rounds.map((r) => r.y))
-      .concat(valLossPoints(state.job).map((p) => p.y));
+      .concat(valLossPoints(state.job).map((p) => p.y))
+      .concat(evaluationLosses(state.job).flatMap(([, points]) => points.map((p) => p.y)));
     const logY = state.logY ?? Charts.wantsLog(values);
     const toggle = (label, active, onclick, title) =>
       h("button", { class: `toggle${active ? " on" : ""}`, onclick, title }, label);
@@ -530,10 +572,21 @@ function jobPage(jobId) {
       roundSeries.push({ name: "validation loss", color: "#2f6fde", width: 2, dash: "6 3", dots: true,
         points: validation.map((p) => ({ ...p, group: 0, label: `validation, round ${p.x}` })) });
     }
+    // The global model's evaluation on a worker after each evaluated round (fl_evaluate_model), beside it.
+    evaluationLosses(state.job).forEach(([name, points], i) => {
+      roundSeries.push({ name: `evaluation ${name}`, color: EVALUATION_COLORS[i % EVALUATION_COLORS.length],
+        width: 2, dash: "2 3", dots: true, points: points.map((p) => ({ ...p, group: 0, label: `evaluation ${name}, round ${p.x}` })) });
+    });
     Charts.line(parts.roundChart, roundSeries,
       { xLabel: "round", yLabel: "loss", logY, xTicks: "rounds", roundsPad: true, empty: "no round aggregated yet" });
-    Charts.legend(parts.roundLegend, validation.length
+    Charts.legend(parts.roundLegend, roundSeries.length > 1
       ? roundSeries.map((s) => ({ name: s.name, color: s.color, dot: true })) : []);
+    const scores = evaluationScores(state.job).map(([name, points], i) => ({
+      name: `evaluation ${name}`, color: EVALUATION_COLORS[i % EVALUATION_COLORS.length], width: 2, dots: true,
+      points: points.map((p) => ({ ...p, group: 0, label: `evaluation ${name}, round ${p.x}` })) }));
+    Charts.line(parts.evaluationChart, scores, { xLabel: "round", yLabel: "score", xTicks: "rounds", roundsPad: true,
+      empty: "no evaluation yet (the job's fl_evaluate_model runs on a worker after each round)" });
+    Charts.legend(parts.evaluationLegend, scores.map((s) => ({ name: s.name, color: s.color, dot: true })));
   }
 
   const render = scheduler(() => {

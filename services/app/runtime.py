@@ -11,6 +11,9 @@ from collections.abc import Callable
 from contextlib import aclosing
 from typing import Any
 
+from apiary.bus import Bus
+from apiary.bus.identity import worker_user
+from apiary.bus.memory import MemoryBus
 from apiary.component import Component
 from apiary.settings import Settings
 from apiary.status import TERMINAL
@@ -47,8 +50,9 @@ class Embedded:
         self.services: list[Component] = [self.tracker, Sharder(*args), self.aggregator, self.scheduler]
         # Workers take the given GPUs in turn (several share one where there are more workers than GPUs).
         self.workers = [
-            Worker(self.ports.bus, self.settings.model_copy(update={"gpu": gpus[i % len(gpus)]}) if gpus
-                   else self.settings, worker_id=f"worker-{i + 1}")
+            Worker(self._worker_bus(f"worker-{i + 1}"),
+                   self.settings.model_copy(update={"gpu": gpus[i % len(gpus)]}) if gpus else self.settings,
+                   worker_id=f"worker-{i + 1}")
             for i in range(workers)
         ]
         self._lock_fd: int | None = None
@@ -90,6 +94,12 @@ class Embedded:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    def _worker_bus(self, worker_id: str) -> Bus:
+        """The bus a worker publishes on: on the in-memory bus, as that worker's broker user (as on RabbitMQ with
+        `apiary broker setup`), so its messages carry its user id."""
+        bus = self.ports.bus
+        return bus.as_user(worker_user(worker_id)) if isinstance(bus, MemoryBus) else bus
 
     async def api_token(self) -> str:
         """An admin token of this run's HTTP API (made once, revoked when the stack stops), also left in

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from apiary.bus.identity import DEFAULT_PREFIX, SERVICE_ROLES, service_user, worker_user
+from apiary.bus.identity import DEFAULT_PREFIX, SERVICE_ROLES, SHARED_WORKERS, service_user, worker_user
 
 # What a worker publishes: its own events, an assignment it hands back to the pool while busy, and the
 # answers to tasks run on workers (initial weights, evaluation).
@@ -60,26 +60,31 @@ def service(role: str, exchange: str, prefix: str = DEFAULT_PREFIX) -> BrokerUse
                       read=_any([e, rf"{e}\..+"]), topic_write=_any(SERVICE_PUBLISHES[role]), topic_read=".*")
 
 
-def worker(worker_id: str, exchange: str, prefix: str = DEFAULT_PREFIX) -> BrokerUser:
-    """A worker's user: its own queues and the pool to read, only `WORKER_PUBLISHES` to publish."""
-    if not re.fullmatch(r"[\w.@\-]{1,100}", worker_id):
+def worker(worker_id: str | None, exchange: str, prefix: str = DEFAULT_PREFIX) -> BrokerUser:
+    """A worker's user: its own queues and the pool to read, only `WORKER_PUBLISHES` to publish. With no id, the
+    account interchangeable workers share (`{prefix}workers`): any worker's queues, and no identity."""
+    if worker_id is not None and not re.fullmatch(r"[\w.@\-]{1,100}", worker_id):
         raise ValueError(f"worker id {worker_id!r} is invalid: expected 1 to 100 letters, digits, '.', '_', '@', '-'")
-    e, w = re.escape(exchange), re.escape(worker_id)
+    e, w = re.escape(exchange), re.escape(worker_id) if worker_id is not None else r"[\w.@\-]+"
     own = [rf"assign\.worker\.{w}", rf"assign\.prefer\.{w}", rf"control\.worker\.{w}"]
     names = "|".join([*own, r"assign\.pool", r"hold\.[0-9a-f]+"])
     queues = [rf"{e}\.({names})"]
     # The exchange and the dead-letter queue are declared by every process as it connects (configure).
     configure = _any([e, rf"{e}\.dead", *queues])
-    return BrokerUser(worker_user(worker_id, prefix), "worker", configure=configure,
+    name = worker_user(worker_id, prefix) if worker_id is not None else f"{prefix}{SHARED_WORKERS}"
+    return BrokerUser(name, "worker", configure=configure,
                       write=_any([e, r"amq\.default", *queues]), read=_any([e, *queues]),
                       topic_write=_any(WORKER_PUBLISHES),
                       topic_read=_any([*own, r"assign\.pool", r"job\.failed"]), worker_id=worker_id)
 
 
-def plan(exchange: str, workers: Sequence[str], prefix: str = DEFAULT_PREFIX) -> list[BrokerUser]:
-    """Every user of a deployment: one per service role, then one per worker id."""
+def plan(exchange: str, workers: Sequence[str], prefix: str = DEFAULT_PREFIX, *, shared_workers: bool = False
+         ) -> list[BrokerUser]:
+    """Every user of a deployment: one per service role, then one per worker id (and, with `shared_workers`,
+    the account of interchangeable workers)."""
     return [*(service(role, exchange, prefix) for role in SERVICE_ROLES),
-            *(worker(worker_id, exchange, prefix) for worker_id in workers)]
+            *(worker(worker_id, exchange, prefix) for worker_id in workers),
+            *([worker(None, exchange, prefix)] if shared_workers else [])]
 
 
 def password_hash(password: str, salt: bytes | None = None) -> str:

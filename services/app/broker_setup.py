@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from apiary.bus.identity import DEFAULT_PREFIX
 from services.app.broker_plan import BrokerUser, definitions, plan
 
 CREDENTIALS_FILE = "broker-credentials.json"  # under APIARY_HOME, mode 0600: user -> password
@@ -77,10 +78,10 @@ def save_credentials(path: Path, credentials: dict[str, str]) -> None:
 
 
 def setup(exchange: str, vhost: str, workers: Sequence[str], credentials_path: Path, *,
-          prefix: str | None = None, apply: bool = True) -> SetupResult:
+          prefix: str | None = None, apply: bool = True, shared_workers: bool = False) -> SetupResult:
     """Create what is missing of the plan (users with new passwords) and set every user's permissions; with
     `apply` False only work out the definitions (every user with a password, for a broker's first start)."""
-    users = plan(exchange, workers) if prefix is None else plan(exchange, workers, prefix)
+    users = plan(exchange, workers, prefix or DEFAULT_PREFIX, shared_workers=shared_workers)
     known = load_credentials(credentials_path)
     present = existing_users() if apply else set()
     created = {u.name: secrets.token_urlsafe(24) for u in users if u.name not in present and u.name not in known}
@@ -107,10 +108,11 @@ def _import(applied: dict[str, Any]) -> None:
         rabbitmqctl("import_definitions", str(path), "--format", "json")
 
 
-def full_definitions(exchange: str, vhost: str, workers: Sequence[str], credentials_path: Path) -> dict[str, Any]:
+def full_definitions(exchange: str, vhost: str, workers: Sequence[str], credentials_path: Path, *,
+                     shared_workers: bool = False) -> dict[str, Any]:
     """Definitions with every user and its password (generated where the credentials file has none), for a
     broker that loads them at start (`load_definitions`); `guest` is not among them."""
-    users = plan(exchange, workers)
+    users = plan(exchange, workers, shared_workers=shared_workers)
     known = load_credentials(credentials_path)
     missing = {u.name: secrets.token_urlsafe(24) for u in users if u.name not in known}
     if missing:

@@ -314,6 +314,8 @@ app.add_typer(broker_app, name="broker")
 @broker_app.command("setup")
 def broker_setup(
     workers: list[str] = typer.Option([], "--worker", "-w", help="A worker id to make a user for (repeat it)."),
+    shared_workers: bool = typer.Option(False, "--shared-workers", help="Also the one account interchangeable "
+                                        "workers share (apiary-workers: any worker's queues; no identity check)."),
     vhost: str = typer.Option(None, "--vhost", help="The broker's virtual host (default: APIARY_BUS_URL's, or /)."),
     definitions: Path = typer.Option(None, "--definitions", help="Write the definitions (vhost, every user with "
                                      "its password hash, permissions) to this file for a broker to load at start, "
@@ -332,11 +334,11 @@ def broker_setup(
     credentials = settings.home / setup.CREDENTIALS_FILE
     try:
         if definitions is not None:
-            definitions.write_text(json.dumps(setup.full_definitions(settings.exchange, where, workers, credentials),
-                                              indent=1) + "\n")
+            made = setup.full_definitions(settings.exchange, where, workers, credentials, shared_workers=shared_workers)
+            definitions.write_text(json.dumps(made, indent=1) + "\n")
             print(f"definitions written to {definitions}; passwords in {credentials}")
             return
-        result = setup.setup(settings.exchange, where, workers, credentials)
+        result = setup.setup(settings.exchange, where, workers, credentials, shared_workers=shared_workers)
     except (setup.BrokerSetupError, ValueError) as e:
         fail(str(e))
     users = [{"name": u.name, "role": u.role, "worker_id": u.worker_id, "password": result.created.get(u.name)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 SERVICE_ROLES = ("scheduler", "sharder", "aggregator", "tracker")
 DEFAULT_PREFIX = "apiary-"
 _WORKER = "worker."
+SHARED_WORKERS = "workers"  # one account for interchangeable workers (compose's scaled `worker`): no identity
 
 
 def service_user(role: str, prefix: str = DEFAULT_PREFIX) -> str:
@@ -27,6 +28,8 @@ def worker_user(worker_id: str, prefix: str = DEFAULT_PREFIX) -> str:
 
 def is_worker_user(user: str) -> bool:
     """Whether a broker user is a worker's, whatever its prefix (its permissions then cover only its own queues)."""
+    if user == SHARED_WORKERS or user.endswith(f"-{SHARED_WORKERS}"):
+        return True
     head, found, worker_id = user.rpartition(_WORKER)
     return bool(found and worker_id and (not head or head.endswith("-")))
 
@@ -39,4 +42,5 @@ def worker_of(user_id: str | None, prefix: str = DEFAULT_PREFIX) -> str | None:
     return user_id[len(head):]
 
 
-__all__ = ["DEFAULT_PREFIX", "SERVICE_ROLES", "is_worker_user", "service_user", "worker_of", "worker_user"]
+__all__ = ["DEFAULT_PREFIX", "SERVICE_ROLES", "SHARED_WORKERS", "is_worker_user", "service_user", "worker_of",
+           "worker_user"]

@@ -123,6 +123,9 @@ class DatasetSource:
             return (self.path / member).read_bytes()
         except (KeyError, FileNotFoundError, IsADirectoryError):
             raise DatasetError(f"dataset {self.path}: file {member!r} listed in the manifest is missing") from None
+        except (zipfile.BadZipFile, NotImplementedError, EOFError, OSError, ValueError) as e:
+            # A damaged archive (bad CRC, header, compression method) is the dataset's fault, said in one line.
+            raise DatasetError(f"dataset {self.path}: file {member!r} cannot be read: {e}") from None
 
     def manifest(self) -> Manifest:
         """The dataset's manifest, checked."""

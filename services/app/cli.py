@@ -113,7 +113,10 @@ def serve(
     setup_logging(settings, to_console=True)
     from services.app.serve import serve_service
 
-    run_async(serve_service(service, settings))
+    try:
+        run_async(serve_service(service, settings))
+    except ConnectionError as e:  # the broker unreachable or refusing the login
+        fail(str(e))
 
 
 @app.command()
@@ -147,7 +150,10 @@ def worker(
     setup_logging(settings, to_console=True)
     from services.app.serve import serve_worker
 
-    run_async(serve_worker(settings))
+    try:
+        run_async(serve_worker(settings))
+    except ConnectionError as e:  # the broker unreachable, refusing the login, or without the services' queues
+        fail(str(e))
 
 
 @app.command()

@@ -5,6 +5,9 @@ pool; running setup again changes nothing."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -210,3 +213,19 @@ def test_a_job_runs_with_every_process_on_its_own_broker_user(cluster: Cluster, 
     trained_by = {r["worker_id"] for r in cluster.query(
         "SELECT DISTINCT worker_id FROM contributions WHERE job_id = $1 AND status = 'accepted'", job_id)}
     assert trained_by <= set(workers) and trained_by
+
+
+def test_a_worker_started_before_the_services_says_so_in_one_line(deployment: Deployment, tmp_path: Path) -> None:
+    # Prepare: the vhost has users but no exchange yet (no service has connected)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("APIARY_")}
+    env.update({"APIARY_BUS_URL": deployment.url("w1"), "APIARY_HOME": str(tmp_path / "w1")})
+
+    # Execute
+    run = subprocess.run([sys.executable, "-m", "services.app.cli", "worker", "--id", "w1"], env=env,
+                         capture_output=True, text=True, timeout=120, check=False)
+
+    # Assert
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1] == ("error: RabbitMQ at 127.0.0.1:5672 has no exchange 'apiary' yet: "
+                                                    "start the services first (they declare it), then the workers")
+    assert "Traceback" not in run.stderr

@@ -153,3 +153,60 @@ def test_without_peft_a_round_trains_and_returns_all_weights(tmp_path: Path, mod
     # Assert
     assert set(tensors) == set(start) and "loss" in metrics
     assert any(not (tensors[k] == start[k]).all() for k in start)
+
+
+def test_a_gguf_base_is_converted_once_into_a_read_only_folder_beside_it(tmp_path: Path, model_dir: Path) -> None:
+    # Prepare: a stand-in GGUF file (the tiny llama is what reading it gives)
+    import torch
+
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    reads: list[Path] = []
+
+    def read(path: Path) -> tuple[Any, Any]:
+        reads.append(path)
+        return lm.load_base(model_dir)
+
+    # Execute
+    first = lm.hf_folder(gguf, load=read)
+    again = lm.hf_folder(gguf, load=read)
+    model, tokenizer = lm.load_base(gguf)  # the folder, never the stand-in file
+
+    # Assert
+    assert first == again == tmp_path / "tiny.gguf.hf" and reads == [gguf]
+    assert (first / "config.json").is_file() and (first / lm.READY).is_file()
+    assert all(not (p.stat().st_mode & 0o222) for p in first.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf", "tiny.gguf.hf"]
+    expected = lm.load_base(model_dir)[0].state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    assert tokenizer.eos_token == lm.load_base(model_dir)[1].eos_token
+
+
+def test_the_next_round_reuses_the_childs_model_and_starts_from_the_global_weights(
+        tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare
+    import torch
+
+    from apiary.trainers import causal_lm_train
+
+    hf_config = lm.load_base(model_dir)[0].config.to_dict()
+    env = {"LORA_R": 2, "BATCH_SIZE": 2, "STEPS_PER_ROUND": 2, "LEARNING_RATE": 0.05}
+    call = _call(tmp_path, model_dir, env, initial_adapter(hf_config, CausalLMConfig(lora_r=2)))
+    (tmp_path / "r3").mkdir()
+    r3 = initial_adapter(hf_config, CausalLMConfig(lora_r=3))
+    other = _call(tmp_path / "r3", model_dir, {**env, "LORA_R": 3}, r3)
+    loads: list[Path] = []
+    load_base = lm.load_base
+    monkeypatch.setattr(lm, "load_base", lambda path: loads.append(path) or load_base(path))
+    monkeypatch.setattr(causal_lm_train, "_warm", {})
+
+    # Execute: the same round twice, then one with another adapter shape
+    first, _, _ = run_round(call, "cpu", lambda **m: None)
+    second, _, _ = run_round(call, "cpu", lambda **m: None)
+    third, _, _ = run_round(other, "cpu", lambda **m: None)
+
+    # Assert: the kept model was reset to the round's global weights (the same round, the same result), and
+    # only a new adapter shape loaded the base again
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert loads == [model_dir, model_dir]
+    assert all(t.shape[0] == 3 for k, t in third.items() if ".lora_A." in k)

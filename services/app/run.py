@@ -73,7 +73,8 @@ async def run_job(settings: Settings, request: dict[str, Any], options: RunOptio
             token = await stack.api_token() if dashboard else None
             job_id = await stack.submit(await ship(stack.api, request))  # a local `code` folder, uploaded
             if dashboard and not options.as_json:
-                console.print(f"dashboard: {dashboard}/?token={token}#/jobs/{job_id}")
+                # On one line whatever the terminal's width, so that it can be copied or clicked whole.
+                console.print(f"dashboard: {dashboard}/?token={token}#/jobs/{job_id}", soft_wrap=True)
             view, exit_code = await _until_stopped(stack, job_id, options, stop)
             return {**summary(view, time.monotonic() - options.started), "exit_code": exit_code}
     finally:

@@ -230,3 +230,16 @@ async def test_shipping_refuses_a_folder_without_the_entrypoint_and_stores_a_goo
 
     assert str(absent.value).startswith(f"entrypoint: module 'shippedtoy.nope' is not in the code folder {folder}")
     assert shipped["code"]["key"] in stored and len(stored) == 1
+
+
+async def test_the_api_refuses_a_bundle_over_the_size_limit_as_it_reads_it(embedded: StackFactory,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bundle, "MAX_BUNDLE_BYTES", 1000)
+    async with embedded(workers=1) as stack:
+        with pytest.raises(TrackerError) as refused:
+            await stack.api.upload_code(os.urandom(4000))
+        stored = await stack.ports.storage.list("code/")
+
+    assert refused.value.status_code == 413
+    assert "over the 1000-byte limit" in str(refused.value)
+    assert stored == []

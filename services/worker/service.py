@@ -70,7 +70,7 @@ class Worker:
         self.cache = Path(cache_dir or self.settings.home / "workers" / self.worker_id).resolve()
         self.models = ModelCache(Path(self.settings.model_cache or self.cache / "models").resolve(),
                                  int(self.settings.model_cache_limit_gb * 1e9))
-        self.bundles = BundleCache(self.cache / "code")  # the jobs' code bundles, by sha256
+        self.bundles = BundleCache(self.cache / "code", int(self.settings.code_cache_limit_gb * 2**30))
         self.gpu = choose_gpu(self.settings.gpu)  # GpuChoiceError: one line for whoever started the worker
         self._setup = TrainerSetup(code_paths=list(self.settings.code_path), name=f"apiary-{self.worker_id}",
                                    environment=self.gpu.child_environment() if self.gpu else {})

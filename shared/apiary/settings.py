@@ -43,6 +43,8 @@ class Settings(BaseSettings):
     # Base models a worker keeps across jobs (default: under its work folder), cleaned past the limit.
     model_cache: Path | None = None
     model_cache_limit_gb: float = Field(default=50.0, gt=0)
+    # A worker's cache of jobs' code bundles (unpacked; the least recently used dropped past the limit).
+    code_cache_limit_gb: float = Field(default=2.0, gt=0)
     http_host: str = "127.0.0.1"
     http_port: int = 8080
     # `/healthz` and `/readyz` for an orchestrator's probes (services/app/health.py); off when unset.

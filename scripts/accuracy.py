@@ -1,0 +1,271 @@
+"""How close federated training of the digits example comes to central training, on IID and skewed shards.
+
+Runs each setting end to end through `apiary run` (one process tree per setting, its own APIARY_HOME under
+.apiary/accuracy/). Each round's held-out accuracy is the run's own evaluation of that round (the example's
+`fl_evaluate_model` on a worker, listed in the run's final/metrics.json), checked against the same function
+run here on the round's stored global weights. Writes docs/accuracy.md (held-out accuracy, rounds to reach
+95% of the central accuracy, wall time) and docs/accuracy.png (accuracy per round, one line per setting).
+
+    python scripts/accuracy.py               # every setting, 4 runs at a time
+    python scripts/accuracy.py --only 3w     # settings whose name contains '3w'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the example's own evaluation: examples.digits.train
+DIGITS = REPO / "examples" / "digits"
+WORK = REPO / ".apiary" / "accuracy"
+SEED = 0
+REACH = 0.95  # "rounds to reach" counts rounds until accuracy is at least this share of the central one
+
+# The strategy settings the README recommends for skewed shards (section "Skewed data and accuracy").
+RECOMMENDED: dict[str, dict[str, Any]] = {
+    "fedavgm": {"server_learning_rate": 1.0, "server_momentum": 0.5},
+    "fedprox": {"proximal_mu": 0.1},
+    "fedadam": {"eta": 0.2, "tau": 0.01, "beta_1": 0.5},
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One run: the job file it starts from, its workers, its split and its strategy."""
+
+    name: str
+    job_file: str
+    workers: int
+    split: str = "iid"  # iid, or the Dirichlet alpha of a label_skew split
+    strategy: str = "federated_averaging"
+
+    @property
+    def central(self) -> bool:
+        """Whether this is the central reference: one worker on the whole dataset."""
+        return self.workers == 1
+
+
+@dataclass
+class Outcome:
+    """What a run gave: held-out accuracy after each round, the run's own final metrics, its wall time."""
+
+    setting: Setting
+    accuracy: list[float] = field(default_factory=list)
+    final_metrics: dict[str, float] = field(default_factory=dict)
+    wall_s: float = 0.0
+    error: str | None = None
+
+
+def settings() -> list[Setting]:
+    """Central against FedAvg at 3 and 8 workers, IID and label skew 0.5 and 0.1; the recommended strategies
+    on the skewed cases. Each worker count runs its own shipped job file (rounds, epochs, learning rate)."""
+    out = []
+    for workers, job_file in ((3, "job.yaml"), (8, "job-8workers.yaml")):
+        tag = f"{workers}w"
+        out.append(Setting(f"central ({tag} epochs)", job_file, 1))
+        for split in ("iid", "0.5", "0.1"):
+            out.append(Setting(f"{tag} {_split_name(split)} fedavg", job_file, workers, split))
+        for split in ("0.5", "0.1"):
+            for strategy in RECOMMENDED:
+                out.append(Setting(f"{tag} {_split_name(split)} {strategy}", job_file, workers, split, strategy))
+    return out
+
+
+def _split_name(split: str) -> str:
+    return "IID" if split == "iid" else f"alpha={split}"
+
+
+def job_request(setting: Setting) -> dict[str, Any]:
+    """The setting's job request: its job file, with absolute paths, its split, strategy and sizes."""
+    request = yaml.safe_load((DIGITS / setting.job_file).read_text())
+    request["name"] = f"accuracy-{setting.name}".replace(" ", "-").replace("(", "").replace(")", "")
+    request["dataset"] = str(DIGITS / request["dataset"])
+    request["config"] = {**request["config"], "heldout": str(DIGITS / request["config"]["heldout"]), "seed": SEED}
+    distributed = {**request["distributed"], "strategy": setting.strategy,
+                   "strategy_params": RECOMMENDED.get(setting.strategy, {})}
+    distributed.update(max_workers=setting.workers, min_workers=setting.workers, evaluate_every=1)
+    if setting.strategy == "federated_averaging":
+        distributed.pop("strategy_params")
+    request["distributed"] = distributed
+    request["split"] = ({"strategy": "random", "seed": SEED} if setting.split == "iid"
+                        else {"strategy": "label_skew", "alpha": float(setting.split), "seed": SEED})
+    return request
+
+
+def run(setting: Setting) -> Outcome:
+    """Run one setting through `apiary run` and evaluate each round's global weights."""
+    folder = WORK / setting.name.replace(" ", "_").replace("(", "").replace(")", "")
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    job_file = folder / "job.json"
+    job_file.write_text(json.dumps(job_request(setting), indent=1))
+    env = {**os.environ, "APIARY_HOME": str(folder / "home"), "APIARY_HTTP_PORT": "0"}
+    started = time.monotonic()
+    done = subprocess.run([str(Path(sys.executable).with_name("apiary")), "run", str(job_file), "--workers",
+                           str(setting.workers), "--json", "--gpus", "none"], cwd=REPO, env=env,
+                          capture_output=True, text=True)
+    outcome = Outcome(setting, wall_s=time.monotonic() - started)
+    (folder / "stderr.log").write_text(done.stderr)
+    try:
+        summary = json.loads(done.stdout)
+    except json.JSONDecodeError:
+        outcome.error = f"apiary run exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"
+        return outcome
+    if summary["status"] != "completed":
+        outcome.error = f"{summary['status']}: {summary.get('reason')}"
+        return outcome
+    outcome.final_metrics = summary["metrics"]
+    job_folder = folder / "home" / "storage" / "jobs" / summary["job_id"]
+    outcome.accuracy = evaluated_accuracies(job_folder / "final" / "metrics.json")
+    here = round_accuracies(job_folder, summary["rounds_completed"], job_request(setting)["config"]["heldout"])
+    if here != outcome.accuracy:
+        outcome.error = f"the run's evaluations {outcome.accuracy} differ from this script's {here}"
+    return outcome
+
+
+def evaluated_accuracies(report: Path) -> list[float]:
+    """Each round's accuracy as the run's workers evaluated it (its final/metrics.json), in round order."""
+    evaluations = json.loads(report.read_text())["evaluations"]
+    return [float(e["metrics"]["accuracy"]) for e in sorted(evaluations, key=lambda e: e["round"])
+            if e["status"] == "done"]
+
+
+def round_accuracies(job_folder: Path, rounds: int, heldout: str) -> list[float]:
+    """Held-out accuracy of each round's stored global weights, by the example's own fl_evaluate_model."""
+    from safetensors.torch import load_file
+
+    from examples.digits.train import fl_evaluate_model
+
+    return [float(fl_evaluate_model(load_file(job_folder / "rounds" / f"{r:04d}" / "global.safetensors"),
+                                    {"HELDOUT": heldout})["accuracy"]) for r in range(1, rounds + 1)]
+
+
+def rounds_to_reach(accuracy: list[float], target: float) -> int | None:
+    """The first round whose accuracy is at least `target`, or None if none is."""
+    return next((i + 1 for i, value in enumerate(accuracy) if value >= target), None)
+
+
+def central_of(outcomes: list[Outcome], setting: Setting) -> Outcome | None:
+    """The central reference run of a setting's job file."""
+    return next((o for o in outcomes if o.setting.central and o.setting.job_file == setting.job_file), None)
+
+
+def table(outcomes: list[Outcome]) -> list[str]:
+    """docs/accuracy.md's table: one row per setting."""
+    rows = ["| setting | workers | split | strategy | held-out accuracy | gap to central (pt) |"
+            f" rounds to {REACH:.0%} of central | wall time (s) |",
+            "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: |"]
+    for o in outcomes:
+        central = central_of(outcomes, o.setting)
+        if o.error or not o.accuracy:
+            rows.append(f"| {o.setting.name} | {o.setting.workers} | | | failed: {o.error} | | | |")
+            continue
+        final = o.accuracy[-1]
+        gap = "" if central is None or o.setting.central or not central.accuracy else \
+            f"{100 * (final - central.accuracy[-1]):+.1f}"
+        reach = None if central is None or not central.accuracy else \
+            rounds_to_reach(o.accuracy, REACH * central.accuracy[-1])
+        rows.append(f"| {o.setting.name} | {o.setting.workers} | {_split_name(o.setting.split)} | "
+                    f"{o.setting.strategy} | {final:.3f} | {gap} | {reach if reach else 'not reached'} | "
+                    f"{o.wall_s:.0f} |")
+    return rows
+
+
+def write_markdown(outcomes: list[Outcome], path: Path, total_s: float, parallel: int) -> None:
+    """The results page: how it was measured, the table, the plot."""
+    jobs = {name: yaml.safe_load((DIGITS / name).read_text()) for name in ("job.yaml", "job-8workers.yaml")}
+    sizes = "; ".join(f"`examples/digits/{name}`: {j['distributed']['num_rounds']} rounds x "
+                      f"{j['config']['epochs']} epochs, learning rate {j['config']['learning_rate']}"
+                      for name, j in jobs.items())
+    lines = [
+        "# Accuracy: federated against central training (digits example)",
+        "",
+        "Written by `python scripts/accuracy.py`: every setting runs end to end through `apiary run` (the",
+        "embedded deployment, CPU workers), seed 0. Held-out accuracy is on the 360 held-out images (one image",
+        "is 0.28 points): each round's evaluation by the example's own `fl_evaluate_model` on a worker",
+        "(`evaluate_every: 1`), checked against the same function run by the script on the round's stored global",
+        "weights; the last round's figure is the table's. Central is one worker on the whole training",
+        f"set for the same rounds and epochs as the federated runs it is compared with ({sizes}). Skewed",
+        "shards are `split: {strategy: label_skew, alpha: A}` (Dirichlet over the shards, per label); the",
+        "strategies' parameters are those the README recommends: "
+        + ", ".join(f"{k} {v}" for k, v in RECOMMENDED.items()) + ".",
+        f"Wall time is each run's `apiary run` from start to exit, {parallel} runs at a time on this shared",
+        f"2-core machine (the whole script took {total_s / 60:.1f} minutes), so compare it within this table only.",
+        "",
+        *table(outcomes),
+        "",
+        "![held-out accuracy per round](accuracy.png)",
+        "",
+    ]
+    path.write_text("\n".join(lines))
+
+
+def write_plot(outcomes: list[Outcome], path: Path) -> None:
+    """Accuracy per round, one line per setting: a panel per worker count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = sorted({o.setting.job_file for o in outcomes}, key=lambda f: f != "job.yaml")
+    figure, axes = plt.subplots(1, len(files), figsize=(7 * len(files), 5), squeeze=False)
+    colours = {"iid": "#2f6fde", "0.5": "#e5731a", "0.1": "#c23b8a"}
+    dashes = {"federated_averaging": "-", "fedavgm": "--", "fedprox": ":", "fedadam": "-."}
+    for ax, job_file in zip(axes[0], files, strict=True):
+        for o in outcomes:
+            if o.setting.job_file != job_file or not o.accuracy:
+                continue
+            rounds = range(1, len(o.accuracy) + 1)
+            style = {"color": "black", "linewidth": 2.5} if o.setting.central else {
+                "color": colours[o.setting.split], "linestyle": dashes[o.setting.strategy]}
+            ax.plot(rounds, o.accuracy, marker="o", markersize=3, label=o.setting.name, **style)
+        ax.set_title(f"examples/digits/{job_file}")
+        ax.set_xlabel("round")
+        ax.set_ylabel("held-out accuracy")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the settings, print each result, write the page and the plot."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="", help="run only the settings whose name contains this")
+    parser.add_argument("--parallel", type=int, default=4, help="runs at a time")
+    parser.add_argument("--out", type=Path, default=REPO / "docs", help="where accuracy.md and .png go")
+    args = parser.parse_args(argv)
+    if not (DIGITS / "data" / "manifest.json").is_file():
+        subprocess.run([sys.executable, str(DIGITS / "prepare.py")], check=True)
+    chosen = [s for s in settings() if args.only in s.name]
+    started = time.monotonic()
+    with ThreadPoolExecutor(args.parallel) as pool:
+        outcomes = []
+        for outcome in pool.map(run, chosen):
+            print(f"{outcome.setting.name:28s} {outcome.error or ' '.join(f'{a:.3f}' for a in outcome.accuracy)}"
+                  f"  ({outcome.wall_s:.0f}s; run's own final accuracy {outcome.final_metrics.get('accuracy')})",
+                  flush=True)
+            outcomes.append(outcome)
+    total = time.monotonic() - started
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_markdown(outcomes, args.out / "accuracy.md", total, args.parallel)
+    write_plot(outcomes, args.out / "accuracy.png")
+    print(f"wrote {args.out / 'accuracy.md'} and {args.out / 'accuracy.png'} in {total / 60:.1f} min")
+    return 1 if any(o.error for o in outcomes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -249,6 +249,9 @@ def main() -> None:
         source = "measured just now"
         print("Flower 1.42 (simulation engine): " + ", ".join(
             f"K={k} {v * 1000:.1f} ms" for k, v in sorted(reference.items()) if k in args.k), flush=True)
+    # What its job may reach (apiary.policy), passed on to every process: the toy entrypoint, the temporary data.
+    os.environ.setdefault("APIARY_ALLOWED_ENTRYPOINTS", json.dumps(["tests.toyjobs.*"]))
+    os.environ.setdefault("APIARY_DATA_ROOTS", json.dumps([tempfile.gettempdir()]))
     moto, endpoint = s3server.launch()
     MOTO.append(moto)
     results = {}

@@ -6,6 +6,7 @@ import json
 import random
 import shutil
 import zipfile
+import zlib
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from typing import Any
 from apiary.policy import LIMITS, Refused, check_zip
 
 MANIFEST = "manifest.json"
+# What reading a damaged archive raises (bad CRC, header, compression method, stream): the data's fault.
+UNREADABLE = (zipfile.BadZipFile, zlib.error, NotImplementedError, EOFError, OSError, ValueError)
 
 
 class DatasetError(ValueError):
@@ -123,7 +126,7 @@ class DatasetSource:
             return (self.path / member).read_bytes()
         except (KeyError, FileNotFoundError, IsADirectoryError):
             raise DatasetError(f"dataset {self.path}: file {member!r} listed in the manifest is missing") from None
-        except (zipfile.BadZipFile, NotImplementedError, EOFError, OSError, ValueError) as e:
+        except UNREADABLE as e:
             # A damaged archive (bad CRC, header, compression method) is the dataset's fault, said in one line.
             raise DatasetError(f"dataset {self.path}: file {member!r} cannot be read: {e}") from None
 
@@ -306,6 +309,11 @@ def extract_shard(zip_path: Path, target: Path) -> None:
     with open_zip(zip_path) as zf:
         for name in zf.namelist():
             _safe_member(name.rstrip("/"), str(zip_path))
-        zf.extractall(tmp)
+        tmp.mkdir(parents=True)  # an empty archive unpacks into an empty folder
+        try:
+            zf.extractall(tmp)
+        except UNREADABLE as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise DatasetError(f"shard {zip_path} cannot be unpacked: {e}") from None
     shutil.rmtree(target, ignore_errors=True)
     tmp.replace(target)

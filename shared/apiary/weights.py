@@ -70,7 +70,7 @@ def read_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, dict], 
     size = len(view) - base
     spans = []
     for name, entry in header.items():
-        if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES:
+        if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str) or entry["dtype"] not in DTYPES:
             raise WeightsError(f"tensor {name!r}: unsupported or missing dtype {entry!r:.80}")
         shape, offsets = entry.get("shape"), entry.get("data_offsets")
         if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):

@@ -3,6 +3,7 @@ ends in the documented error (DatasetError, WeightsError), never a crash, a hang
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import struct
@@ -43,7 +44,8 @@ def _zip(members: list[tuple[str, bytes]]) -> bytes:
     with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as zf:
         for name, data in members:
             if name and not name.endswith("/") and name not in zf.namelist():
-                zf.writestr(name, data)
+                with contextlib.suppress(IndexError):  # a name zipfile empties (a bare drive, "C:") is skipped
+                    zf.writestr(name, data)
     return buffer.getvalue()
 
 
@@ -81,8 +83,7 @@ def test_a_dataset_zip_reads_or_raises_dataset_error_and_never_escapes(data: byt
             pass
         try:
             extract_shard(archive, root / "inner" / "out")
-        except (DatasetError, zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):
-            # A shard zip comes from this deployment's own sharder: its damage is a storage error, not a crash.
+        except DatasetError:
             pass
         assert {p.name for p in root.iterdir()} == {"inner"}, "something was written outside the target"
 

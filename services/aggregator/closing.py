@@ -96,6 +96,7 @@ class RoundCloser:
             await self._store.close(tx, state.key, RoundStatus.AGGREGATED, result_key=ref.key, state_key=state_key)
             await self._outbox.add(tx, done)
         self._rounds.drop(state.key)
+        self._rounds.remember_state(job_id, round_index, state_key)
         log.info("job %s: round %d aggregated from %d shards (%d samples)%s", job_id, round_index,
                  len(accepted), done.total_samples, " at timeout" if timed_out else "")
         await self._outbox.flush()

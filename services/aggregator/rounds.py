@@ -44,6 +44,7 @@ class OpenRounds:
         self._store, self._storage = store, storage
         self._rounds: dict[RoundKey, RoundState] = {}
         self._specs: dict[tuple[str, str], WeightSpec] = {}
+        self._states: dict[tuple[str, int], str | None] = {}  # (job, round) -> its strategy state's key
 
     def keys(self) -> list[RoundKey]:
         """(job, round, attempt) of each round held."""
@@ -71,6 +72,13 @@ class OpenRounds:
         self._specs[(ref.key, ref.sha256)] = spec
         while len(self._specs) > SPEC_CACHE:
             del self._specs[next(iter(self._specs))]
+
+    def remember_state(self, job_id: str, round_index: int, state_key: str | None) -> None:
+        """Where the strategy's server state after a round this aggregator aggregated is stored (None: it
+        keeps none), for the job's next round (the least recent goes beyond SPEC_CACHE)."""
+        self._states[(job_id, round_index)] = state_key
+        while len(self._states) > SPEC_CACHE:
+            del self._states[next(iter(self._states))]
 
     async def begin(self, agg: dict[str, Any], spec: WeightSpec) -> RoundState:
         """Hold a round that has just started: nothing settled, its strategy begun."""
@@ -104,7 +112,14 @@ class OpenRounds:
         name, params = strategy_of(agg)
         strategy = create(name, params)
         strategy.begin(spec, update_format(agg))
-        state_key = await self._store.previous_state_key(agg["job_id"], agg["round"])
+        state_key = await self._previous_state_key(agg["job_id"], agg["round"])
         if state_key is not None:
             strategy.load_state(load_weights(await self._storage.get_bytes(state_key)))
         return RoundState(agg=agg, shards=frozenset(from_json(agg["shards"])), strategy=strategy)
+
+    async def _previous_state_key(self, job_id: str, round_index: int) -> str | None:
+        # A round starts once the one before it aggregated: if this aggregator aggregated it, the key is known.
+        known = (job_id, round_index - 1)
+        if known in self._states:
+            return self._states[known]
+        return await self._store.previous_state_key(job_id, round_index)

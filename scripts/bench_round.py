@@ -12,9 +12,15 @@ Reference (from the issue, same machines): Flower 1.42's simulation engine, 0.10
 0.21 s (K=16) per round for this model; the goal is a quarter of that or less.
 
 Usage: python scripts/bench_round.py [--k 4 16] [--rounds 20] [--storage s3|file] [--flower-python PY]
+                                    [--against REF [--pairs N]]
 
 With --flower-python (a Python that has flwr[simulation], see scripts/bench_flower.py), Flower's
 figures are measured in the same session, first, and are the reference; without it, the issue's.
+
+With --against REF (a commit), the same benchmark of that commit's code (its own script, from a git
+worktree) runs beside this one's, in N pairs, alternating which goes first; it prints each pair's
+medians and, per K, the median of the pairs' ratios this/REF: on a shared machine only pairs measured
+back to back compare.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 
@@ -234,6 +241,57 @@ def measure_flower(python: str, ks: list[int], rounds: int) -> dict[int, float]:
     return {int(k): float(v["median_s"]) for k, v in figures.items()}
 
 
+def checkout(ref: str, folder: Path) -> Path:
+    """A git worktree of commit `ref` (removed with `git worktree remove` by the caller)."""
+    tree = folder / f"against-{ref[:12]}"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), ref], check=True,
+                   capture_output=True, text=True)
+    return tree
+
+
+def run_other(tree: Path, k: int, rounds: int, storage: str) -> float:
+    """Median round time of the benchmark in another checkout (its own script and code), in seconds."""
+    env = {**os.environ, "PYTHONPATH": f"{tree / 'shared'}{os.pathsep}{tree}"}
+    out = subprocess.run([sys.executable, str(tree / "scripts" / "bench_round.py"), "--k", str(k), "--rounds",
+                          str(rounds), "--storage", storage], cwd=tree, env=env, capture_output=True, text=True,
+                         timeout=3600, check=False)
+    if out.returncode != 0 or not out.stdout.strip():
+        raise RuntimeError(f"bench_round.py of {tree.name} failed ({out.returncode}): {out.stderr.strip()[-2000:]}")
+    return float(json.loads(out.stdout.strip().splitlines()[-1])[str(k)]["median_s"])
+
+
+def paired(args: argparse.Namespace, endpoint: str, tmp: Path) -> dict[int, dict[str, Any]]:
+    """`args.pairs` pairs of runs, this code and `args.against`'s, for each K; each pair's medians and ratio."""
+    tree = checkout(args.against, tmp)
+    pairs: dict[int, list[tuple[float, float]]] = {k: [] for k in args.k}
+
+    def ours(k: int) -> float:
+        return statistics.median(run(k, args.rounds, tmp, endpoint, args.storage))
+
+    try:
+        for i in range(args.pairs):
+            for k in args.k:
+                if i % 2 == 0:
+                    new = ours(k)
+                    old = run_other(tree, k, args.rounds, args.storage)
+                else:
+                    old = run_other(tree, k, args.rounds, args.storage)
+                    new = ours(k)
+                pairs[k].append((new, old))
+                print(f"pair {i + 1} K={k}: this {new * 1000:.1f} ms, {args.against} {old * 1000:.1f} ms,"
+                      f" ratio {new / old:.3f}", flush=True)
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
+    summary = {}
+    for k, measured in pairs.items():
+        ratio = statistics.median(new / old for new, old in measured)
+        summary[k] = {"this_s": round(statistics.median(n for n, _ in measured), 4),
+                      "against_s": round(statistics.median(o for _, o in measured), 4), "ratio": round(ratio, 3)}
+        print(f"K={k}: this {summary[k]['this_s'] * 1000:.1f} ms, {args.against} {summary[k]['against_s'] * 1000:.1f}"
+              f" ms (medians of {len(measured)} pairs); median ratio this/{args.against} {ratio:.3f}", flush=True)
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--k", type=int, nargs="+", default=[4, 16])
@@ -242,6 +300,8 @@ def main() -> None:
     parser.add_argument("--storage", choices=["s3", "file"], default="s3",
                         help="s3: moto's S3 server (the benchmark); file: a shared local folder, to see what "
                              "the rest of the system costs without S3 requests")
+    parser.add_argument("--against", metavar="REF", help="a commit whose code runs the same benchmark in pairs")
+    parser.add_argument("--pairs", type=int, default=3, help="with --against: pairs of runs per K")
     args = parser.parse_args()
     reference, source = dict(FLOWER), "the issue's figure"
     if args.flower_python:
@@ -254,9 +314,12 @@ def main() -> None:
     os.environ.setdefault("APIARY_DATA_ROOTS", json.dumps([tempfile.gettempdir()]))
     moto, endpoint = s3server.launch()
     MOTO.append(moto)
-    results = {}
+    results: dict[int, dict[str, Any]] = {}
     try:
         with tempfile.TemporaryDirectory(prefix="apiary-bench-") as tmp:
+            if args.against:
+                print(json.dumps(paired(args, endpoint, Path(tmp))))
+                return
             for k in args.k:
                 durations = run(k, args.rounds, Path(tmp), endpoint, args.storage)
                 median = statistics.median(durations)

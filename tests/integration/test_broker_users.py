@@ -19,7 +19,7 @@ import pytest
 from aiormq.exceptions import AMQPError
 
 from apiary.bus import Delivery, make_bus
-from apiary.bus.rabbitmq import RabbitBus
+from apiary.bus.rabbitmq import RabbitBus, wire
 from apiary.settings import Settings
 from services.app import broker_setup
 from services.app.broker_setup import SetupResult
@@ -229,3 +229,30 @@ def test_a_worker_started_before_the_services_says_so_in_one_line(deployment: De
     assert run.stderr.strip().splitlines()[-1] == ("error: RabbitMQ at 127.0.0.1:5672 has no exchange 'apiary' yet: "
                                                     "start the services first (they declare it), then the workers")
     assert "Traceback" not in run.stderr
+
+
+async def test_a_message_a_worker_drops_straight_into_a_service_queue_keeps_its_true_key_and_sender(
+        deployment: Deployment, services_up: RabbitBus) -> None:
+    # Prepare: a worker may publish to the default exchange (it dead-letters and re-holds its own deliveries)
+    seen: list[Delivery] = []
+    got = asyncio.Event()
+
+    async def record(delivery: Delivery) -> None:
+        seen.append(delivery)
+        got.set()
+
+    subscription = await services_up.consume("scheduler", record)
+    connection = await aio_pika.connect(deployment.url("w1"))
+    try:
+        # Execute: a "copy" claiming to be the aggregator's round.aggregated
+        channel = await connection.channel(publisher_confirms=True)
+        await channel.default_exchange.publish(aio_pika.Message(b"{}", user_id=deployment.user("w1"), headers={
+            wire.HELD_KEY_HEADER: "round.aggregated", wire.HELD_USER_HEADER: deployment.user("aggregator")}),
+            f"{EXCHANGE}.scheduler")
+        await asyncio.wait_for(got.wait(), 15)
+    finally:
+        await connection.close()
+        await subscription.cancel()
+
+    # Assert: the consumer sees where it really came from, and no handler takes it for round.aggregated
+    assert [(d.routing_key, d.user_id) for d in seen] == [(f"{EXCHANGE}.scheduler", deployment.user("w1"))]

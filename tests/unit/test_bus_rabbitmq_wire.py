@@ -63,18 +63,32 @@ def test_a_hold_queue_returns_its_copy_to_the_origin_within_thirty_seconds() -> 
 
 def test_a_held_copy_is_delivered_under_its_original_key_as_redelivered_without_internal_headers() -> None:
     # Prepare: a message first delivered under job.requested, then copied into a hold queue.
-    sent = wire.outgoing(Delivery("job.requested", b"x", headers={"job_id": "j1"}))
+    sent = wire.outgoing(Delivery("job.requested", b"x", headers={"job_id": "j1"}), "apiary-tracker")
     first = _received(sent, routing_key="job.requested")
-    copy = wire.held_copy(first, "job.requested")
+    copy = wire.held_copy(first, wire.incoming(first, "apiary-scheduler"), "apiary-scheduler")
 
     # Execute: the copy comes back through the default exchange, with the broker's x-death headers.
     broker_headers = {"x-death": [], "x-first-death-queue": "apiary.hold.1"}
-    delivery = wire.incoming(_received(copy, routing_key="apiary.hold.1", extra=broker_headers))
+    delivery = wire.incoming(_received(copy, routing_key="apiary.hold.1", extra=broker_headers), "apiary-scheduler")
 
-    # Assert
+    # Assert: under its first routing key and publisher, though the copy was published by its consumer
     assert (delivery.routing_key, delivery.body, delivery.redelivered) == ("job.requested", b"x", True)
     assert delivery.headers == {"job_id": "j1"}
     assert delivery.message_id == sent.message_id is not None
+    assert (copy.user_id, delivery.user_id) == ("apiary-scheduler", "apiary-tracker")
+
+
+def test_a_copy_someone_else_made_is_not_believed_about_its_routing_key_or_publisher() -> None:
+    # Prepare: a worker puts a "copy" straight into the scheduler's queue through the default exchange
+    forged = wire.outgoing(Delivery("apiary.scheduler", b"x", headers={
+        wire.HELD_KEY_HEADER: "round.aggregated", wire.HELD_USER_HEADER: "apiary-aggregator"}), "apiary-worker.w1")
+
+    # Execute
+    delivery = wire.incoming(_received(forged, routing_key="apiary.scheduler"), "apiary-scheduler")
+
+    # Assert
+    assert (delivery.routing_key, delivery.user_id) == ("apiary.scheduler", "apiary-worker.w1")
+    assert delivery.headers == {}
 
 
 def test_a_dead_letter_says_why_and_under_which_key_it_came() -> None:

@@ -44,7 +44,7 @@ class Publisher:
 
     async def dead_letter(self, delivery: Delivery, reason: str) -> None:
         """Put a delivery on the dead-letter queue, saying why."""
-        await self.send("", self._topology.queue_name(DEAD_LETTER_QUEUE), wire.dead_letter(delivery, reason))
+        await self.send("", self._topology.queue_name(DEAD_LETTER_QUEUE), wire.dead_letter(delivery, reason, self.user))
 
     async def send(self, exchange_name: str, routing_key: str, message: aio_pika.Message) -> None:
         """Publish with mandatory and a confirm (`exchange_name` "" is the default exchange, straight to a

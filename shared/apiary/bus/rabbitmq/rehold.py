@@ -77,10 +77,11 @@ class Lease:
         except ChannelInvalidStateError:
             held.lost = True
             return
-        routing_key = wire.incoming(old).routing_key
+        delivery = wire.incoming(old, self._publisher.user)
+        routing_key = delivery.routing_key
         if held.hold is None:
             held.hold = await self._topology.declare_hold(self._channel, self.origin, self.every)
-        await self._publisher.send("", held.hold.name, wire.held_copy(old, routing_key))
+        await self._publisher.send("", held.hold.name, wire.held_copy(old, delivery, self._publisher.user))
         fresh = await held.hold.get(no_ack=False, fail=False, timeout=10)
         if fresh is None:
             log.error("the held copy of %s expired before it was fetched", routing_key)

@@ -73,7 +73,7 @@ class RabbitSubscription(Subscription):
         task.add_done_callback(self._tasks.discard)
 
     async def _process(self, slot: int, message: AbstractIncomingMessage) -> None:
-        delivery = wire.incoming(message)
+        delivery = wire.incoming(message, self._publisher.user)
         held = Held(message)
         self._held.add(held)
         self._busy_slots.add(slot)
@@ -141,7 +141,7 @@ class RabbitSubscription(Subscription):
             await message.nack(requeue=True)
             return
         if outcome is Outcome.REQUEUE:
-            await self._publisher.send("", self._queue.name, wire.held_copy(message, delivery.routing_key))
+            await self._publisher.send("", self._queue.name, wire.held_copy(message, delivery, self._publisher.user))
         elif outcome is Outcome.DEAD:
             await self._publisher.dead_letter(delivery, reason or "")
         await message.ack()

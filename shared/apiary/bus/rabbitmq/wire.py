@@ -13,7 +13,9 @@ from apiary.bus.base import Delivery, dead_letter_headers
 
 HELD_KEY_HEADER = "x-apiary-held-routing-key"
 REDELIVERED_HEADER = "x-apiary-redelivered"
-_INTERNAL_HEADERS = (HELD_KEY_HEADER, REDELIVERED_HEADER)
+# The user id of the message a copy was made from: the copy itself is published as its consumer's user.
+HELD_USER_HEADER = "x-apiary-held-user-id"
+_INTERNAL_HEADERS = (HELD_KEY_HEADER, REDELIVERED_HEADER, HELD_USER_HEADER)
 # Added by the broker when it dead-letters (delay, hold and reroute queues), or a quorum queue's count of
 # a message's deliveries: not the sender's headers.
 _BROKER_HEADER_PREFIXES = ("x-death", "x-first-death-", "x-last-death-", "x-delivery-count")
@@ -42,23 +44,37 @@ def outgoing(message: Delivery, user: str | None = None) -> aio_pika.Message:
                        user)
 
 
-def dead_letter(delivery: Delivery, reason: str) -> aio_pika.Message:
-    """A dead letter: why, and the routing key it came under (also kept where a re-hold keeps it)."""
+def dead_letter(delivery: Delivery, reason: str, user: str | None = None) -> aio_pika.Message:
+    """A dead letter: why, and the routing key and user id it came under (also kept where a re-hold keeps
+    them), published as `user`."""
     headers = {**dead_letter_headers(delivery, reason), HELD_KEY_HEADER: delivery.routing_key}
-    return _persistent(delivery.body, headers, delivery.content_type, delivery.message_id)
+    if delivery.user_id is not None:
+        headers[HELD_USER_HEADER] = delivery.user_id
+    return _persistent(delivery.body, headers, delivery.content_type, delivery.message_id, user)
 
 
-def held_copy(message: AbstractIncomingMessage, routing_key: str) -> aio_pika.Message:
-    """A copy that remembers its routing key and counts as redelivered if it comes back."""
-    headers = {k: v for k, v in (message.headers or {}).items() if k != "x-delivery-count"}  # a fresh count
-    headers.update({HELD_KEY_HEADER: routing_key, REDELIVERED_HEADER: True})
-    return _persistent(message.body, headers, message.content_type, message.message_id)
+def held_copy(message: AbstractIncomingMessage, delivery: Delivery, user: str | None = None) -> aio_pika.Message:
+    """A copy of a delivery, published as its consumer's `user`, that remembers the routing key and user id the
+    delivery came under and counts as redelivered if it comes back."""
+    headers = {k: v for k, v in (message.headers or {}).items()
+               if k not in ("x-delivery-count", HELD_USER_HEADER)}  # a fresh count
+    headers.update({HELD_KEY_HEADER: delivery.routing_key, REDELIVERED_HEADER: True})
+    if delivery.user_id is not None:
+        headers[HELD_USER_HEADER] = delivery.user_id
+    return _persistent(message.body, headers, message.content_type, message.message_id, user)
 
 
-def incoming(message: AbstractIncomingMessage) -> Delivery:
-    """The delivery a handler sees: its original routing key, redelivered if any copy of it was."""
+def incoming(message: AbstractIncomingMessage, user: str | None = None) -> Delivery:
+    """The delivery a handler sees: its original routing key and user id, redelivered if any copy of it was.
+
+    Only a copy this consumer's own user made (its broker-validated user id is `user`) is believed about its
+    original routing key and publisher: anyone may put a message with those headers straight into a queue
+    through the default exchange.
+    """
     raw = dict(message.headers or {})
-    routing_key = raw.get(HELD_KEY_HEADER) or message.routing_key or ""
+    copied = HELD_KEY_HEADER in raw and (user is None or message.user_id == user)
+    routing_key = (raw.get(HELD_KEY_HEADER) if copied else None) or message.routing_key or ""
+    user_id = raw.get(HELD_USER_HEADER) if copied else message.user_id
     redelivered = bool(message.redelivered) or bool(raw.get(REDELIVERED_HEADER))
     headers = {
         k: v for k, v in raw.items()
@@ -71,5 +87,5 @@ def incoming(message: AbstractIncomingMessage) -> Delivery:
         content_type=message.content_type,
         message_id=message.message_id,
         redelivered=redelivered,
-        user_id=message.user_id,
+        user_id=None if user_id is None else str(user_id),
     )

@@ -12,6 +12,9 @@ from apiary.early_stopping import EarlyStopping, best_round, decide, missing_met
 from apiary.jobspec import JobSpec
 
 PENDING, DONE, FAILED, NONE = "pending", "done", "failed", "none"  # an evaluation's status; none: no function
+# The least time an init or evaluate task is given (the user's code, and a worker to take it): a round's
+# aggregation_timeout may be seconds, while a first call imports the job's libraries.
+MIN_TASK_TIMEOUT = 600.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,11 @@ def evaluation_due(spec: JobSpec, round_index: int, evaluates: bool | None) -> b
         return False
     every = spec.distributed.evaluate_every
     return round_index == spec.distributed.num_rounds or (every > 0 and round_index % every == 0)
+
+
+def task_timeout(spec: JobSpec) -> float:
+    """Seconds an init or evaluate task may take before the scheduler stops waiting for it."""
+    return max(spec.distributed.aggregation_timeout, MIN_TASK_TIMEOUT)
 
 
 def task_worker(spec: JobSpec, online: set[str], turn: int = 0) -> str | None:

@@ -36,7 +36,7 @@ from apiary.storage import ObjectNotFound, Storage
 from apiary.weights import WeightsError
 from services.scheduler import store
 from services.scheduler.commands import JobCommands
-from services.scheduler.evaluation import DONE, FAILED, NONE, PENDING, evaluation_due
+from services.scheduler.evaluation import DONE, FAILED, NONE, PENDING, evaluation_due, task_timeout
 from services.scheduler.finishing import JobFinisher
 from services.scheduler.models import checked_initial_weights, initial_weights, no_initial_weights
 from services.scheduler.rounds import (
@@ -157,13 +157,14 @@ class SchedulerHandlers:
             await self._close_round(tx, event.job_id, event.round, event.attempt, RoundStatus.AGGREGATED,
                                     weights_key=event.weights.key, metrics=event.metrics)
             await store.set_global_weights(tx, event.job_id, event.weights, event.metrics)
-            if evaluation_due(spec, event.round, job.evaluates):
-                await self._queue_evaluation(tx, job, event)
             if decision.next is Next.FINISH:
                 await store.set_last_round(tx, event.job_id, event.round)
             else:
                 target = RoundTarget(event.job_id, spec, job.shards, event.weights, decision.round, decision.attempt)
                 await self._start_round(tx, target, prefer=event.trained_by)
+            # Queued after the next round's assignments: a worker takes its training first.
+            if evaluation_due(spec, event.round, job.evaluates):
+                await self._queue_evaluation(tx, job, event)
         await self._finisher.settle(event.job_id)
 
     async def _queue_evaluation(self, tx: Executor, job: Job, event: RoundAggregated) -> None:
@@ -203,15 +204,15 @@ class SchedulerHandlers:
             job = await store.job(self._db, event.job_id)
             if job is None or job.status.terminal:
                 return
-            timeout = job.spec.distributed.aggregation_timeout
+            timeout = task_timeout(job.spec)
             if event.task == INIT:
                 if job.status == JobStatus.RUNNING and (job.round, job.attempt) == (0, event.attempt):
                     await self._fail(event.job_id, f"initial weights: no worker ran fl_init_weights within "
-                                                   f"{timeout:.0f}s (aggregation_timeout)", 0)
+                                                   f"{timeout:.0f}s", 0)
                 return
             if await store.evaluation_status(self._db, event.job_id, event.round) != PENDING:
                 return
-            why = f"no worker reported it within {timeout:.0f}s (aggregation_timeout)"
+            why = f"no worker reported it within {timeout:.0f}s"
             log.warning("job %s: evaluation of round %d failed: %s", event.job_id, event.round, why)
             async with self._db.transaction() as tx:
                 await store.settle_evaluation(tx, event.job_id, event.round, FAILED, time.time(), error=why)

@@ -8,7 +8,7 @@ from apiary.contracts import EVALUATE, INIT, Assignment, ObjectRef, TaskKind, Ta
 from apiary.jobspec import JobSpec
 from apiary.outbox import Pending
 from apiary.storage import Storage
-from services.scheduler.evaluation import task_worker
+from services.scheduler.evaluation import task_timeout, task_worker
 from services.scheduler.rounds import Queue, Route
 from services.scheduler.routing import AssignmentRouter
 
@@ -22,15 +22,14 @@ class TaskQueue:
     async def init(self, job_id: str, spec: JobSpec, attempt: int, online: set[str], now: float) -> list[Pending]:
         """Round 0: a worker runs the module's fl_init_weights and uploads the result as round 1's weights."""
         target = keys.global_weights(job_id, 0)
-        timeout = spec.distributed.aggregation_timeout
-        upload = self._storage.presign_put(target, int(timeout + self._presign_ttl))
+        upload = self._storage.presign_put(target, int(task_timeout(spec) + self._presign_ttl))
         return await self._queued(job_id, spec, INIT, 0, attempt, online, now,
                                   upload_url=upload, result_key=target, env=spec.env(0))
 
     async def evaluate(self, job_id: str, spec: JobSpec, round_index: int, attempt: int, weights: ObjectRef,
                        online: set[str], now: float) -> list[Pending]:
         """A worker evaluates the round's global weights with the module's fl_evaluate_model."""
-        ttl = int(spec.distributed.aggregation_timeout + self._presign_ttl)
+        ttl = int(task_timeout(spec) + self._presign_ttl)
         return await self._queued(job_id, spec, EVALUATE, round_index, attempt, online, now,
                                   weights_url=self._storage.presign_get(weights.key, ttl),
                                   weights_sha256=weights.sha256, env=spec.env(round_index))
@@ -38,7 +37,7 @@ class TaskQueue:
     async def _queued(self, job_id: str, spec: JobSpec, task: TaskKind, round_index: int, attempt: int,
                       online: set[str], now: float, **fields: object) -> list[Pending]:
         """The assignment on its queue, then its delayed timeout."""
-        timeout = spec.distributed.aggregation_timeout
+        timeout = task_timeout(spec)
         worker = task_worker(spec, online, round_index)
         ended = self._storage.presign_get(keys.job_ended(job_id), int(timeout + self._presign_ttl))
         assignment = Assignment.model_validate({

@@ -16,7 +16,6 @@ from apiary.backoff import while_unavailable
 from apiary.bus import publish_event
 from apiary.contracts import INIT, Assignment, ObjectRef, RoundEvaluated, WeightsInitialized
 from apiary.trainers import EVALUATE_FUNCTION, INIT_FUNCTION, TrainCall, TrainerError, UserCodeRunner
-from apiary.weights import read_header
 from services.worker import transfers
 
 if TYPE_CHECKING:
@@ -60,12 +59,13 @@ class TaskRun:
         try:
             if not await self._runner().init_task(self.call, timeout=self._timeout()):
                 return done.model_copy(update={"found": False})
+            # Written by the child as safetensors; the scheduler checks them before any round starts from them
+            # (this process never loads torch).
             data = await asyncio.to_thread(target.read_bytes)
-            read_header(data)  # safetensors, checked here before any worker downloads it
             await transfer.upload(a.upload_url, target, deadline=a.deadline)
         except TrainerError as e:
             return done.model_copy(update={"error": str(e)})
-        except (*transfers.UPLOAD_ERRORS, ValueError) as e:
+        except transfers.UPLOAD_ERRORS as e:
             return done.model_copy(update={"error": f"initial weights could not be stored: {e}"})
         ref = ObjectRef(key=a.result_key, size=len(data), sha256=hashlib.sha256(data).hexdigest())
         return done.model_copy(update={"weights": ref})

@@ -2,7 +2,7 @@
 
 env MODE picks a behaviour: ok (default), raise, exit, hang, nan, badshape, zero_samples, slow.
 env FAIL_SHARDS (a list) limits a failure mode to those shards; the others behave normally.
-env EVAL_MODE raise makes fl_evaluate_model fail (in the rounds EVAL_FAIL_ROUNDS lists, or every round).
+env EVAL_MODE raise or slow makes fl_evaluate_model fail or sleep (in the rounds EVAL_FAIL_ROUNDS lists, or all).
 """
 
 from __future__ import annotations
@@ -79,8 +79,11 @@ def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) ->
 
 def fl_evaluate_model(weights: dict[str, torch.Tensor], env: dict[str, Any]) -> dict[str, float]:
     """A metric computed from the weights, so the test can check evaluation ran on them; env EVAL_MODE
-    raise (in the rounds listed in EVAL_FAIL_ROUNDS, or all) makes it fail."""
+    raise or slow (in the rounds listed in EVAL_FAIL_ROUNDS, or all) makes it fail, or sleep EVAL_SECONDS."""
     fail_rounds = env.get("EVAL_FAIL_ROUNDS")
-    if env.get("EVAL_MODE") == "raise" and (fail_rounds is None or env.get("ROUND") in fail_rounds):
-        raise RuntimeError(f"toy evaluation failure in round {env.get('ROUND')}")
+    if fail_rounds is None or env.get("ROUND") in fail_rounds:
+        if env.get("EVAL_MODE") == "raise":
+            raise RuntimeError(f"toy evaluation failure in round {env.get('ROUND')}")
+        if env.get("EVAL_MODE") == "slow":
+            time.sleep(float(env.get("EVAL_SECONDS", 2.0)))
     return {"weight_sum": float(weights["layer.weight"].sum())}

@@ -108,3 +108,10 @@ def test_keep_best_picks_the_best_round_at_the_end_too() -> None:
     end = ending(spec, 3, True, rounds, evaluations)
     assert end == Ending(3, 2)
     assert final_metrics(2, rounds, evaluations) == {"loss": 0.5, "acc": 0.8}
+
+
+def test_tasks_get_at_least_ten_minutes_whatever_the_rounds_timeout() -> None:
+    from services.scheduler.evaluation import task_timeout
+
+    assert task_timeout(_spec(aggregation_timeout=8)) == 600.0
+    assert task_timeout(_spec(aggregation_timeout=3600)) == 3600.0

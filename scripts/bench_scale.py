@@ -21,10 +21,12 @@ Figures, for each K and replica count:
 - CPU seconds per round of each service (all its replicas, user + system from /proc/<pid>/stat), of the
   simulated workers' process, RabbitMQ and PostgreSQL, over rounds 2..R.
 
-Reference in the same run: Flower 1.42's single-process simulation of K no-op clients (scripts/bench_flower.py,
-same 100k... model shapes at --params), in a Python that has `flwr[simulation]` (--flower-python).
+Reference in the same run, measured first: Flower 1.42's single-process simulation of K no-op clients
+(scripts/bench_flower.py: the same toy model, 100k parameters, the weights returned as received; its round
+time is the median time between consecutive rounds' ends), in a Python that has `flwr[simulation]`
+(--flower-python; e.g. a venv with ray and flwr's own dependencies).
 
-Usage: python scripts/bench_scale.py [--k 10 100 1000] [--replicas 1 2] [--rounds 3] [--params 10000]
+Usage: python scripts/bench_scale.py [--k 10 100 1000] [--replicas 1 2] [--rounds 3] [--params 100000]
                                      [--flower-python PY] [--plot docs/scale.png]
 """
 
@@ -60,15 +62,21 @@ POSTGRES = os.environ.get("APIARY_BENCH_POSTGRES_URL", "postgresql://postgres@12
 WORKERS_PER_CONNECTION = 100  # each worker holds 4 channels; RabbitMQ allows 2047 a connection
 
 
-def _service_cpu(processes: Mapping[str, subprocess.Popen[bytes]]) -> dict[str, float]:
-    """CPU seconds so far of each service (its replicas summed), RabbitMQ and PostgreSQL."""
-    cpu: dict[str, float] = {}
+def _cpu_snapshot(processes: Mapping[str, subprocess.Popen[bytes]]) -> dict[str, dict[int, float]]:
+    """CPU seconds so far by service (its replicas) and pid, and of RabbitMQ and PostgreSQL (a process per
+    connection)."""
+    cpu: dict[str, dict[int, float]] = {}
     for name, process in processes.items():
-        service = name.split("-")[0]
-        cpu[service] = cpu.get(service, 0.0) + _cpu_seconds(process.pid)
+        cpu.setdefault(name.split("-")[0], {})[process.pid] = _cpu_seconds(process.pid)
     servers = _cpu_by_command(("beam.smp", "postgres"))
-    cpu["rabbitmq"], cpu["postgresql"] = sum(servers["beam.smp"].values()), sum(servers["postgres"].values())
+    cpu["rabbitmq"], cpu["postgresql"] = servers["beam.smp"], servers["postgres"]
     return cpu
+
+
+def _cpu_spent(before: dict[str, dict[int, float]], after: dict[str, dict[int, float]]) -> dict[str, float]:
+    """CPU seconds between two snapshots by service (a process that exited in between is not counted)."""
+    return {kind: sum(t - before.get(kind, {}).get(pid, 0.0) for pid, t in pids.items())
+            for kind, pids in after.items()}
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:
@@ -88,8 +96,40 @@ def simulated_workers(env: dict[str, str], k: int, log: Path, times: Path) -> su
                             env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def run(k: int, replicas: int, rounds: int, params: int, tmp: Path) -> dict[str, Any]:
-    """One deployment, one job of `rounds` rounds and K contributions each; its figures."""
+def profile(processes: Mapping[str, subprocess.Popen[bytes]], seconds: int, folder: Path) -> None:
+    """Sample each process with py-spy for `seconds` (collapsed stacks, FOLDER/NAME.txt), in the background."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, process in processes.items():
+        subprocess.Popen(["py-spy", "record", "--format", "raw", "--rate", "50", "--duration", str(seconds),
+                          "--output", str(folder / f"{name}.txt"), "--pid", str(process.pid)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def wait_rounds(cluster: Cluster, job_id: str, k: int, stall: float = 60.0) -> dict[str, Any]:
+    """The job's row once it ended; RuntimeError if a round stays open `stall` s after its K-th contribution
+    was recorded (no aggregator replica closes it), rather than waiting for its timeout."""
+
+    def ended_or_stalled() -> dict[str, Any] | None:
+        job = cluster.job(job_id)
+        if job is not None and job["status"] in ("completed", "failed", "cancelled"):
+            return job
+        stuck = cluster.query(
+            "SELECT a.round, max(c.received_at) AS last FROM aggregations a JOIN contributions c"
+            " ON (c.job_id, c.round, c.attempt) = (a.job_id, a.round, a.attempt)"
+            " WHERE a.job_id = $1 AND a.status = 'open' GROUP BY a.round HAVING count(*) >= $2", job_id, k)
+        for row in stuck:
+            if time.time() - row["last"] > stall:
+                raise RuntimeError(f"round {row['round']} stalled: all {k} contributions recorded, the round still "
+                                   f"open {stall:.0f} s later")
+        return None
+
+    return dict(cluster.wait_for(ended_or_stalled, 3600, f"job {job_id} to end", interval=2))
+
+
+def run(k: int, replicas: int, rounds: int, params: int, tmp: Path, profile_to: Path | None = None,
+        aggregators: int | None = None) -> dict[str, Any]:
+    """One deployment (`replicas` of each service; `aggregators` of the aggregator if given), one job of
+    `rounds` rounds and K contributions each; its figures."""
     db = f"apiary_bench_{uuid.uuid4().hex[:8]}"
     admin(f'CREATE DATABASE "{db}"')
     exchange = f"apiary_bench_{uuid.uuid4().hex[:8]}"
@@ -100,7 +140,8 @@ def run(k: int, replicas: int, rounds: int, params: int, tmp: Path) -> dict[str,
     try:
         cluster.start(workers=0, **deployed)
         for name in SERVICES:
-            for index in range(2, replicas + 1):
+            count = aggregators if name == "aggregator" and aggregators is not None else replicas
+            for index in range(2, count + 1):
                 cluster.start_replica(name, index, **deployed)
         sim = simulated_workers(cluster.env(**deployed), k, cluster.logs / "simulated.log", times)
         cluster.processes["simulated"] = sim
@@ -114,12 +155,14 @@ def run(k: int, replicas: int, rounds: int, params: int, tmp: Path) -> dict[str,
         })
         cluster.wait_for(lambda: cluster.query("SELECT 1 FROM rounds WHERE job_id = $1 AND round = 2", job_id),
                          1800, "round 2", interval=0.5)
-        before = _service_cpu(cluster.processes)
-        job = cluster.wait_job(job_id, timeout=3600, interval=2)
-        after = _service_cpu(cluster.processes)
+        before = _cpu_snapshot(cluster.processes)
+        if profile_to is not None:
+            profile(cluster.processes, 30, profile_to / f"k{k}-r{replicas}")
+        job = wait_rounds(cluster, job_id, k)
+        after = _cpu_snapshot(cluster.processes)
         if job["status"] != "completed":
             raise RuntimeError(f"benchmark job {job['status']}: {job['reason']}")
-        return _figures(cluster, job_id, k, rounds, times, {n: after[n] - before.get(n, 0.0) for n in after})
+        return _figures(cluster, job_id, k, rounds, times, _cpu_spent(before, after))
     finally:
         cluster.stop_all()
         from tests.fixtures.services import delete_rabbit_namespace
@@ -253,8 +296,10 @@ def plot(results: dict[int, dict[int, dict[str, Any]]], flower: dict[int, float]
     fig, ax = plt.subplots(figsize=(6, 4))
     for replicas, by_k in sorted(results.items()):
         ks = sorted(by_k)
+        single = replicas > 1 and any(by_k[k].get("aggregators") == 1 for k in ks)
         ax.plot(ks, [by_k[k]["round_s"] for k in ks], marker="o",
-                label=f"Apiary, {replicas} replica{'s' if replicas > 1 else ''} of each service")
+                label=f"Apiary, {replicas} replica{'s' if replicas > 1 else ''} of each service"
+                      + (" (one aggregator)" if single else ""))
     if flower:
         ks = sorted(flower)
         ax.plot(ks, [flower[k] for k in ks], marker="s", linestyle="--", label="Flower 1.42 simulation")
@@ -293,9 +338,16 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[10, 100, 1000])
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--params", type=int, default=10_000, help="parameters of the toy model's weights")
+    parser.add_argument("--params", type=int, default=100_000,
+                        help="parameters of the toy model's weights (scripts/bench_flower.py's model has 100k)")
     parser.add_argument("--flower-python", help="a Python with flwr[simulation]: measure Flower's reference now")
     parser.add_argument("--plot", type=Path, default=REPO / "docs" / "scale.png")
+    parser.add_argument("--one-aggregator", action="store_true",
+                        help="one aggregator whatever --replicas says (the others replicated)")
+    parser.add_argument("--results", type=Path, default=REPO / "docs" / "scale.json",
+                        help="where the figures are written (JSON); with --keep, earlier ones there are kept")
+    parser.add_argument("--keep", action="store_true", help="add to the figures already in --results")
+    parser.add_argument("--profile", type=Path, help="py-spy each process for 30 s from round 2 on, into this folder")
     parser.add_argument("--simulate", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--times", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -307,18 +359,40 @@ def main() -> None:
         return
     if args.rounds < 2:
         parser.error("--rounds must be at least 2: round 1 pays the shard downloads and is not measured")
-    flower: dict[int, float] = {}
+    results, flower = load(args.results) if args.keep else ({}, {})
     if args.flower_python:
-        flower = measure_flower(args.flower_python, [max(args.k)], args.rounds)
-    results: dict[int, dict[int, dict[str, Any]]] = {}
+        flower.update(measure_flower(args.flower_python, args.k, args.rounds))
+        print("Flower 1.42 simulation: " + ", ".join(f"K={k} {v:.2f} s" for k, v in sorted(flower.items())), flush=True)
     with tempfile.TemporaryDirectory(prefix="apiary-scale-") as tmp:
         for replicas in args.replicas:
             for k in args.k:
-                results.setdefault(replicas, {})[k] = run(k, replicas, args.rounds, args.params, Path(tmp))
-                print(f"replicas={replicas} K={k}: {json.dumps(results[replicas][k])}", flush=True)
+                try:
+                    figures = run(k, replicas, args.rounds, args.params, Path(tmp), args.profile,
+                                  1 if args.one_aggregator else None)
+                except RuntimeError as e:
+                    print(f"replicas={replicas} K={k}: {e}", flush=True)
+                    continue
+                figures["aggregators"] = 1 if args.one_aggregator else replicas
+                results.setdefault(replicas, {})[k] = figures
+                print(f"replicas={replicas} K={k}: {json.dumps(figures)}", flush=True)
+                save(args.results, results, flower)
+    save(args.results, results, flower)
     report(results, flower)
     plot(results, flower, args.plot)
-    print(json.dumps({"apiary": results, "flower": flower}))
+
+
+def save(path: Path, results: dict[int, dict[int, dict[str, Any]]], flower: dict[int, float]) -> None:
+    """Write the figures (JSON)."""
+    path.write_text(json.dumps({"apiary": results, "flower": flower}, indent=1, sort_keys=True) + "\n")
+
+
+def load(path: Path) -> tuple[dict[int, dict[int, dict[str, Any]]], dict[int, float]]:
+    """The figures written by `save` (none if there is no such file)."""
+    if not path.is_file():
+        return {}, {}
+    data = json.loads(path.read_text())
+    apiary = {int(r): {int(k): v for k, v in by_k.items()} for r, by_k in data["apiary"].items()}
+    return apiary, {int(k): float(v) for k, v in data["flower"].items()}
 
 
 if __name__ == "__main__":

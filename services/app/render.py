@@ -157,7 +157,8 @@ def print_summary(result: dict[str, Any]) -> None:
     if result["final_model"]:
         results.print(f"final model: {result['final_model']}")
     if result["reason"]:
-        results.print(f"[red]reason:[/red] {result['reason']}")
+        # A completed job's reason is not a failure: it stopped early, or its last evaluation failed.
+        results.print(f"[{'yellow' if ok else 'red'}]reason:[/] {result['reason']}")
 
 
 __all__ = ["STATE_STYLE", "data_table", "label_text", "print_summary", "render_job", "strategy_text", "summary"]

@@ -17,13 +17,14 @@ from typing import Any
 import psutil
 
 from tests.fixtures.embedded import REPO, toy_request
+from tests.fixtures.policy import foreign
 
 SLOW = {"mode": "slow", "slow_seconds": 60}  # a shard still training when the run is stopped
 NOISE = ("Traceback", "KeyboardInterrupt")  # what no spawned process may print
 
 
 def _environment(home: Path) -> dict[str, str]:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("APIARY_")}
+    environment = {k: v for k, v in os.environ.items() if not foreign(k)}
     environment.update({"APIARY_HOME": str(home), "PYTHONPATH": str(REPO)})
     return environment
 

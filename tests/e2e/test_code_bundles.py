@@ -19,6 +19,7 @@ from apiary import bundle, keys
 from apiary.weights import dumps, loads
 from services.tracker.client import TrackerError
 from tests.fixtures.embedded import REPO, StackFactory, toy_request
+from tests.fixtures.policy import foreign
 from tests.toyjobs.toy import make_dataset
 
 MODULE = "shippedtoy.train"  # importable from nowhere but its bundle
@@ -163,7 +164,7 @@ def test_apiary_run_packs_and_ships_a_job_files_code_folder(tmp_path: Path) -> N
     _checkpoint(project / "init.safetensors")
     request = _request(make_dataset(project / "data", 6), Path("init.safetensors"), "src")
     (project / "job.json").write_text(json.dumps(request))
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("APIARY_")}
+    environment = {k: v for k, v in os.environ.items() if not foreign(k)}
     environment.update({"APIARY_HOME": str(tmp_path / ".apiary"), "PYTHONPATH": str(REPO)})
 
     run = subprocess.run([sys.executable, "-m", "services.app.cli", "run", "job.json", "--workers", "1", "--json",
@@ -183,7 +184,7 @@ def test_apiary_run_names_an_entrypoint_absent_from_the_code_folder(tmp_path: Pa
     request = _request(toy_dataset, _checkpoint(tmp_path / "init.safetensors"), "src",
                        entrypoint="shippedtoy.missing:fl_train_model")
     (tmp_path / "job.json").write_text(json.dumps(request))
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("APIARY_")}
+    environment = {k: v for k, v in os.environ.items() if not foreign(k)}
     environment.update({"APIARY_HOME": str(tmp_path / ".apiary"), "PYTHONPATH": str(REPO)})
 
     run = subprocess.run([sys.executable, "-m", "services.app.cli", "run", str(tmp_path / "job.json")],

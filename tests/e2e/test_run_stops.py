@@ -16,6 +16,7 @@ import pytest
 
 from services.app.runtime import ORPHANED, DatabaseInUse
 from tests.fixtures.embedded import REPO, StackFactory, toy_request
+from tests.fixtures.policy import foreign
 
 SLOW = {"mode": "slow", "slow_seconds": 60}  # a shard that is still training when the run is stopped
 
@@ -27,7 +28,7 @@ def _job_file(tmp_path: Path, dataset: Path, **distributed: int) -> Path:
 
 
 def _start(job: Path, home: Path, *args: str) -> subprocess.Popen[str]:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("APIARY_")}
+    environment = {k: v for k, v in os.environ.items() if not foreign(k)}
     environment["APIARY_HOME"] = str(home)
     # Ctrl-C reaches the run as at a terminal, even where this test runs with SIGINT ignored.
     return subprocess.Popen(

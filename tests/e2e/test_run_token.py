@@ -15,6 +15,7 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 
 from tests.fixtures.embedded import REPO, toy_request
+from tests.fixtures.policy import foreign
 from tests.toyjobs.toy import make_dataset
 
 SLOW = {"mode": "slow", "slow_seconds": 60}  # still training when the test looks
@@ -22,7 +23,7 @@ SLOW = {"mode": "slow", "slow_seconds": 60}  # still training when the test look
 
 def _environment(home: Path) -> dict[str, str]:
     keep = ("APIARY_ALLOWED_ENTRYPOINTS", "APIARY_DATA_ROOTS")  # the test session's policy
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("APIARY_") or k in keep}
+    environment = {k: v for k, v in os.environ.items() if not foreign(k) or k in keep}
     environment.update({"APIARY_HOME": str(home), "PYTHONPATH": str(REPO), "APIARY_HTTP_PORT": "0",
                         "COLUMNS": "80"})
     return environment

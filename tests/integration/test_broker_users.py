@@ -25,6 +25,7 @@ from services.app import broker_setup
 from services.app.broker_setup import SetupResult
 from services.worker import Worker
 from tests.fixtures.cluster import SERVICES, Cluster
+from tests.fixtures.policy import foreign
 from tests.fixtures.services import AMQP_URL
 from tests.toyjobs.toy import make_dataset
 
@@ -217,7 +218,7 @@ def test_a_job_runs_with_every_process_on_its_own_broker_user(cluster: Cluster, 
 
 def test_a_worker_started_before_the_services_says_so_in_one_line(deployment: Deployment, tmp_path: Path) -> None:
     # Prepare: the vhost has users but no exchange yet (no service has connected)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("APIARY_")}
+    env = {k: v for k, v in os.environ.items() if not foreign(k)}
     env.update({"APIARY_BUS_URL": deployment.url("w1"), "APIARY_HOME": str(tmp_path / "w1")})
 
     # Execute

@@ -17,7 +17,7 @@ from apiary.policy import LIMITS, Refused, check_zip
 
 MANIFEST = "manifest.json"
 # What reading a damaged archive raises (bad CRC, header, compression method, stream): the data's fault.
-UNREADABLE = (zipfile.BadZipFile, zlib.error, NotImplementedError, EOFError, OSError, ValueError)
+UNREADABLE = (zipfile.BadZipFile, zlib.error, NotImplementedError, EOFError, OSError, ValueError, RuntimeError)
 
 
 class DatasetError(ValueError):
@@ -82,7 +82,7 @@ def open_zip(path: Path) -> zipfile.ZipFile:
     path, `..` or a symbolic link, and no expansion past the limits; else DatasetError naming the member."""
     try:
         zf = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+    except UNREADABLE as e:
         raise DatasetError(f"dataset {path} is not a readable zip file: {e}") from e
     try:
         check_zip(zf, f"dataset {path}", path.stat().st_size)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from apiary.dataset import MANIFEST, DatasetError, open_zip
+from apiary.dataset import MANIFEST, UNREADABLE, DatasetError, open_zip
 from apiary.trainers.causal_lm_data import SHAPES, record_shape
 
 JSONL = ".jsonl"
@@ -99,8 +99,11 @@ def _jsonl_bytes(path: Path) -> tuple[str, bytes] | None:
     found = _jsonl_member(path)
     if found is None:
         return None
-    with _open_member(path, found[1]) as lines:
-        return found[0], lines.read()
+    try:
+        with _open_member(path, found[1]) as lines:
+            return found[0], lines.read()
+    except UNREADABLE as e:  # a damaged or encrypted zip member
+        raise DatasetError(f"dataset {path}: {found[0]} cannot be read: {e}") from None
 
 
 def _jsonl_member(path: Path) -> tuple[str, str] | None:

@@ -12,12 +12,13 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from apiary.dataset import DatasetError, DatasetSource, Manifest, extract_shard
 from apiary.dataset_text import TextDataset, parse_records
 from apiary.weights import WeightsError, loads, read_header
+from tests.fuzz.found import ZIPS
 from tests.fuzz.profile import FUZZ
 
 scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64) | st.floats()
@@ -65,6 +66,8 @@ def damaged(draw: st.DrawFn) -> bytes:
 
 @FUZZ
 @given(data=zips | damaged() | st.binary(max_size=256))
+@example(data=ZIPS[0])
+@example(data=ZIPS[1])
 def test_a_dataset_zip_reads_or_raises_dataset_error_and_never_escapes(data: bytes) -> None:
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
@@ -90,6 +93,8 @@ def test_a_dataset_zip_reads_or_raises_dataset_error_and_never_escapes(data: byt
 
 @FUZZ
 @given(data=st.binary(max_size=256) | zips | damaged())
+@example(data=ZIPS[0])
+@example(data=ZIPS[1])
 def test_a_jsonl_dataset_reads_or_raises_dataset_error(data: bytes) -> None:
     try:
         parse_records(data, "fuzz")

@@ -187,7 +187,7 @@ def write_markdown(outcomes: list[Outcome], path: Path, total_s: float, parallel
     """The results page: how it was measured, the table, the plot."""
     jobs = {name: yaml.safe_load((DIGITS / name).read_text()) for name in ("job.yaml", "job-8workers.yaml")}
     sizes = "; ".join(f"`examples/digits/{name}`: {j['distributed']['num_rounds']} rounds x "
-                      f"{j['config']['epochs']} epochs, learning rate {j['config']['learning_rate']}"
+                      f"{j['config']['epochs']} epoch(s), learning rate {j['config']['learning_rate']}"
                       for name, j in jobs.items())
     lines = [
         "# Accuracy: federated against central training (digits example)",
@@ -218,6 +218,7 @@ def write_plot(outcomes: list[Outcome], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     files = sorted({o.setting.job_file for o in outcomes}, key=lambda f: f != "job.yaml")
     figure, axes = plt.subplots(1, len(files), figsize=(7 * len(files), 5), squeeze=False)
@@ -233,6 +234,7 @@ def write_plot(outcomes: list[Outcome], path: Path) -> None:
             ax.plot(rounds, o.accuracy, marker="o", markersize=3, label=o.setting.name, **style)
         ax.set_title(f"examples/digits/{job_file}")
         ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("held-out accuracy")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)

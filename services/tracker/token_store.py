@@ -4,6 +4,7 @@ of its secret, so the table never holds a usable token."""
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -65,8 +66,6 @@ async def migrate(db: Database) -> None:
 
 async def create(db: Database, name: str, role: str) -> str:
     """A new token for `name` with `role`; only its hash is stored, so this is the one time it is seen."""
-    import re
-
     checked = check_role(role)
     if not re.match(NAME_PATTERN, name):
         raise TokenError(f"token name {name!r} is invalid: expected 1 to 100 letters, digits, '.', '_', '@' or '-'")

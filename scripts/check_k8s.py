@@ -100,9 +100,11 @@ def reference_errors(resources: list[Resource]) -> list[str]:
     """What the schemas cannot check: names that must point at something, and promised settings."""
     names = {(r["kind"], r["metadata"]["name"]) for r in resources}
     deployments = {r["metadata"]["name"]: r for r in resources if r["kind"] == "Deployment"}
+    secrets = {r["metadata"]["name"]: set(r.get("stringData", {})) | set(r.get("data", {}))
+               for r in resources if r["kind"] == "Secret"}
     errors = []
     for name, d in deployments.items():
-        errors += _deployment_errors(name, d, names)
+        errors += _deployment_errors(name, d, names, secrets)
     for r in resources:
         if r["kind"] == "ScaledObject":
             errors += _scaler_errors(r, deployments, names)
@@ -114,7 +116,8 @@ def reference_errors(resources: list[Resource]) -> list[str]:
     return errors
 
 
-def _deployment_errors(name: str, d: Resource, names: set[tuple[str, str]]) -> list[str]:
+def _deployment_errors(name: str, d: Resource, names: set[tuple[str, str]],
+                       secrets: dict[str, set[str]]) -> list[str]:
     errors = []
     pod = d["spec"]["template"]["spec"]
     if pod.get("terminationGracePeriodSeconds", 30) < 30:
@@ -124,6 +127,10 @@ def _deployment_errors(name: str, d: Resource, names: set[tuple[str, str]]) -> l
             for kind, key in (("ConfigMap", "configMapRef"), ("Secret", "secretRef")):
                 if key in source and (kind, source[key]["name"]) not in names:
                     errors.append(f"{name}: {kind} {source[key]['name']} does not exist")
+        for var in c.get("env", []):
+            ref = var.get("valueFrom", {}).get("secretKeyRef")
+            if ref and ref["key"] not in secrets.get(ref["name"], set()):
+                errors.append(f"{name}: {var['name']} reads key {ref['key']!r} of Secret {ref['name']}, which has none")
         ports = {p.get("name") for p in c.get("ports", [])}
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             port = c.get(probe, {}).get("httpGet", {}).get("port")

@@ -41,9 +41,10 @@ def test_workers_scale_on_the_pool_queue_and_stop_gracefully() -> None:
     assert scaler["spec"]["triggers"][0]["metadata"]["queueName"] == "apiary.assign.pool"
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert pod["terminationGracePeriodSeconds"] >= 30
-    # Workers hold the broker's address only: no database or bucket credentials
-    assert [s["secretRef"]["name"] for s in pod["containers"][0]["envFrom"] if "secretRef" in s] == [
-        "apiary-worker-credentials"]
+    # Workers hold their broker login only: no database or bucket credentials
+    container = pod["containers"][0]
+    assert not [s for s in container["envFrom"] if "secretRef" in s]
+    assert {"name": "APIARY_BUS_USER", "value": "apiary-workers"} in container["env"]
 
 
 def test_a_broken_reference_is_reported() -> None:
@@ -51,7 +52,10 @@ def test_a_broken_reference_is_reported() -> None:
     deployment = next(r for r in resources if r["kind"] == "Deployment")
     deployment["spec"]["template"]["spec"]["containers"][0]["envFrom"][0]["configMapRef"]["name"] = "missing"
     deployment["spec"]["replicas"] = "two"
-    assert any("ConfigMap missing does not exist" in e for e in check.reference_errors(resources))
+    deployment["spec"]["template"]["spec"]["containers"][0]["env"][2]["valueFrom"]["secretKeyRef"]["key"] = "nope"
+    errors = check.reference_errors(resources)
+    assert any("ConfigMap missing does not exist" in e for e in errors)
+    assert any("reads key 'nope'" in e for e in errors)
     assert any("spec.replicas" in e for e in check.schema_errors(resources, "1.31.0"))
 
 

@@ -43,7 +43,7 @@ def test_two_replicas_of_each_service_run_two_jobs_exactly_once(
     for job_id, job in zip(jobs, ended, strict=True):
         assert job["status"] == "completed", job["reason"]
         sizes = _assert_once_each(faults, job_id, 3)
-        weights, double = faults.check_exact(job_id, [sizes] * 3)
+        weights, _ = faults.check_exact(job_id, [sizes] * 3)
         view = faults.cluster.wait_for(lambda j=job_id: (v := faults.status_cli(j)[0])["status"] == "completed"
                                        and v, 60, "the tracker to show the job completed")
         assert [r["round"] for r in view["rounds"]] == [1, 2, 3]

@@ -18,6 +18,7 @@ from apiary import keys
 from apiary.bus import publish_event
 from apiary.contracts import RoundEvaluated
 from apiary.weights import loads
+from tests.faults.support import process_alive
 from tests.fixtures.embedded import StackFactory, toy_request
 
 # The variable naming tests.toyjobs.witness's file (that module is never imported here: its import is the
@@ -155,3 +156,38 @@ async def _until_events(stack: Any, job_id: str, key: str, count: int, timeout: 
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"{count} {key} events of job {job_id} not seen within {timeout}s")
+
+
+async def test_cancelling_a_job_waiting_for_its_last_evaluation_stops_it_and_frees_the_worker(
+        embedded: StackFactory, toy_dataset: Path) -> None:
+    # Prepare: the only worker is 10 minutes into the last round's evaluation
+    slow = {**toy_request(toy_dataset, num_rounds=1, min_workers=1, max_workers=1),
+            "config": {"eval_mode": "slow", "eval_seconds": 600}}
+    quick = toy_request(toy_dataset, num_rounds=1, min_workers=1, max_workers=1)
+    async with embedded(workers=1) as stack:
+        worker = stack.workers[0]
+        slow_id = await stack.submit(slow)
+        await _until(lambda: worker.state == "evaluate", "the worker to evaluate")
+        child = worker.runner.pid
+
+        # Execute
+        cancelled = await stack.cancel(slow_id, "cancelled by user")
+        done = await stack.wait(await stack.submit(quick), timeout=120)
+        reports = await stack.ports.db.fetchval(
+            "SELECT COUNT(*) FROM events WHERE job_id = $1 AND routing_key = 'round.evaluated'", slow_id)
+
+    # Assert: the job ended as cancelled, its evaluation's child was stopped and reported nothing, and the
+    # worker ran the next job long before the evaluation would have ended
+    assert cancelled is not None and cancelled["status"] == "cancelled"
+    assert done["status"] == "completed", done.get("reason")
+    assert child is not None and not process_alive(child)
+    assert reports == 0
+
+
+async def _until(check: Any, what: str, timeout: float = 60) -> None:
+    """Poll `check()` until it is true; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout}s")
+        await asyncio.sleep(0.05)

@@ -80,6 +80,7 @@ def _open(request: urllib.request.Request, what: str) -> http.client.HTTPRespons
         response: http.client.HTTPResponse = _opener.open(request, timeout=TIMEOUT)
         return response
     except urllib.error.HTTPError as e:
+        e.close()  # its connection, with the error's body unread
         if e.code >= 500 or e.code == 429:
             raise _Transient(f"HTTP {e.code}") from e
         if e.code == 416:
@@ -203,6 +204,9 @@ def _probe(url: str, limit: int) -> bytes | None:
     try:
         with _opener.open(url, timeout=TIMEOUT) as response:
             return bytes(response.read(limit))
+    except urllib.error.HTTPError as e:
+        e.close()
+        return None
     except (OSError, http.client.HTTPException):
         # Missing (404; 403 where the signer may not list the bucket), or unreachable.
         return None

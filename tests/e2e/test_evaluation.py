@@ -191,3 +191,28 @@ async def _until(check: Any, what: str, timeout: float = 60) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} did not happen within {timeout}s")
         await asyncio.sleep(0.05)
+
+
+async def test_a_module_without_fl_evaluate_model_is_judged_by_its_aggregated_metrics(
+        embedded: StackFactory, toy_dataset: Path) -> None:
+    # Prepare: the toy's loss falls every round, so with mode max round 1 stays the best
+    request = {**toy_request(toy_dataset, num_rounds=6, early_stopping={"metric": "loss", "mode": "max",
+                                                                          "patience": 1}),
+               "entrypoint": "tests.toyjobs.noeval:fl_train_model"}
+
+    # Execute
+    async with embedded(workers=2) as stack:
+        job_id = await stack.submit(request)
+        view = await stack.wait(job_id, timeout=120)
+        final = await stack.ports.storage.get_bytes(keys.final_model(job_id))
+        best = await stack.ports.storage.get_bytes(keys.global_weights(job_id, 1))
+        evaluations = await stack.ports.db.fetch("SELECT round, status FROM evaluations WHERE job_id = $1", job_id)
+
+    # Assert: round 1's evaluate task found no function (a round aggregated before that was known may have
+    # asked too), and early stopping read the aggregated loss
+    assert view["status"] == "completed", view.get("reason")
+    assert view["reason"] == "stopped early at round 2: loss has not improved for 1 round"
+    assert final == best
+    assert (1, "none") in [(e["round"], e["status"]) for e in evaluations]
+    assert {e["status"] for e in evaluations} == {"none"}
+    assert not any(r["evaluation"] for r in view["rounds"])

@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from bench_round import _cpu_by_command, _cpu_seconds, admin, measure_flower  # noqa: E402
 
+from apiary.status import TERMINAL  # noqa: E402
 from tests.fixtures.cluster import SERVICES, Cluster  # noqa: E402
 from tests.toyjobs.toy import make_dataset  # noqa: E402
 
@@ -105,14 +106,15 @@ def profile(processes: Mapping[str, subprocess.Popen[bytes]], seconds: int, fold
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def wait_rounds(cluster: Cluster, job_id: str, k: int, stall: float = 60.0) -> dict[str, Any]:
-    """The job's row once it ended; RuntimeError if a round stays open `stall` s after its K-th contribution
-    was recorded (no aggregator replica closes it), rather than waiting for its timeout."""
+def wait_rounds(cluster: Cluster, job_id: str, k: int, until: Callable[[], Any], what: str,
+                interval: float = 2.0, stall: float = 60.0) -> Any:
+    """Wait until `until()` is truthy and return it; RuntimeError if a round stays open `stall` s after its K-th
+    contribution was recorded (no aggregator replica closes it), rather than waiting for its timeout."""
 
-    def ended_or_stalled() -> dict[str, Any] | None:
-        job = cluster.job(job_id)
-        if job is not None and job["status"] in ("completed", "failed", "cancelled"):
-            return job
+    def done_or_stalled() -> Any:
+        value = until()
+        if value:
+            return value
         stuck = cluster.query(
             "SELECT a.round, max(c.received_at) AS last FROM aggregations a JOIN contributions c"
             " ON (c.job_id, c.round, c.attempt) = (a.job_id, a.round, a.attempt)"
@@ -123,7 +125,7 @@ def wait_rounds(cluster: Cluster, job_id: str, k: int, stall: float = 60.0) -> d
                                    f"open {stall:.0f} s later")
         return None
 
-    return dict(cluster.wait_for(ended_or_stalled, 3600, f"job {job_id} to end", interval=2))
+    return cluster.wait_for(done_or_stalled, 3600, what, interval=interval)
 
 
 def run(k: int, replicas: int, rounds: int, params: int, tmp: Path, profile_to: Path | None = None,
@@ -153,12 +155,13 @@ def run(k: int, replicas: int, rounds: int, params: int, tmp: Path, profile_to: 
             "distributed": {"num_rounds": rounds, "min_workers": k, "max_workers": k,
                             "aggregation_timeout": 1800},
         })
-        cluster.wait_for(lambda: cluster.query("SELECT 1 FROM rounds WHERE job_id = $1 AND round = 2", job_id),
-                         1800, "round 2", interval=0.5)
+        wait_rounds(cluster, job_id, k, lambda: cluster.query(
+            "SELECT 1 FROM rounds WHERE job_id = $1 AND round = 2", job_id), "round 2", interval=0.05)
         before = _cpu_snapshot(cluster.processes)
         if profile_to is not None:
             profile(cluster.processes, 30, profile_to / f"k{k}-r{replicas}")
-        job = wait_rounds(cluster, job_id, k)
+        job = wait_rounds(cluster, job_id, k, lambda: (j := cluster.job(job_id)) and j["status"] in TERMINAL and j,
+                          f"job {job_id} to end")
         after = _cpu_snapshot(cluster.processes)
         if job["status"] != "completed":
             raise RuntimeError(f"benchmark job {job['status']}: {job['reason']}")

@@ -102,13 +102,24 @@ async def test_dataset_without_manifest_fails_the_job(embedded: StackFactory, tm
 
 
 async def test_entrypoint_that_cannot_be_imported_fails_the_job(embedded: StackFactory, toy_dataset: Path) -> None:
-    request = {**toy_request(toy_dataset), "entrypoint": "no_such_pkg.train:fl_train_model"}
+    # Allowed by the entrypoint policy (tests.toyjobs.*), absent on the workers
+    request = {**toy_request(toy_dataset), "entrypoint": "tests.toyjobs.no_such_module:fl_train_model"}
 
     async with embedded(workers=1) as stack:
         view = await stack.wait(await stack.submit(request), timeout=60)
 
     assert view["status"] == "failed"
-    assert "entrypoint module 'no_such_pkg.train' cannot be imported: ModuleNotFoundError" in view["reason"]
+    assert "module 'tests.toyjobs.no_such_module' cannot be imported: ModuleNotFoundError" in view["reason"]
+
+
+async def test_entrypoint_outside_the_allowed_patterns_is_rejected(embedded: StackFactory, toy_dataset: Path) -> None:
+    request = {**toy_request(toy_dataset), "entrypoint": "no_such_pkg.train:fl_train_model"}
+
+    async with embedded(workers=1) as stack:
+        view = await stack.wait(await stack.submit(request), timeout=60)
+
+    assert view["status"] == "rejected"
+    assert "entrypoint: 'no_such_pkg.train:fl_train_model' is not allowed here" in view["reason"]
 
 
 async def test_entrypoint_that_raises_fails_the_job_without_waiting_for_the_timeout(

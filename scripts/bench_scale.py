@@ -129,7 +129,7 @@ def wait_rounds(cluster: Cluster, job_id: str, k: int, until: Callable[[], Any],
 
 
 def run(k: int, replicas: int, rounds: int, params: int, tmp: Path, profile_to: Path | None = None,
-        aggregators: int | None = None) -> dict[str, Any]:
+        aggregators: int | None = None, heartbeat: float = 5.0) -> dict[str, Any]:
     """One deployment (`replicas` of each service; `aggregators` of the aggregator if given), one job of
     `rounds` rounds and K contributions each; its figures."""
     db = f"apiary_bench_{uuid.uuid4().hex[:8]}"
@@ -137,7 +137,9 @@ def run(k: int, replicas: int, rounds: int, params: int, tmp: Path, profile_to: 
     exchange = f"apiary_bench_{uuid.uuid4().hex[:8]}"
     base = tmp / f"k{k}-r{replicas}"
     cluster = Cluster(base, AMQP, exchange, POSTGRES.rsplit("/", 1)[0] + f"/{db}", f"file://{base / 'store'}", "")
-    deployed = {"APIARY_HEARTBEAT_INTERVAL": "5", "APIARY_PROGRESS_INTERVAL": "1"}
+    # The deployed defaults (heartbeats every 5 s, offline after 20 s), or heartbeats every `heartbeat` s.
+    deployed = {"APIARY_HEARTBEAT_INTERVAL": str(heartbeat), "APIARY_WORKER_OFFLINE_AFTER": str(4 * heartbeat),
+                "APIARY_PROGRESS_INTERVAL": "1"}
     times = base / "times.jsonl"
     try:
         cluster.start(workers=0, **deployed)
@@ -301,8 +303,8 @@ def plot(results: dict[int, dict[int, dict[str, Any]]], flower: dict[int, float]
         ks = sorted(by_k)
         single = replicas > 1 and any(by_k[k].get("aggregators") == 1 for k in ks)
         ax.plot(ks, [by_k[k]["round_s"] for k in ks], marker="o",
-                label=f"Apiary, {replicas} replica{'s' if replicas > 1 else ''} of each service"
-                      + (" (one aggregator)" if single else ""))
+                label=(f"Apiary, {replicas} of scheduler, sharder, tracker; 1 aggregator" if single
+                       else f"Apiary, {replicas} replica{'s' if replicas > 1 else ''} of each service"))
     if flower:
         ks = sorted(flower)
         ax.plot(ks, [flower[k] for k in ks], marker="s", linestyle="--", label="Flower 1.42 simulation")
@@ -345,6 +347,8 @@ def main() -> None:
                         help="parameters of the toy model's weights (scripts/bench_flower.py's model has 100k)")
     parser.add_argument("--flower-python", help="a Python with flwr[simulation]: measure Flower's reference now")
     parser.add_argument("--plot", type=Path, default=REPO / "docs" / "scale.png")
+    parser.add_argument("--heartbeat", type=float, default=5.0,
+                        help="workers' heartbeat interval, s (the deployed default: 5; offline after 4 of them)")
     parser.add_argument("--one-aggregator", action="store_true",
                         help="one aggregator whatever --replicas says (the others replicated)")
     parser.add_argument("--results", type=Path, default=REPO / "docs" / "scale.json",
@@ -371,11 +375,12 @@ def main() -> None:
             for k in args.k:
                 try:
                     figures = run(k, replicas, args.rounds, args.params, Path(tmp), args.profile,
-                                  1 if args.one_aggregator else None)
+                                  1 if args.one_aggregator else None, args.heartbeat)
                 except RuntimeError as e:
                     print(f"replicas={replicas} K={k}: {e}", flush=True)
                     continue
                 figures["aggregators"] = 1 if args.one_aggregator else replicas
+                figures["heartbeat_s"] = args.heartbeat
                 results.setdefault(replicas, {})[k] = figures
                 print(f"replicas={replicas} K={k}: {json.dumps(figures)}", flush=True)
                 save(args.results, results, flower)

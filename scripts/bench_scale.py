@@ -256,7 +256,8 @@ async def simulate(k: int, times: Path) -> None:
     trainer = _no_op_trainer(times)
     buses, workers = [], []
     for first in range(0, k, WORKERS_PER_CONNECTION):
-        bus = make_bus(settings.resolved_bus_url(), exchange=settings.exchange, queue_type=settings.queue_type)
+        bus = make_bus(settings.resolved_bus_url(), exchange=settings.exchange, queue_type=settings.queue_type,
+                       delivery_limit=settings.queue_delivery_limit)
         await bus.connect()
         buses.append(bus)
         for i in range(first, min(k, first + WORKERS_PER_CONNECTION)):

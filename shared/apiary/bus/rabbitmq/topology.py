@@ -120,8 +120,8 @@ class Topology:
         except ChannelPreconditionFailed as e:
             raise ValueError(
                 f"queue {self.queue_name(name)!r} exists with other arguments ({e.args[0] if e.args else e}):"
-                f" give every process of the deployment the same APIARY_QUEUE_TYPE (here {self.queue_type}),"
-                " or delete the queue") from None
+                f" give every process of the deployment the same APIARY_QUEUE_TYPE (here {self.queue_type}) and"
+                f" APIARY_QUEUE_DELIVERY_LIMIT (here {self.delivery_limit}), or delete the queue") from None
         self.declared.add(queue.name)
         for pattern in bindings:
             await queue.bind(exchange, pattern)

@@ -1,33 +1,27 @@
 """Moving bytes by URL, for processes that hold no storage credentials (workers).
 
-One HTTP client for the process (the standard library's, through one opener: the system's trust
-store, proxies from the environment) with a timeout (a server that stops answering fails the read in
-`TIMEOUT` s). Transient failures (connection errors, timeouts, a body cut short, 5xx, 429) are
-retried with capped exponential backoff, `RETRY.attempts` times or, given a `deadline`, until then; a
-download that breaks off resumes where it stopped with a `Range` request, so a multi-GB checkpoint is
-not fetched again from its first byte; uploads stream from the file. `file:` URLs (the embedded
+One HTTP client (httpx) with timeouts (a server that stops answering fails the read in
+`TIMEOUT.read` s). Transient failures (connection errors, timeouts, 5xx, 429) are retried with
+capped exponential backoff, `RETRY.attempts` times or, given a `deadline`, until then; a download
+that breaks off resumes where it stopped with a `Range` request, so a multi-GB checkpoint is not
+fetched again from its first byte; uploads stream from the file. `file:` URLs (the embedded
 storage) are copied.
-
-Why not httpx here: every worker makes three requests a round (the job's end marker while it may
-have ended unheard, the global weights, its result), and httpx spends 2-3x the standard library's
-CPU on each (it validates the long presigned query character by character): measured, 2.5 ms
-against 1.2 ms of CPU per worker and round on 400 kB weights, the round benchmark's main regression.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import http.client
 import logging
 import ssl
+import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 from urllib.parse import unquote, urlparse
+
+import httpx
 
 from apiary.backoff import Backoff
 from apiary.storage.base import sha256_file
@@ -39,10 +33,11 @@ log = logging.getLogger("apiary.transfer")
 
 # Some S3 servers reject or stall on a PUT body labelled as a web form.
 OCTET_STREAM = "application/octet-stream"
-# Per connect and per read, not for the whole transfer: a frozen server is given up on (and retried)
+# Per connect / read / write, not for the whole transfer: a frozen server is given up on (and retried)
 # within half a minute, while a slow one that still sends something keeps going.
-TIMEOUT = 30.0
-READ_SIZE = 1024 * 1024  # bytes per read of a download (what a resume may have to fetch again)
+TIMEOUT = httpx.Timeout(30.0, connect=10.0)
+# What another attempt may cure: the network, and a server that is failing or busy.
+_TRANSIENT_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 
 
 class TransferError(Exception):
@@ -50,8 +45,7 @@ class TransferError(Exception):
 
 
 class _Transient(Exception):
-    """A failure worth another attempt: the network, or a response that says "not now" (5xx, 429, a
-    resume the server would not serve)."""
+    """A response worth another attempt (5xx, 429, or a resume the server would not serve)."""
 
 
 # A small cap: a transfer resumes within seconds of the server's return.
@@ -59,8 +53,18 @@ RETRY = Backoff(cap=4.0)
 
 __all__ = ["OCTET_STREAM", "RETRY", "TIMEOUT", "Backoff", "TransferError", "download", "probe", "upload"]
 
-# Built once: `urlopen` with a TLS context builds a new opener (a dozen handlers) for every request.
-_opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=ssl.create_default_context()))
+_client: httpx.Client | None = None
+_client_lock = threading.Lock()
+
+
+def _http() -> httpx.Client:
+    """The process's one HTTP client (thread-safe, pooled), made on first use."""
+    global _client
+    with _client_lock:
+        if _client is None:
+            # The system's trust store, as urllib used before (httpx would default to certifi's).
+            _client = httpx.Client(timeout=TIMEOUT, verify=ssl.create_default_context())
+        return _client
 
 
 def _where(url: str) -> str:
@@ -73,36 +77,12 @@ def _local(url: str) -> Path:
     return Path(unquote(urlparse(url).path))
 
 
-def _open(request: urllib.request.Request, what: str) -> http.client.HTTPResponse:
-    """The response to `request`: _Transient for a failure worth retrying (the network, 5xx, 429),
-    TransferError for an answer that will not change (any other 4xx), HTTPError(416) as it is."""
-    try:
-        response: http.client.HTTPResponse = _opener.open(request, timeout=TIMEOUT)
-        return response
-    except urllib.error.HTTPError as e:
-        e.close()  # its connection, with the error's body unread
-        if e.code >= 500 or e.code == 429:
-            raise _Transient(f"HTTP {e.code}") from e
-        if e.code == 416:
-            raise
-        raise TransferError(f"{what} {_where(request.full_url)} failed: HTTP {e.code}") from e
-    except urllib.error.URLError as e:
-        if not isinstance(e.reason, OSError):
-            raise TransferError(f"{what} {_where(request.full_url)} failed: {e.reason}") from e
-        raise _Transient(str(e.reason)) from e
-    except (OSError, http.client.HTTPException) as e:  # reset or timed out before the answer
-        raise _Transient(str(e) or type(e).__name__) from e
-
-
-def _read(response: http.client.HTTPResponse) -> bytes:
-    """The next bytes of a body; _Transient if the connection breaks or ends before the body does."""
-    try:
-        chunk = response.read(READ_SIZE)
-    except (OSError, http.client.HTTPException) as e:
-        raise _Transient(str(e) or type(e).__name__) from e
-    if not chunk and response.length:  # http.client ends a body cut short without a word
-        raise _Transient(f"connection closed {response.length} bytes before the end of the body")
-    return chunk
+def _check(response: httpx.Response, what: str, url: str) -> None:
+    """Raise _Transient for a response worth retrying, TransferError for any other failure."""
+    if response.status_code >= 500 or response.status_code == 429:
+        raise _Transient(f"HTTP {response.status_code}")
+    if response.is_error:
+        raise TransferError(f"{what} {_where(url)} failed: HTTP {response.status_code}")
 
 
 def _with_retries(what: str, url: str, attempt: Callable[[], T], deadline: float | None = None) -> T:
@@ -113,14 +93,14 @@ def _with_retries(what: str, url: str, attempt: Callable[[], T], deadline: float
     while True:
         try:
             return attempt()
-        except _Transient as e:
+        except (_Transient, *_TRANSIENT_ERRORS) as e:
             failures += 1
             wait = RETRY.delay(failures)
             if (failures >= RETRY.attempts) if deadline is None else (time.time() + wait >= deadline):
                 raise TransferError(f"{what} {_where(url)} failed after {failures} attempts: {e}") from e
             log.warning("%s %s failed (%s); retrying in %g s", what, _where(url), e, wait)
             time.sleep(wait)
-        except OSError as e:  # the local file
+        except (OSError, httpx.HTTPError) as e:
             raise TransferError(f"{what} {_where(url)} failed: {e}") from e
 
 
@@ -149,15 +129,15 @@ class _Partial:
 def _fetch(url: str, part: _Partial) -> None:
     """One GET of what `part` still lacks: the rest of the object by `Range` when it holds some."""
     headers = {"Range": f"bytes={part.size}-"} if part.size else {}
-    try:
-        with _open(urllib.request.Request(url, headers=headers), "download from") as response:
-            if part.size and not (response.headers.get("Content-Range") or "").startswith(f"bytes {part.size}-"):
-                part.restart()  # the server ignored the range and sends the whole object
-            while chunk := _read(response):
-                part.write(chunk)
-    except urllib.error.HTTPError as e:  # 416: the object changed under the resume: start again
-        part.restart()
-        raise _Transient(f"HTTP {e.code} on resume") from e
+    with _http().stream("GET", url, headers=headers) as response:
+        if response.status_code == 416:  # the object changed under the resume: start again
+            part.restart()
+            raise _Transient("HTTP 416 on resume")
+        _check(response, "download from", url)
+        if part.size and not response.headers.get("content-range", "").startswith(f"bytes {part.size}-"):
+            part.restart()  # the server ignored the range and sends the whole object
+        for chunk in response.iter_bytes():
+            part.write(chunk)
 
 
 def _download(url: str, target: Path, deadline: float | None) -> str:
@@ -180,11 +160,10 @@ def _download(url: str, target: Path, deadline: float | None) -> str:
 
 
 def _put(url: str, source: Path) -> None:
-    """One PUT of the file, streamed from disk."""
+    """One PUT of the file, streamed from disk (httpx sends its length from the file's size)."""
     with open(source, "rb") as f:
-        headers = {"Content-Type": OCTET_STREAM, "Content-Length": str(source.stat().st_size)}
-        with _open(urllib.request.Request(url, data=f, method="PUT", headers=headers), "upload to") as response:
-            _read(response)
+        response = _http().put(url, content=f, headers={"Content-Type": OCTET_STREAM})
+    _check(response, "upload to", url)
 
 
 def _upload(url: str, source: Path, deadline: float | None) -> None:
@@ -201,15 +180,18 @@ def _probe(url: str, limit: int) -> bytes | None:
                 return f.read(limit)
         except OSError:
             return None
+    data = b""
     try:
-        with _opener.open(url, timeout=TIMEOUT) as response:
-            return bytes(response.read(limit))
-    except urllib.error.HTTPError as e:
-        e.close()
-        return None
-    except (OSError, http.client.HTTPException):
-        # Missing (404; 403 where the signer may not list the bucket), or unreachable.
-        return None
+        with _http().stream("GET", url, timeout=30.0) as response:
+            if response.is_error:
+                return None  # missing (404; 403 where the signer may not list the bucket)
+            for chunk in response.iter_bytes():
+                data += chunk
+                if len(data) >= limit:
+                    break
+    except httpx.TransportError:
+        return None  # unreachable
+    return data[:limit]
 
 
 async def probe(url: str, limit: int = 64 * 1024) -> bytes | None:

@@ -24,6 +24,11 @@ from services.aggregator.stored import StoredRound
 log = logging.getLogger("apiary.aggregator")
 
 
+def _held(state: RoundState) -> set[int]:
+    """The shards whose contributions this aggregator's running state has taken in."""
+    return {shard for shard, status in state.settled.items() if status == ContributionStatus.ACCEPTED}
+
+
 class RoundCloser:
     """Ends an open round exactly once: its result and the event announcing it commit together."""
 
@@ -33,9 +38,14 @@ class RoundCloser:
     async def close(self, state: RoundState, *, timed_out: bool) -> None:
         """Aggregate or fail the round, inside one span: a child of the round, linked to every
         contribution taken in."""
-        agg = state.agg
         rows = await self._store.contributions(*state.key)
         accepted = [r for r in rows if r["status"] == ContributionStatus.ACCEPTED]
+        if _held(state) != {r["shard"] for r in accepted}:
+            # Another aggregator replica took some of the round's reports: this one's running state
+            # holds only its own, so the round is re-folded from the stored rows (in their order).
+            self._rounds.drop(state.key)
+            state = await self._rounds.load(state.agg)
+        agg = state.agg
         links = [link for r in accepted if (link := telemetry.link_from({"traceparent": r["traceparent"] or ""}))]
         attributes = {"apiary.job_id": agg["job_id"], "apiary.round": agg["round"], "apiary.attempt": agg["attempt"],
                       "apiary.contributions": len(accepted), "apiary.samples": sum(r["samples"] for r in accepted),
@@ -64,8 +74,8 @@ class RoundCloser:
         failed = RoundFailed(job_id=job_id, round=round_index, attempt=attempt, reason=reason,
                              reported=reported, required=state.agg["min_workers"])
         async with self._store.db.transaction() as tx:
-            await self._store.close(tx, state.key, RoundStatus.FAILED, reason=reason)
-            await self._outbox.add(tx, failed)
+            if await self._store.close(tx, state.key, RoundStatus.FAILED, reason=reason):
+                await self._outbox.add(tx, failed)
         self._rounds.drop(state.key)
         await self._outbox.flush()
 
@@ -93,8 +103,11 @@ class RoundCloser:
             metrics=result.metrics, rejected=refused, trained_by={r["shard"]: r["worker_id"] for r in accepted},
         )
         async with self._store.db.transaction() as tx:
-            await self._store.close(tx, state.key, RoundStatus.AGGREGATED, result_key=ref.key, state_key=state_key)
-            await self._outbox.add(tx, done)
+            # Replicas closing at once fold the same stored rows in the same order: the same weights, and
+            # only the first to commit announces them.
+            if await self._store.close(tx, state.key, RoundStatus.AGGREGATED, result_key=ref.key,
+                                       state_key=state_key):
+                await self._outbox.add(tx, done)
         self._rounds.drop(state.key)
         self._rounds.remember_state(job_id, round_index, state_key)
         log.info("job %s: round %d aggregated from %d shards (%d samples)%s", job_id, round_index,

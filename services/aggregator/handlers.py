@@ -207,7 +207,9 @@ class Aggregator(Component):
             log.info("job %s %s: its open round closed", event.job_id, status)
 
     async def _maybe_close(self, state: RoundState) -> None:
-        if all_settled(state.settled, state.shards):
+        # Another aggregator replica may have settled the shards this one has not seen: the table counts all.
+        if all_settled(state.settled, state.shards) or (
+                await self.store.settled_shards(*state.key) >= len(state.shards)):
             # A last shard settled after the deadline (a straggler stopped there) ends a round that timed out.
             await self._closer.close(state, timed_out=past_deadline(state.agg["deadline"], time.time()))
 

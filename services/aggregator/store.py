@@ -112,6 +112,14 @@ class AggregatorStore:
             telemetry.headers_for().get("traceparent"),
         )
 
+    async def settled_shards(self, job_id: str, round_index: int, attempt: int) -> int:
+        """How many shards of a round attempt have settled, by any aggregator replica."""
+        return int(await self.db.fetchval(
+            "SELECT COUNT(*) FROM contributions WHERE job_id = $1 AND round = $2 AND attempt = $3"
+            " AND status IN ('accepted', 'rejected', 'failed')",
+            job_id, round_index, attempt,
+        ))
+
     async def previous_state_key(self, job_id: str, round_index: int) -> str | None:
         """Where the strategy's server state after the job's last aggregated round before this one is stored."""
         row = await self.db.fetchrow(
@@ -123,14 +131,15 @@ class AggregatorStore:
 
     @staticmethod
     async def close(tx: Executor, key: tuple[str, int, int], status: RoundStatus, *, reason: str | None = None,
-                    result_key: str | None = None, state_key: str | None = None) -> None:
-        """Mark a round attempt aggregated (with its result and the strategy's state) or failed (with the
-        reason), in `tx`."""
-        await tx.execute(
+                    result_key: str | None = None, state_key: str | None = None) -> bool:
+        """Mark an open round attempt aggregated (with its result and the strategy's state) or failed (with
+        the reason), in `tx`; False if it was no longer open (another aggregator replica closed it)."""
+        changed = await tx.execute(
             "UPDATE aggregations SET status = $4, reason = $5, result_key = $6, closed_at = $7, state_key = $8"
-            " WHERE job_id = $1 AND round = $2 AND attempt = $3",
-            *key, str(status), reason, result_key, time.time(), state_key,
+            " WHERE job_id = $1 AND round = $2 AND attempt = $3 AND status = $9",
+            *key, str(status), reason, result_key, time.time(), state_key, str(RoundStatus.OPEN),
         )
+        return changed > 0
 
     async def end_job(self, job_id: str, status: RoundStatus, reason: str) -> int:
         """Close a job's open rounds as cancelled or failed; how many were open."""

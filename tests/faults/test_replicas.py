@@ -32,10 +32,11 @@ def _assert_once_each(faults: Faults, job_id: str, rounds: int) -> dict[int, int
 
 def test_two_replicas_of_each_service_run_two_jobs_exactly_once(
         faults: Faults, toy_data: Data, outcome: Record) -> None:
-    _start_with_replicas(faults, workers=3)
+    # Six shards per round: each aggregator replica takes some of every round's reports
+    _start_with_replicas(faults, workers=4)
     jobs = [new_id("replicas-a"), new_id("replicas-b")]
     for job_id in jobs:
-        faults.cluster.publish_job(toy_job(job_id, toy_data(12), rounds=3, max_workers=3))
+        faults.cluster.publish_job(toy_job(job_id, toy_data(24), rounds=3, max_workers=6, timeout=300))
 
     ended = [faults.cluster.wait_job(job_id) for job_id in jobs]
 
@@ -44,14 +45,18 @@ def test_two_replicas_of_each_service_run_two_jobs_exactly_once(
         assert job["status"] == "completed", job["reason"]
         sizes = _assert_once_each(faults, job_id, 3)
         weights, _ = faults.check_exact(job_id, [sizes] * 3)
+        # Closed once every shard reported, by whichever replica saw the last: not at the timeout
+        assert all(a["closed_at"] < a["deadline"] for a in faults.aggregations(job_id))
+        takers = {r["worker_id"] for r in faults.contributions(job_id)}
+        assert len(sizes) == 6 and len(takers) >= 2
         view = faults.cluster.wait_for(lambda j=job_id: (v := faults.status_cli(j)[0])["status"] == "completed"
                                        and v, 60, "the tracker to show the job completed")
         assert [r["round"] for r in view["rounds"]] == [1, 2, 3]
         lines.append(weights)
     alive = faults.alive()
     assert all(alive[f"{name}-2"] for name in SERVICES)
-    outcome("two replicas of every service, two jobs at once",
-            "each round started and aggregated once; weights exact; tracker views complete",
+    outcome("two replicas of every service, two jobs of 6 shards at once",
+            "each round started and aggregated once, before its deadline; weights exact; tracker views complete",
             f"both completed; 3 rounds each, one attempt each; {lines[0]}", 0)
 
 

@@ -39,6 +39,7 @@ from services.scheduler.commands import JobCommands
 from services.scheduler.evaluation import DONE, FAILED, NONE, PENDING, evaluation_due, task_timeout
 from services.scheduler.finishing import JobFinisher
 from services.scheduler.models import checked_initial_weights, initial_weights, no_initial_weights
+from services.scheduler.presence import PresenceFilter
 from services.scheduler.rounds import (
     NO_WEIGHTS,
     RoundTarget,
@@ -72,6 +73,7 @@ class SchedulerHandlers:
         self._tasks = TaskQueue(storage, self._router, settings.presign_ttl)
         self._finisher = JobFinisher(db, storage, outbox, endings=self)
         self._locks = KeyedLocks()
+        self._presence = PresenceFilter(settings.worker_offline_after)
         # A job's commands are handled in their own module, under the same per-job locks; the Scheduler
         # subscribes to them through this object.
         commands = JobCommands(db, storage, outbox, self._locks, endings=self, policy=Policy.of(settings))
@@ -128,8 +130,11 @@ class SchedulerHandlers:
         """Track which workers are online; start the rounds of jobs that were waiting for them."""
         online = not isinstance(event, WorkerOffline)
         kind = None if isinstance(event, WorkerOffline) else event.kind
-        await store.record_presence(self._db, event.worker_id, online, time.time(), kind)
-        if not online:
+        now = time.time()
+        action = self._presence.on_report(event.worker_id, online, now, announced=isinstance(event, WorkerOnline))
+        if action.write:
+            await store.record_presence(self._db, event.worker_id, online, now, kind)
+        if not action.joined:
             return
         for job_id in await store.job_ids(self._db, status=JobStatus.WAITING):
             async with self._locks(job_id):

@@ -1,0 +1,41 @@
+"""Which presence reports the scheduler writes and acts on (services/scheduler/presence.py)."""
+
+from __future__ import annotations
+
+from services.scheduler.presence import PresenceFilter
+
+
+def test_a_new_worker_is_written_and_joins() -> None:
+    presence = PresenceFilter(offline_after=20.0)
+    action = presence.on_report("w1", True, 100.0)
+    assert action.write and action.joined
+
+
+def test_heartbeats_of_a_known_worker_are_written_a_quarter_of_the_offline_time_apart() -> None:
+    presence = PresenceFilter(offline_after=20.0)
+    presence.on_report("w1", True, 100.0, announced=True)
+    beats = [presence.on_report("w1", True, t) for t in (101.0, 104.0, 105.0, 106.0, 110.0)]
+    assert [(a.write, a.joined) for a in beats] == [
+        (False, False), (False, False), (True, False), (False, False), (True, False)]
+
+
+def test_a_worker_silent_past_the_offline_time_joins_again() -> None:
+    presence = PresenceFilter(offline_after=20.0)
+    presence.on_report("w1", True, 100.0)
+    assert presence.on_report("w1", True, 121.0).joined
+
+
+def test_going_offline_is_always_written_and_the_next_report_joins() -> None:
+    presence = PresenceFilter(offline_after=20.0)
+    presence.on_report("w1", True, 100.0)
+    offline = presence.on_report("w1", False, 101.0)
+    back = presence.on_report("w1", True, 102.0)
+    assert offline.write and not offline.joined
+    assert back.write and back.joined
+
+
+def test_worker_online_always_joins() -> None:
+    presence = PresenceFilter(offline_after=20.0)
+    presence.on_report("w1", True, 100.0)
+    again = presence.on_report("w1", True, 101.0, announced=True)
+    assert again.write and again.joined

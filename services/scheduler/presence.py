@@ -32,8 +32,10 @@ class PresenceFilter:
         last = self.written.pop(worker_id, None)
         if not online:
             return PresenceAction(write=True, joined=False)
-        joined = announced or last is None or now - last >= self.offline_after
-        stale = last is None or now - last >= self.offline_after * REFRESH_FRACTION
+        if last is None:
+            last = -float("inf")
+        joined = announced or now - last >= self.offline_after
+        stale = now - last >= self.offline_after * REFRESH_FRACTION
         if joined or stale:
             self.written[worker_id] = now
             while len(self.written) > FORGET_AFTER:

@@ -11,6 +11,7 @@ from typing import TypeAlias, TypeVar
 
 from apiary import telemetry
 from apiary.bus import Bus, Delivery
+from apiary.bus.identity import worker_of
 from apiary.component import from_json
 from apiary.contracts import (
     INIT,
@@ -128,6 +129,11 @@ class SchedulerHandlers:
 
     async def on_worker_presence(self, event: Presence, delivery: Delivery) -> None:
         """Track which workers are online; start the rounds of jobs that were waiting for them."""
+        sender = worker_of(delivery.user_id)
+        if sender is not None and sender != event.worker_id:
+            # Another worker's broker user speaking for this one: it must not make it look online (or gone).
+            log.warning("presence of worker %s ignored: sent by worker %r's broker user", event.worker_id, sender)
+            return
         online = not isinstance(event, WorkerOffline)
         kind = None if isinstance(event, WorkerOffline) else event.kind
         now = time.time()

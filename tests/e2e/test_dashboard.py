@@ -4,36 +4,23 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
-from playwright.async_api import Browser, Page, async_playwright
+from playwright.async_api import Browser, Page
 
 from apiary.settings import Settings
 from services.app.jobfile import load_job_file
 from services.app.runtime import Embedded
 
 REPO = Path(__file__).resolve().parents[2]
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 ARTIFACTS = REPO / "test-artifacts"
 NUM_ROUNDS = 8
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-async def browser() -> AsyncIterator[Browser]:
-    """Headless Chromium from the system (never a downloaded one)."""
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium", pytrace=False)
-    async with async_playwright() as playwright:
-        browser = await playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield browser
-        await browser.close()
 
 
 @pytest.fixture(scope="module")

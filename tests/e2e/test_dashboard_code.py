@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import torch
-from playwright.async_api import Browser, async_playwright
+from playwright.async_api import Browser
 
 from apiary import bundle
 from apiary.settings import Settings
@@ -16,9 +15,6 @@ from apiary.weights import dumps
 from services.app.runtime import Embedded
 from tests.toyjobs.toy import make_dataset
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 TRAIN_PY = '''
 def fl_train_model(payload, out_dir, logger=None):
     return {"weights": dict(payload["initial_weights"]), "samples": 1}
@@ -27,15 +23,6 @@ def fl_train_model(payload, out_dir, logger=None):
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-async def browser() -> AsyncIterator[Browser]:
-    """Headless Chromium from the system (never a downloaded one)."""
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium", pytrace=False)
-    async with async_playwright() as playwright:
-        launched = await playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield launched
-        await launched.close()
 
 
 async def test_the_job_page_shows_the_code_bundle(browser: Browser, tmp_path: Path) -> None:

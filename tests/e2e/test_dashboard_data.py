@@ -9,7 +9,7 @@ from playwright.async_api import Browser
 
 from apiary.settings import Settings
 from services.app.runtime import Embedded
-from tests.e2e.test_dashboard import ARTIFACTS, browser  # noqa: F401  (the headless Chromium fixture)
+from tests.e2e.test_dashboard import ARTIFACTS
 from tests.toyjobs.toy import make_dataset
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,7 +20,7 @@ SEGMENTS = """rows => rows.map(r => [...r.querySelectorAll('.stack span')]
                   .map(s => [s.dataset.label, +s.dataset.count]))"""
 
 
-async def test_each_shard_is_a_stacked_bar_of_its_labels(browser: Browser, tmp_path: Path) -> None:  # noqa: F811
+async def test_each_shard_is_a_stacked_bar_of_its_labels(browser: Browser, tmp_path: Path) -> None:
     # Prepare
     settings = Settings(home=tmp_path / ".apiary", http_port=0, heartbeat_interval=0.5)
     request = {"name": "skewed", "entrypoint": "tests.toyjobs.toy:fl_train_model",

@@ -11,7 +11,6 @@ from playwright.async_api import Browser
 from apiary.settings import Settings
 from services.app.runtime import Embedded
 from services.tracker import token_store
-from tests.e2e.test_dashboard import browser  # noqa: F401 - the fixture
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -19,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 async def test_the_dashboard_asks_for_a_token_keeps_it_and_asks_again_when_refused(
-        browser: Browser, tmp_path: Path) -> None:  # noqa: F811
+        browser: Browser, tmp_path: Path) -> None:
     # Prepare
     settings = Settings(home=tmp_path / ".apiary", http_port=0, heartbeat_interval=0.5)
     problems: list[str] = []

@@ -265,15 +265,20 @@ class Faults:
     def assignments(self, queue: str) -> list[Assignment]:
         """Take every assignment waiting in one of the deployment's queues (`assign.worker.<id>`): what a
         worker with that id would be given, its one-time secret included."""
+        return [Assignment.model_validate(decode_body(body, properties.content_type))
+                for properties, body in self._drain(f"{self.cluster.exchange}.{queue}")]
+
+    def _drain(self, queue: str) -> list[tuple[pika.BasicProperties, bytes]]:
+        """Take every message waiting in a broker queue (by its full name): properties and body."""
         out = []
         connection = pika.BlockingConnection(pika.URLParameters(self.cluster.amqp_url))
         try:
             channel = connection.channel()
             while True:
-                method, properties, body = channel.basic_get(f"{self.cluster.exchange}.{queue}", auto_ack=True)
+                method, properties, body = channel.basic_get(queue, auto_ack=True)
                 if method is None:
                     return out
-                out.append(Assignment.model_validate(decode_body(body, properties.content_type)))
+                out.append((properties, body))
         finally:
             connection.close()
 
@@ -292,33 +297,15 @@ class Faults:
 
     def tapped(self, tap: str) -> list[dict[str, Any]]:
         """Take the messages a tap holds, each decoded, with its raw `body`."""
-        out = []
-        connection = pika.BlockingConnection(pika.URLParameters(self.cluster.amqp_url))
-        try:
-            channel = connection.channel()
-            while True:
-                method, properties, body = channel.basic_get(tap, auto_ack=True)
-                if method is None:
-                    return out
-                out.append({**decode_body(body, properties.content_type), "body": body})
-        finally:
-            connection.close()
+        return [{**decode_body(body, properties.content_type), "body": body}
+                for properties, body in self._drain(tap)]
 
     def dead_letters(self) -> list[dict[str, Any]]:
         """Take every message from the dead-letter queue: id, original routing key, reason, body."""
-        out = []
-        connection = pika.BlockingConnection(pika.URLParameters(self.cluster.amqp_url))
-        try:
-            channel = connection.channel()
-            while True:
-                method, properties, body = channel.basic_get(f"{self.cluster.exchange}.dead", auto_ack=True)
-                if method is None:
-                    return out
-                headers = properties.headers or {}
-                out.append({"message_id": properties.message_id, "routing_key": headers.get(ORIGINAL_KEY_HEADER),
-                            "reason": headers.get(REASON_HEADER), "body": body})
-        finally:
-            connection.close()
+        return [{"message_id": properties.message_id,
+                 "routing_key": (properties.headers or {}).get(ORIGINAL_KEY_HEADER),
+                 "reason": (properties.headers or {}).get(REASON_HEADER), "body": body}
+                for properties, body in self._drain(f"{self.cluster.exchange}.dead")]
 
 
 def msgpack_of(value: Any) -> bytes:

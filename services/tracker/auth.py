@@ -8,7 +8,6 @@ Browsers' EventSource cannot send headers, so the live streams also take the tok
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 
 from fastapi import Depends, HTTPException, Request
@@ -16,6 +15,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from apiary.db import Database
 from services.tracker import token_store
+from services.tracker.tables import LazyTables
 from services.tracker.token_store import Principal, Role
 
 IN_PROCESS_SCOPE_KEY = "apiary.in_process"  # set only by services.tracker.inprocess, never by a server
@@ -25,21 +25,12 @@ _bearer = HTTPBearer(auto_error=False, description="A token from `apiary token c
                      "or admin).")
 
 
-class Tokens:
+class Tokens(LazyTables):
     """The token table of one tracker's database, created on first use (also for a tracker never started)."""
 
     def __init__(self, db: Database) -> None:
+        super().__init__(db, token_store.COMPONENT, token_store.MIGRATIONS)
         self.db = db
-        self._migrated = asyncio.Lock()
-        self._ready = False
-
-    async def ready(self) -> Database:
-        """The database, its token tables created."""
-        async with self._migrated:
-            if not self._ready:
-                await token_store.migrate(self.db)
-                self._ready = True
-        return self.db
 
     async def who(self, request: Request, credentials: HTTPAuthorizationCredentials | None, *,
                   query: bool) -> Principal:

@@ -3,7 +3,6 @@ the tracker's database) and list them, so the CLI works the same against a remot
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import tempfile
 from pathlib import Path
@@ -18,6 +17,7 @@ from apiary.storage import Storage
 from services.tracker import registry_store
 from services.tracker.registry_store import Kind
 from services.tracker.schemas import PREFIX, Problem
+from services.tracker.tables import LazyTables
 
 log = logging.getLogger("apiary.tracker")
 REJECTED: dict[int | str, dict[str, Any]] = {422: {"model": Problem, "description": "what is wrong with the file"}}
@@ -42,16 +42,11 @@ class Registries:
 
     def __init__(self, tracker: RegistryTracker) -> None:
         self._tracker = tracker
-        self._migrated = asyncio.Lock()
-        self._ready = False
+        self._tables = LazyTables(tracker.db, registry_store.COMPONENT, registry_store.MIGRATIONS)
 
     async def ready(self) -> Database:
         """The database, its id tables created on first use (also by an in-process tracker never started)."""
-        async with self._migrated:
-            if not self._ready:
-                await self._tracker.db.migrate(registry_store.COMPONENT, registry_store.MIGRATIONS)
-                self._ready = True
-        return self._tracker.db
+        return await self._tables.ready()
 
     async def register(self, kind: Kind, request: Request, name: str, filename: str) -> dict[str, Any]:
         """Store the request's body under a new id; 422 with the reason if it is not a valid model or dataset."""

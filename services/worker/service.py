@@ -25,7 +25,7 @@ from apiary.assignments import (
     preferred_queue,
 )
 from apiary.backoff import while_unavailable
-from apiary.bus import Bus, Decline, Delivery, Subscription, Unroutable, publish_event, subscribe
+from apiary.bus import Bus, Decline, Delivery, PassOn, Subscription, Unroutable, publish_event, subscribe
 from apiary.bus.typed import Next, consumer_span
 from apiary.contracts import (
     TRAIN,
@@ -205,12 +205,12 @@ class Worker:
 
     async def _preferred_turn(self, assignment: Assignment, delivery: Delivery, call_next: Next) -> None:
         """A shard this worker trained last round (its data is cached here): train it, unless busy;
-        then it goes to the pool at once, for any worker."""
+        then it goes to the pool at once, for any worker (rejected: the broker moves it where the preferred
+        queue reroutes, so a worker needs no permission to publish to the pool)."""
         if self._busy.locked():
-            await publish_event(self.bus, assignment, routing_key=POOL)
             log.info("worker %s: busy, round %d shard %d of job %s passed to the pool", self.worker_id,
                      assignment.round, assignment.shard, assignment.job_id)
-            return
+            raise PassOn(f"worker {self.worker_id} is busy")
         await self._dedicated_turn(assignment, delivery, call_next)
 
     async def _pool_turn(self, assignment: Assignment, delivery: Delivery, call_next: Next) -> None:

@@ -22,6 +22,7 @@ from apiary.bus.base import (
     Bus,
     Decline,
     Delivery,
+    PassOn,
     Poison,
     Reroute,
     Retryable,
@@ -184,6 +185,40 @@ async def test_a_message_not_taken_in_time_is_rerouted_and_one_taken_is_not(bus:
     assert pool.bodies == [b"left waiting"] and pool.seen[0].routing_key == "assign.pool"
     assert pool.seen[0].headers.get("attempt") == 1
     assert preferred.bodies == [b"taken"]
+
+
+async def test_a_message_passed_on_goes_where_its_queue_reroutes_at_once_as_a_fresh_delivery(bus: Bus) -> None:
+    # Prepare: a preferred queue that falls back to the pool after a minute; its consumer declines the first
+    # message once (a requeue, on quorum queues a copy of its own), then passes every message on.
+    await bus.declare_queue("prefer.w1", ["assign.prefer.w1"], expires=60,
+                            reroute=Reroute(after=60, to="assign.pool"))
+    await bus.declare_queue("pool", ["assign.pool"])
+    await bus.declare_queue("plain", ["plain"])
+    pool, passed = Recorder(), Recorder()
+
+    async def busy(delivery: Delivery) -> None:
+        await passed(delivery)
+        if len(passed.seen) == 1:
+            raise Decline("not yet")
+        raise PassOn("busy")
+
+    # Execute
+    async with consuming(bus, "pool", pool), consuming(bus, "prefer.w1", busy), consuming(bus, "plain", busy):
+        await bus.publish("assign.prefer.w1", b"declined, then passed on", headers={"attempt": 1})
+        await eventually(lambda: len(pool.seen) == 1, "the passed-on message in the pool")
+        await bus.publish("assign.prefer.w1", b"passed on")
+        await eventually(lambda: len(pool.seen) == 2, "the second in the pool")
+        # A queue without a reroute has nowhere to pass a message on to: it is dead-lettered.
+        await bus.publish("plain", b"nowhere to go")
+        await eventually(lambda: bus.queue_size("dead"), "the message without a reroute dead-lettered")
+
+    # Assert: in the pool long before the queue's TTL, under the pool's key, with its headers, as a fresh delivery
+    # (its first failure there is retried); nothing else dead-lettered.
+    assert pool.bodies == [b"declined, then passed on", b"passed on"]
+    assert [(d.routing_key, d.redelivered) for d in pool.seen] == [("assign.pool", False)] * 2
+    assert pool.seen[0].headers == {"attempt": 1}
+    assert await observed(lambda: bus.queue_size("dead"), 1) == 1
+    assert await bus.queue_size("prefer.w1") == 0
 
 
 async def test_a_paused_subscription_takes_nothing_new_until_resumed(bus: Bus) -> None:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from apiary.bus.base import Bus, Delivery, Retryable
+from apiary.bus.base import Bus, Delivery, PassOn, Reroute, Retryable
 from apiary.bus.rabbitmq import RabbitBus
 from tests.fixtures.services import rabbitmqctl
 from tests.ports import test_bus
@@ -73,19 +73,7 @@ async def test_a_message_whose_consumer_dies_past_the_delivery_limit_is_dead_let
     await survivor.publish("work", b"crashes-its-consumer", headers={"job_id": "j1"})
 
     # Execute: three consumers die holding it (their connection goes, nothing is settled).
-    for _ in range(3):
-        taken = asyncio.Event()
-
-        async def hangs(delivery: Delivery, taken: asyncio.Event = taken) -> None:
-            taken.set()
-            await asyncio.Event().wait()
-
-        dying = QuorumBus(rabbit_url, exchange=bus_namespace, delivery_limit=2)
-        await dying.connect()
-        await dying.consume("work", hangs, prefetch=1)
-        await asyncio.wait_for(taken.wait(), test_bus.DEADLINE)
-        assert dying._connection is not None
-        await dying._connection.close()
+    await _die_holding(rabbit_url, bus_namespace, "work", 3)
 
     # Assert: the broker dead-lettered it into the dead-letter queue; nothing is left to deliver.
     try:
@@ -145,3 +133,51 @@ async def test_a_queue_declared_as_the_other_type_is_refused_in_one_line(
         assert "\n" not in str(refused.value)
     finally:
         await quorum.close()
+
+
+async def _die_holding(rabbit_url: str, namespace: str, queue: str, times: int) -> None:
+    """`times` consumers in turn take the queue's first message and die holding it (their connection goes)."""
+    for _ in range(times):
+        taken = asyncio.Event()
+
+        async def hangs(delivery: Delivery, taken: asyncio.Event = taken) -> None:
+            taken.set()
+            await asyncio.Event().wait()
+
+        dying = QuorumBus(rabbit_url, exchange=namespace, delivery_limit=2)
+        await dying.connect()
+        await dying.consume(queue, hangs, prefetch=1)
+        await asyncio.wait_for(taken.wait(), test_bus.DEADLINE)
+        assert dying._connection is not None
+        await dying._connection.close()
+
+
+async def test_a_message_passed_on_starts_a_fresh_delivery_count_where_it_is_rerouted(
+    rabbit_url: str, bus_namespace: str
+) -> None:
+    # Prepare: a delivery limit of 2; a preferred assignment whose consumers died twice holding it.
+    bus = QuorumBus(rabbit_url, exchange=bus_namespace, delivery_limit=2)
+    await bus.connect()
+    try:
+        await bus.declare_queue("prefer.w1", ["assign.prefer.w1"], reroute=Reroute(after=60, to="assign.pool"))
+        await bus.declare_queue("pool", ["assign.pool"])
+        await bus.publish("assign.prefer.w1", b"assignment")
+        await _die_holding(rabbit_url, bus_namespace, "prefer.w1", 2)
+
+        # Execute: its third consumer passes it on; in the pool, one consumer dies holding it, and the next
+        # handles it.
+        async def busy(delivery: Delivery) -> None:
+            raise PassOn("busy")
+
+        async with consuming(bus, "prefer.w1", busy):
+            await eventually(lambda: bus.queue_size("pool"), "the assignment in the pool")
+        await _die_holding(rabbit_url, bus_namespace, "pool", 1)
+        recorder = Recorder()
+        async with consuming(bus, "pool", recorder):
+            await eventually(lambda: len(recorder.seen) == 1, "the assignment handled from the pool")
+
+        # Assert: the preferred queue's deliveries did not count in the pool: handled, not dead-lettered.
+        assert recorder.bodies == [b"assignment"]
+        assert await bus.queue_size("dead") == 0
+    finally:
+        await bus.close()

@@ -14,12 +14,13 @@ from apiary.bus.rabbitmq import wire
 from apiary.bus.rabbitmq.topology import delay_queue, hold_arguments, queue_arguments
 
 
-def _received(message: Any, *, routing_key: str, redelivered: bool = False,
+def _received(message: Any, *, routing_key: str, redelivered: bool = False, exchange: str = "",
               extra: dict[str, Any] | None = None) -> AbstractIncomingMessage:
-    """What the broker hands a consumer for a message it was sent (with headers it may add)."""
+    """What the broker hands a consumer for a message it was sent (with headers it may add), through
+    `exchange` ("": the default exchange, straight to the queue)."""
     return cast(AbstractIncomingMessage, SimpleNamespace(
         body=message.body, headers={**(message.headers or {}), **(extra or {})},
-        content_type=message.content_type, message_id=message.message_id,
+        content_type=message.content_type, message_id=message.message_id, exchange=exchange,
         routing_key=routing_key, redelivered=redelivered, user_id=message.user_id,
     ))
 
@@ -89,6 +90,25 @@ def test_a_copy_someone_else_made_is_not_believed_about_its_routing_key_or_publi
     # Assert
     assert (delivery.routing_key, delivery.user_id) == ("apiary.scheduler", "apiary-worker.w1")
     assert delivery.headers == {}
+
+
+def test_a_copy_rerouted_through_the_exchange_arrives_under_its_new_key_as_a_fresh_delivery() -> None:
+    # Prepare: a worker declined a preferred assignment (on quorum queues: a copy it published itself)...
+    sent = wire.outgoing(Delivery("assign.prefer.w1", b"x", headers={"job_id": "j1"}), "apiary-scheduler")
+    first = _received(sent, routing_key="assign.prefer.w1", exchange="apiary")
+    copy = wire.held_copy(first, wire.incoming(first, "apiary-workers"), "apiary-workers")
+
+    # Execute: ...then passed the copy on: the broker dead-letters it into the exchange under assign.pool, where
+    # a worker of the same (shared) user takes it.
+    death = {"x-death": [{"queue": "apiary.assign.prefer.w1", "reason": "rejected"}],
+             "x-first-death-reason": "rejected"}
+    delivery = wire.incoming(_received(copy, routing_key="assign.pool", exchange="apiary", extra=death),
+                             "apiary-workers")
+
+    # Assert: the pool's key (its handler is found), not a redelivery (a first failure is retried), and
+    # none of the broker's or the adapter's headers.
+    assert (delivery.routing_key, delivery.redelivered) == ("assign.pool", False)
+    assert delivery.headers == {"job_id": "j1"}
 
 
 def test_a_dead_letter_says_why_and_under_which_key_it_came() -> None:

@@ -33,6 +33,12 @@ class Decline(Exception):
     (pause the subscription first, or it may come straight back)."""
 
 
+class PassOn(Exception):
+    """Not for this consumer: the message goes at once where its queue reroutes (`Reroute.to`), as if no
+    consumer had taken it in time (on RabbitMQ the broker dead-letters the rejected delivery there, so the
+    consumer needs no permission to publish under that key). A queue without a reroute dead-letters it."""
+
+
 class Unroutable(Retryable):
     """A publish matched no queue (its consumer is not running): it would have been lost.
 
@@ -52,6 +58,7 @@ class Outcome(enum.Enum):
 
     ACK = "ack"
     REQUEUE = "requeue"
+    REROUTE = "reroute"  # to the queue's reroute target now (PassOn)
     DEAD = "dead"
 
 
@@ -65,6 +72,8 @@ def decide(error: BaseException | None, redelivered: bool) -> tuple[Outcome, str
         return Outcome.ACK, None
     if isinstance(error, DecodeError | Poison):
         return Outcome.DEAD, str(error)
+    if isinstance(error, PassOn):
+        return Outcome.REROUTE, str(error)
     if isinstance(error, Decline | Retryable | DependencyUnavailable):
         return Outcome.REQUEUE, str(error)
     if redelivered:
@@ -103,7 +112,9 @@ def judge(error: BaseException | None, delivery: Delivery, queue: str,
     """`decide`, logged alike by every adapter: a requeue as a warning (a Decline, a consumer handing
     a message on, is routine), a dead letter as an error."""
     outcome, reason = decide(error, delivery.redelivered)
-    if outcome is Outcome.REQUEUE:
+    if outcome is Outcome.REROUTE:
+        logger.debug("reroute %s from %s: %s", delivery.routing_key, queue, reason)
+    elif outcome is Outcome.REQUEUE:
         (logger.debug if isinstance(error, Decline) else logger.warning)(
             "requeue %s on %s: %s", delivery.routing_key, queue, reason)
     elif outcome is Outcome.DEAD:

@@ -198,14 +198,19 @@ class MemoryBus(Bus):
                 for i, waiting in enumerate(queue.ready):
                     if waiting is delivery:  # not taken by a consumer in time
                         del queue.ready[i]
-                        moved = replace(delivery, routing_key=reroute.to, redelivered=False)
-                        if not self._route(moved):
-                            log.error("%s from %s matched no queue under %s and was dropped",
-                                      delivery.routing_key, queue.name, reroute.to)
+                        self._reroute(queue, reroute, delivery)
                         return
 
             timer = loop.call_later(reroute.after, expire)
             self._timers.add(timer)
+
+    def _reroute(self, queue: _Queue, reroute: Reroute, delivery: Delivery) -> None:
+        """Publish a message of `queue` again under `reroute.to`, a fresh delivery there (as the broker's
+        dead-lettering does)."""
+        moved = replace(delivery, routing_key=reroute.to, redelivered=False)
+        if not self._route(moved):
+            log.error("%s from %s matched no queue under %s and was dropped", delivery.routing_key, queue.name,
+                      reroute.to)
 
     async def _notify(self, queue: _Queue) -> None:
         async with queue.changed:
@@ -215,7 +220,9 @@ class MemoryBus(Bus):
         queue.unacked -= 1
         if outcome is Outcome.REQUEUE:
             self._push(queue, replace(delivery, redelivered=True), front=True)
-        elif outcome is Outcome.DEAD:
+        elif outcome is Outcome.REROUTE and queue.reroute is not None:
+            self._reroute(queue, queue.reroute, delivery)
+        elif outcome in (Outcome.DEAD, Outcome.REROUTE):
             dead = replace(delivery, headers=dead_letter_headers(delivery, reason or ""), redelivered=False)
             self._push(self._queues[DEAD_LETTER_QUEUE], dead, front=False)
 

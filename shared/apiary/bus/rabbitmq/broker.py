@@ -121,7 +121,8 @@ class RabbitBus(Bus):
             lease = Lease(self._publisher, self._topology, channel, amqp_queue.name, self.lease_renewal)
         sub = RabbitSubscription(amqp_queue, channel, handler, prefetch, publisher=self._publisher, lease=lease,
                                  retry_delay=self.retry_delay, on_cancel=self._subscriptions.discard,
-                                 requeue_by_copy=self._topology.queue_type == "quorum")
+                                 requeue_by_copy=self._topology.queue_type == "quorum",
+                                 reroutes=name in self._topology.rerouting)
         self._subscriptions.add(sub)
         try:
             await sub.start()

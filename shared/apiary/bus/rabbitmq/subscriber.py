@@ -37,13 +37,14 @@ class RabbitSubscription(Subscription):
     def __init__(
         self, queue: AbstractRobustQueue, channel: AbstractRobustChannel, handler: Handler, prefetch: int, *,
         publisher: Publisher, lease: Lease | None, retry_delay: float,
-        on_cancel: Callable[[RabbitSubscription], None], requeue_by_copy: bool = False,
+        on_cancel: Callable[[RabbitSubscription], None], requeue_by_copy: bool = False, reroutes: bool = False,
     ) -> None:
         self._queue, self._channel = queue, channel
         self._handler, self._prefetch = handler, prefetch
         self._publisher, self._lease, self._retry_delay = publisher, lease, retry_delay
         self._on_cancel = on_cancel
         self._requeue_by_copy = requeue_by_copy
+        self._reroutes = reroutes
         self._tags: dict[int, str | None] = {}
         self._held: set[Held] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -135,14 +136,23 @@ class RabbitSubscription(Subscription):
             await self._lease.release(held)
 
     async def _apply(self, held: Held, delivery: Delivery, outcome: Outcome, reason: str | None) -> None:
-        """Ack, requeue or dead-letter; a re-held delivery is requeued as a copy (its original is acked)."""
+        """Ack, requeue, reroute or dead-letter; a re-held delivery is requeued as a copy (its original is acked).
+
+        A reroute is a rejection: the broker dead-letters the delivery where its queue's arguments say (the
+        exchange, under `Reroute.to`), so no publish permission for that key is needed. A re-held delivery,
+        rejected, goes back to its queue through the hold queue's own dead-lettering, and on from there when
+        its queue's TTL runs out.
+        """
         message = held.message
         if outcome is Outcome.REQUEUE and held.hold is None and not self._requeue_by_copy:
             await message.nack(requeue=True)
             return
+        if outcome is Outcome.REROUTE and self._reroutes:
+            await message.reject(requeue=False)
+            return
         if outcome is Outcome.REQUEUE:
             await self._publisher.send("", self._queue.name, wire.held_copy(message, delivery, self._publisher.user))
-        elif outcome is Outcome.DEAD:
+        elif outcome in (Outcome.DEAD, Outcome.REROUTE):  # a queue without a reroute: dead letters
             await self._publisher.dead_letter(delivery, reason or "")
         await message.ack()
 

@@ -93,6 +93,7 @@ class Topology:
         self.exchange = exchange
         self.queue_type, self.delivery_limit = queue_type, delivery_limit
         self.declared: set[str] = set()
+        self.rerouting: set[str] = set()  # the port queues declared with a reroute (a rejection goes there)
 
     def queue_name(self, name: str) -> str:
         """The broker's name for a logical queue."""
@@ -123,6 +124,8 @@ class Topology:
                 f" give every process of the deployment the same APIARY_QUEUE_TYPE (here {self.queue_type}) and"
                 f" APIARY_QUEUE_DELIVERY_LIMIT (here {self.delivery_limit}), or delete the queue") from None
         self.declared.add(queue.name)
+        if reroute is not None:
+            self.rerouting.add(queue.name)
         for pattern in bindings:
             await queue.bind(exchange, pattern)
 

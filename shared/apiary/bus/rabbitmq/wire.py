@@ -69,13 +69,16 @@ def incoming(message: AbstractIncomingMessage, user: str | None = None) -> Deliv
 
     Only a copy this consumer's own user made (its broker-validated user id is `user`) is believed about its
     original routing key and publisher: anyone may put a message with those headers straight into a queue
-    through the default exchange.
+    through the default exchange. A copy comes straight to its queue (the default exchange, also when a hold
+    queue returns it): one the broker dead-lettered through the exchange (a queue's reroute) is a new message
+    there, under its new routing key, and not a redelivery.
     """
     raw = dict(message.headers or {})
-    copied = HELD_KEY_HEADER in raw and (user is None or message.user_id == user)
+    by_name = HELD_KEY_HEADER in raw and not message.exchange
+    copied = by_name and (user is None or message.user_id == user)
     routing_key = (raw.get(HELD_KEY_HEADER) if copied else None) or message.routing_key or ""
     user_id = raw.get(HELD_USER_HEADER) if copied else message.user_id
-    redelivered = bool(message.redelivered) or bool(raw.get(REDELIVERED_HEADER))
+    redelivered = bool(message.redelivered) or (by_name and bool(raw.get(REDELIVERED_HEADER)))
     headers = {
         k: v for k, v in raw.items()
         if k not in _INTERNAL_HEADERS and not k.startswith(_BROKER_HEADER_PREFIXES)

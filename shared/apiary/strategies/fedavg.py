@@ -10,7 +10,7 @@ import torch
 from pydantic import BaseModel
 
 from apiary.strategies.base import Contribution, Strategy, register
-from apiary.strategies.weighted_sum import WeightedSum
+from apiary.strategies.weighted_sum import WeightedSum, fits_wide
 
 
 @register
@@ -25,7 +25,8 @@ class FedAvg(Strategy):
         self._sum = WeightedSum()
 
     def _begin(self) -> None:
-        self._sum = WeightedSum()
+        # In float64 (the same bits whichever worker reports first) while that fits WIDE_SUM_MAX_BYTES.
+        self._sum = WeightedSum(wide=fits_wide(self.spec))
 
     def _fold(self, contribution: Contribution) -> None:
         self._sum.fold(contribution.weights, contribution.samples)

@@ -1,22 +1,45 @@
 """The streaming weighted sum under FedAvg (and the strategies built on its mean).
 
 Memory is one accumulator plus the contribution being folded, whatever the number of workers.
+
+Contributions are folded in the order they arrive, and float addition is not associative: summed in
+float32, the same contributions give different last bits depending on which worker finished first, and
+after a few rounds a prediction or two. So float tensors accumulate in float64 (`wide`): a float32 (or
+half) value times an integer sample count below 2**29 is exact in float64, the few additions of a
+round lose bits only where contributions differ by more than ~2**15 in magnitude, and the mean is
+rounded once, at the end, to its dtype; the result is the same bits in any order (tests/unit/
+test_fedavg.py folds every order). The float64 accumulator is 2x a float32 model (4x a half one):
+FedAvg uses it while it stays within WIDE_SUM_MAX_BYTES, and larger models (LoRA adapters of issue 16,
+whose aggregator holds at most 2x the adapter) keep the accumulator in their own precision (float32
+for half floats), where the order of arrival shows in the last bits.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import NoReturn
 
 import torch
 
 from apiary.strategies.validation import InvalidContribution, all_finite
+from apiary.weights import WeightSpec
+
+# The largest float64 accumulator (bytes) FedAvg sums a model in: 4 Mi float elements (a float32 model up
+# to 16 MiB). The digits CNN needs 120 KiB; issue 16's benchmark adapter (28 MiB float32) stays narrow.
+WIDE_SUM_MAX_BYTES = 32 * 2**20
+_HALF = (torch.float16, torch.bfloat16)
 
 
 class WeightedSum:
-    """A streaming weighted sum: fold contributions as they arrive, read the average at the end."""
+    """A streaming weighted sum: fold contributions as they arrive, read the average at the end.
 
-    def __init__(self) -> None:
+    `wide`: float tensors accumulate in float64, so the average does not depend on the order of the
+    folds; else in their own precision (half floats in float32), for models too large for that.
+    """
+
+    def __init__(self, wide: bool = True) -> None:
+        self.wide = wide
         self._sum: dict[str, torch.Tensor] = {}
         self._dtypes: dict[str, torch.dtype] = {}
         self.total_samples = 0
@@ -44,10 +67,8 @@ class WeightedSum:
             acc = self._sum.get(name)
             if acc is None:
                 self._sum[name] = self._start(name, tensor, samples)
-            elif tensor.dtype == acc.dtype:
+            else:  # a narrower tensor is widened element by element, without a copy of it
                 acc.add_(tensor, alpha=samples)
-            else:
-                acc.add_(tensor.to(acc.dtype), alpha=samples)
         self.total_samples += samples
         self.count += 1
 
@@ -61,13 +82,9 @@ class WeightedSum:
         raise error
 
     def _start(self, name: str, tensor: torch.Tensor, samples: int) -> torch.Tensor:
-        # The first contribution starts the sum (no zeroed accumulator to read). Floats accumulate
-        # in their own precision (memory: one model), half floats in float32, integers in float64.
+        # The first contribution starts the sum (no zeroed accumulator to read).
         self._dtypes[name] = tensor.dtype
-        acc_dtype = tensor.dtype if tensor.is_floating_point() else torch.float64
-        if tensor.dtype in (torch.float16, torch.bfloat16):
-            acc_dtype = torch.float32
-        start = tensor.to(acc_dtype)
+        start = tensor.to(torch.float64 if self.wide else step_dtype(tensor.dtype))
         return torch.mul(tensor, samples) if start is tensor else start.mul_(samples)
 
     def _usable(self) -> None:
@@ -80,13 +97,14 @@ class WeightedSum:
         """The weighted average, computed in place in the accumulator (no second model in memory);
         the accumulator cannot be folded into afterwards.
 
-        With `cast=False` each mean stays in its accumulator's precision (`as_dtype` with `dtypes`
-        casts it back later), for strategies that compute further on it.
+        With `cast=False` each mean is in `step_dtype` of its tensor's dtype (`as_dtype` with `dtypes`
+        casts it back later), for strategies that compute further on it; either way it is rounded from
+        the accumulator once.
         """
         self._readable()
         out = {name: acc.div_(self.total_samples) for name, acc in self._sum.items()}
-        if cast:
-            out = {name: as_dtype(mean, self._dtypes[name]) for name, mean in out.items()}
+        out = {name: as_dtype(mean, self._dtypes[name]) if cast else mean.to(step_dtype(self._dtypes[name]))
+               for name, mean in out.items()}
         self._sum = {}
         self.count = -1
         return out
@@ -105,6 +123,21 @@ class WeightedSum:
         self._usable()
         if not self.count:
             raise ValueError("no contribution was folded: nothing to average")
+
+
+def step_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision a mean of `dtype` tensors is computed further in: a float's own, float32 for half
+    floats, float64 for integers and booleans."""
+    if not dtype.is_floating_point:
+        return torch.float64
+    return torch.float32 if dtype in _HALF else dtype
+
+
+def fits_wide(spec: WeightSpec) -> bool:
+    """Whether a model of this spec is summed in float64: its float tensors' float64 accumulator takes at
+    most WIDE_SUM_MAX_BYTES."""
+    elements = sum(math.prod(t.shape) for t in spec.values() if t.dtype.is_floating_point)
+    return elements * 8 <= WIDE_SUM_MAX_BYTES
 
 
 def as_dtype(mean: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -4,10 +4,19 @@ Runs each setting end to end through `apiary run` (one process tree per setting,
 .apiary/accuracy/). Each round's held-out accuracy is the run's own evaluation of that round (the example's
 `fl_evaluate_model` on a worker, listed in the run's final/metrics.json), checked against the same function
 run here on the round's stored global weights. Writes docs/accuracy.md (held-out accuracy, rounds to reach
-95% of the central accuracy, wall time) and docs/accuracy.png (accuracy per round, one line per setting).
+95% of the central accuracy, wall and CPU time), docs/accuracy.png (accuracy per round, one line per setting)
+and docs/accuracy.json (each setting's accuracy per round, for --against).
 
-    python scripts/accuracy.py               # every setting, 4 runs at a time
-    python scripts/accuracy.py --only 3w     # settings whose name contains '3w'
+Where a run's time goes: starting processes that import torch (the `apiary run` process and each worker's
+training child: ~2 s of CPU each), not the rounds (a digits round takes ~0.3 s). An 8-worker run costs ~30 s of
+CPU, a 3-worker one ~13 s; more runs at a time than cores only makes them share the CPU (4 at a time, with
+up to 36 such processes starting together, took 27 minutes here), so 2 run at a time, the costliest first,
+and every process of a run has one intra-op thread (OMP_NUM_THREADS=1: the training already does, and the
+rest has tiny tensors).
+
+    python scripts/accuracy.py                                   # every setting, 2 runs at a time
+    python scripts/accuracy.py --only 3w                         # settings whose name contains '3w'
+    python scripts/accuracy.py --against docs/accuracy.json      # also: how far each setting moved since then
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +74,8 @@ class Outcome:
     accuracy: list[float] = field(default_factory=list)
     final_metrics: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # user + system time of the run's whole process tree
+    load: tuple[float, float] = (0.0, 0.0)  # the machine's 1-minute load average when it started and ended
     error: str | None = None
 
 
@@ -111,17 +122,25 @@ def run(setting: Setting) -> Outcome:
     folder.mkdir(parents=True)
     job_file = folder / "job.json"
     job_file.write_text(json.dumps(job_request(setting), indent=1))
-    env = {**os.environ, "APIARY_HOME": str(folder / "home"), "APIARY_HTTP_PORT": "0"}
+    # One intra-op thread per process: the example trains with one already, and the run's processes share
+    # the machine's cores with one another (and with the other run going on at the same time).
+    env = {**os.environ, "APIARY_HOME": str(folder / "home"), "APIARY_HTTP_PORT": "0", "OMP_NUM_THREADS": "1"}
+    command = [str(Path(sys.executable).with_name("apiary")), "run", str(job_file), "--workers", str(setting.workers),
+               "--json", "--gpus", "none"]
+    load = os.getloadavg()[0]
     started = time.monotonic()
-    done = subprocess.run([str(Path(sys.executable).with_name("apiary")), "run", str(job_file), "--workers",
-                           str(setting.workers), "--json", "--gpus", "none"], cwd=REPO, env=env,
-                          capture_output=True, text=True)
-    outcome = Outcome(setting, wall_s=time.monotonic() - started)
-    (folder / "stderr.log").write_text(done.stderr)
+    with open(folder / "stdout.json", "w") as stdout, open(folder / "stderr.log", "w") as stderr:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=stdout, stderr=stderr)
+        # wait4, not wait: the CPU time of the run's process tree (its workers' training children included).
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+    outcome = Outcome(setting, wall_s=time.monotonic() - started, cpu_s=usage.ru_utime + usage.ru_stime,
+                      load=(load, os.getloadavg()[0]))
     try:
-        summary = json.loads(done.stdout)
+        summary = json.loads((folder / "stdout.json").read_text())
     except json.JSONDecodeError:
-        outcome.error = f"apiary run exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"
+        last = (folder / "stderr.log").read_text().strip().splitlines()[-1:]
+        outcome.error = f"apiary run exited {process.returncode}: {last}"
         return outcome
     if summary["status"] != "completed":
         outcome.error = f"{summary['status']}: {summary.get('reason')}"
@@ -165,12 +184,12 @@ def central_of(outcomes: list[Outcome], setting: Setting) -> Outcome | None:
 def table(outcomes: list[Outcome]) -> list[str]:
     """docs/accuracy.md's table: one row per setting."""
     rows = ["| setting | workers | split | strategy | held-out accuracy | gap to central (pt) |"
-            f" rounds to {REACH:.0%} of central | wall time (s) |",
-            "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: |"]
+            f" rounds to {REACH:.0%} of central | wall time (s) | CPU time (s) |",
+            "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for o in outcomes:
         central = central_of(outcomes, o.setting)
         if o.error or not o.accuracy:
-            rows.append(f"| {o.setting.name} | {o.setting.workers} | | | failed: {o.error} | | | |")
+            rows.append(f"| {o.setting.name} | {o.setting.workers} | | | failed: {o.error} | | | | |")
             continue
         final = o.accuracy[-1]
         gap = "" if central is None or o.setting.central or not central.accuracy else \
@@ -179,16 +198,29 @@ def table(outcomes: list[Outcome]) -> list[str]:
             rounds_to_reach(o.accuracy, REACH * central.accuracy[-1])
         rows.append(f"| {o.setting.name} | {o.setting.workers} | {_split_name(o.setting.split)} | "
                     f"{o.setting.strategy} | {final:.3f} | {gap} | {reach if reach else 'not reached'} | "
-                    f"{o.wall_s:.0f} |")
+                    f"{o.wall_s:.0f} | {o.cpu_s:.0f} |")
     return rows
 
 
-def write_markdown(outcomes: list[Outcome], path: Path, total_s: float, parallel: int) -> None:
+def differences(outcomes: list[Outcome], against: dict[str, list[float]]) -> dict[str, float]:
+    """Each setting's largest difference (points) from an earlier run's accuracy, over its rounds."""
+    out = {}
+    for o in outcomes:
+        before = against.get(o.setting.name)
+        if before is not None and o.accuracy and len(before) == len(o.accuracy):
+            out[o.setting.name] = max(100 * abs(a - b) for a, b in zip(o.accuracy, before, strict=True))
+    return out
+
+
+def write_markdown(outcomes: list[Outcome], path: Path, total_s: float, parallel: int,
+                   moved: dict[str, float] | None = None, against: str = "") -> None:
     """The results page: how it was measured, the table, the plot."""
     jobs = {name: yaml.safe_load((DIGITS / name).read_text()) for name in ("job.yaml", "job-8workers.yaml")}
     sizes = "; ".join(f"`examples/digits/{name}`: {j['distributed']['num_rounds']} rounds x "
                       f"{j['config']['epochs']} epoch(s), learning rate {j['config']['learning_rate']}"
                       for name, j in jobs.items())
+    loads = [value for o in outcomes for value in o.load]
+    cpu = sum(o.cpu_s for o in outcomes)
     lines = [
         "# Accuracy: federated against central training (digits example)",
         "",
@@ -201,14 +233,21 @@ def write_markdown(outcomes: list[Outcome], path: Path, total_s: float, parallel
         "shards are `split: {strategy: label_skew, alpha: A}` (Dirichlet over the shards, per label); the",
         "strategies' parameters are those the README recommends: "
         + ", ".join(f"{k} {v}" for k, v in RECOMMENDED.items()) + ".",
-        f"Wall time is each run's `apiary run` from start to exit, {parallel} runs at a time on this shared",
-        f"2-core machine (the whole script took {total_s / 60:.1f} minutes), so compare it within this table only.",
-        "",
-        *table(outcomes),
-        "",
-        "![held-out accuracy per round](accuracy.png)",
+        f"Wall time is each run's `apiary run` from start to exit, {parallel} runs at a time on this 2-core machine,",
+        "which other sessions' work (tests, benchmarks) shared meanwhile: its load average was "
+        f"{min(loads, default=0):.0f} to {max(loads, default=0):.0f} at the runs' starts and ends. The whole script "
+        f"took {total_s / 60:.1f} minutes. CPU time is the run's",
+        f"whole process tree (user + system; {cpu / 60:.1f} minutes for all runs), which the load does not inflate",
+        "as much: most of it is starting processes that import torch, not the rounds.",
         "",
     ]
+    if moved:
+        worst = max(moved, key=lambda name: moved[name])
+        lines += [f"Reproducibility: against an earlier run of the same script ({against}), the largest difference",
+                  f"in any setting's accuracy in any round was {moved[worst]:.2f} points ({worst}; "
+                  f"{sum(1 for v in moved.values() if v == 0)} of {len(moved)} settings identical in every round).",
+                  ""]
+    lines += [*table(outcomes), "", "![held-out accuracy per round](accuracy.png)", ""]
     path.write_text("\n".join(lines))
 
 
@@ -244,28 +283,39 @@ def write_plot(outcomes: list[Outcome], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the settings, print each result, write the page and the plot."""
+    """Run the settings, print each result, write the page, the plot and the figures."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="", help="run only the settings whose name contains this")
-    parser.add_argument("--parallel", type=int, default=4, help="runs at a time")
-    parser.add_argument("--out", type=Path, default=REPO / "docs", help="where accuracy.md and .png go")
+    parser.add_argument("--parallel", type=int, default=2, help="runs at a time")
+    parser.add_argument("--out", type=Path, default=REPO / "docs", help="where accuracy.md, .png and .json go")
+    parser.add_argument("--against", type=Path, help="an earlier accuracy.json: how far each setting moved since")
     args = parser.parse_args(argv)
+    against = json.loads(args.against.read_text()) if args.against else {}
     if not (DIGITS / "data" / "manifest.json").is_file():
         subprocess.run([sys.executable, str(DIGITS / "prepare.py")], check=True)
     chosen = [s for s in settings() if args.only in s.name]
     started = time.monotonic()
+    done: dict[Setting, Outcome] = {}
     with ThreadPoolExecutor(args.parallel) as pool:
-        outcomes = []
-        for outcome in pool.map(run, chosen):
+        # The costliest runs first (most workers), so that the last ones to finish are short.
+        futures = [pool.submit(run, s) for s in sorted(chosen, key=lambda s: -s.workers)]
+        for future in as_completed(futures):
+            outcome = future.result()
             print(f"{outcome.setting.name:28s} {outcome.error or ' '.join(f'{a:.3f}' for a in outcome.accuracy)}"
-                  f"  ({outcome.wall_s:.0f}s; run's own final accuracy {outcome.final_metrics.get('accuracy')})",
-                  flush=True)
-            outcomes.append(outcome)
+                  f"  ({outcome.wall_s:.0f}s, {outcome.cpu_s:.0f}s CPU; run's own final accuracy "
+                  f"{outcome.final_metrics.get('accuracy')})", flush=True)
+            done[outcome.setting] = outcome
+    outcomes = [done[s] for s in chosen]
     total = time.monotonic() - started
+    moved = differences(outcomes, against)
     args.out.mkdir(parents=True, exist_ok=True)
-    write_markdown(outcomes, args.out / "accuracy.md", total, args.parallel)
+    write_markdown(outcomes, args.out / "accuracy.md", total, args.parallel, moved, str(args.against or ""))
     write_plot(outcomes, args.out / "accuracy.png")
-    print(f"wrote {args.out / 'accuracy.md'} and {args.out / 'accuracy.png'} in {total / 60:.1f} min")
+    (args.out / "accuracy.json").write_text(json.dumps({o.setting.name: o.accuracy for o in outcomes}, indent=1) + "\n")
+    print(f"wrote {args.out / 'accuracy.md'}, .png and .json in {total / 60:.1f} min")
+    if moved:
+        print("largest difference from " + str(args.against) + ": " + ", ".join(
+            f"{name} {value:.2f} pt" for name, value in sorted(moved.items(), key=lambda kv: -kv[1])[:5]))
     return 1 if any(o.error for o in outcomes) else 0
 
 

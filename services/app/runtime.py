@@ -48,10 +48,12 @@ class Embedded:
         self.scheduler = Scheduler(*args)
         self.aggregator = Aggregator(*args)
         self.services: list[Component] = [self.tracker, Sharder(*args), self.aggregator, self.scheduler]
-        # Workers take the given GPUs in turn (several share one where there are more workers than GPUs).
+        # Workers take the given GPUs in turn (several share one where there are more workers than GPUs), and
+        # share one model cache: a base model is downloaded (and a GGUF file converted) once, not once each.
+        shared = {"model_cache": self.settings.model_cache or self.settings.home / "models"}
         self.workers = [
             Worker(self._worker_bus(f"worker-{i + 1}"),
-                   self.settings.model_copy(update={"gpu": gpus[i % len(gpus)]}) if gpus else self.settings,
+                   self.settings.model_copy(update={**shared, **({"gpu": gpus[i % len(gpus)]} if gpus else {})}),
                    worker_id=f"worker-{i + 1}")
             for i in range(workers)
         ]

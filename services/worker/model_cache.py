@@ -1,6 +1,7 @@
 """Base models on this worker: each downloaded once, checked, kept across jobs under its sha256 (an HF
 zip unpacked once, its files read-only), and the least recently used dropped when the cache outgrows
-its limit."""
+its limit. Workers of one machine may share the folder (`APIARY_MODEL_CACHE`; `apiary run`'s workers do):
+a lock file in it lets one of them download a model while the others wait for it and reuse it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from pathlib import Path
 from apiary import transfer
 from apiary.contracts import ModelRef
 from apiary.dataset import extract_shard
+from apiary.filelock import exclusive_async
 
+LOCK = ".lock"  # held by the worker that fills or cleans the folder
 READY = ".ready"  # written last: an entry without it is incomplete; its mtime is when it was last used
 HF_FOLDER = "model"
 
@@ -28,7 +31,7 @@ class ModelCache:
 
     async def fetch(self, ref: ModelRef, *, deadline: float | None = None) -> tuple[Path, int]:
         """The model's path here (a model folder or its single file), and the bytes downloaded for it."""
-        async with self._lock:
+        async with self._lock, exclusive_async(self.root / LOCK):
             entry = self.root / ref.sha256
             moved = 0
             if not (entry / READY).is_file():

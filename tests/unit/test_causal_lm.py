@@ -176,7 +176,7 @@ def test_a_gguf_base_is_converted_once_into_a_read_only_folder_beside_it(tmp_pat
     assert first == again == tmp_path / "tiny.gguf.hf" and reads == [gguf]
     assert (first / "config.json").is_file() and (first / lm.READY).is_file()
     assert all(not (p.stat().st_mode & 0o222) for p in first.iterdir())
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf", "tiny.gguf.hf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf", "tiny.gguf.hf", "tiny.gguf.hf.lock"]
     expected = lm.load_base(model_dir)[0].state_dict()
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
     assert tokenizer.eos_token == lm.load_base(model_dir)[1].eos_token

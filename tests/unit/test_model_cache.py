@@ -59,6 +59,6 @@ async def test_the_least_recently_used_model_is_dropped_when_the_cache_is_full(t
     path_c, _ = await cache.fetch(c)
 
     # Assert
-    kept = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    kept = sorted(p.name for p in (tmp_path / "cache").iterdir() if p.is_dir())
     assert kept == sorted([a.sha256, c.sha256])
     assert path_c.read_bytes() == (tmp_path / "registry" / "c.gguf").read_bytes()

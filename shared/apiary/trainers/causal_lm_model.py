@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from apiary.filelock import exclusive
 from apiary.trainers.base import TrainerError
 from apiary.trainers.causal_lm_config import CausalLMConfig
 
@@ -22,6 +23,7 @@ from apiary.trainers.causal_lm_config import CausalLMConfig
 _FALLBACK_TARGETS = ["q_proj", "v_proj"]
 HF_SUFFIX = ".hf"  # a GGUF file's de-quantised Hugging Face folder, beside it
 READY = ".ready"  # written into that folder last
+LOCK = ".lock"  # beside that folder: held while one process converts the file
 
 
 def offline() -> None:
@@ -61,10 +63,18 @@ def hf_folder(gguf: Path, load: Callable[[Path], tuple[Any, Any]] | None = None)
     """`NAME.gguf.hf/` beside the GGUF file: its weights de-quantised to float32 safetensors with its config
     and tokenizer, written once (through a temporary folder renamed into place, so that processes sharing
     the folder never see half of one). Reading a GGUF file costs tens of seconds on a CPU, mostly parsing
-    its metadata; the folder loads in about one."""
+    its metadata; the folder loads in about one. Workers sharing a model cache convert it once: the first
+    holds a lock file beside it while the others wait, then load its folder."""
     folder = gguf.with_name(gguf.name + HF_SUFFIX)
     if (folder / READY).is_file():
         return folder
+    with exclusive(gguf.with_name(folder.name + LOCK)):
+        if not (folder / READY).is_file():
+            _convert(gguf, folder, load)
+    return folder
+
+
+def _convert(gguf: Path, folder: Path, load: Callable[[Path], tuple[Any, Any]] | None) -> None:
     with _name_maps_built_once():
         model, tokenizer = (load or _load)(gguf)
     model.hf_quantizer = None  # transformers refuses to save a model it de-quantised from GGUF
@@ -83,7 +93,6 @@ def hf_folder(gguf: Path, load: Callable[[Path], tuple[Any, Any]] | None = None)
             raise
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    return folder
 
 
 @contextlib.contextmanager

@@ -142,8 +142,19 @@ def summary(view: dict[str, Any], duration: float) -> dict[str, Any]:
         "metrics": view.get("metrics") or {},
         "reason": view.get("reason"),
         "errors": view.get("errors") or [],
+        "evaluation": before_and_after(view.get("rounds", [])),
         "duration_s": round(duration, 2),
     }
+
+
+def before_and_after(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first and the last evaluated rounds' evaluations, `{"before": {"round", "metrics"}, "after": ...}`
+    (a built-in job's round 0 is its starting model; a user-code job's first is round 1 or later); only
+    `after` where a single round was evaluated, nothing where none was."""
+    evaluated = sorted((r for r in rounds if r.get("evaluation")), key=lambda r: (r["round"], r["attempt"]))
+    ends = {"before": evaluated[0], "after": evaluated[-1]} if len(evaluated) > 1 else \
+        {"after": evaluated[0]} if evaluated else {}
+    return {side: {"round": r["round"], "metrics": r["evaluation"]} for side, r in ends.items()}
 
 
 def print_summary(result: dict[str, Any]) -> None:
@@ -154,6 +165,9 @@ def print_summary(result: dict[str, Any]) -> None:
                   f"({result['rounds_completed']}/{result['num_rounds'] or '?'} rounds, {result['duration_s']}s)")
     if result["metrics"]:
         results.print("metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in result["metrics"].items()))
+    for side, evaluated in (result.get("evaluation") or {}).items():
+        metrics = ", ".join(f"{k}={v:.4g}" for k, v in evaluated["metrics"].items())
+        results.print(f"evaluation {side} (round {evaluated['round']}): {metrics}")
     if result["final_model"]:
         results.print(f"final model: {result['final_model']}")
     if result["reason"]:
@@ -161,4 +175,5 @@ def print_summary(result: dict[str, Any]) -> None:
         results.print(f"[{'yellow' if ok else 'red'}]reason:[/] {result['reason']}")
 
 
-__all__ = ["STATE_STYLE", "data_table", "label_text", "print_summary", "render_job", "strategy_text", "summary"]
+__all__ = ["STATE_STYLE", "before_and_after", "data_table", "label_text", "print_summary", "render_job",
+           "strategy_text", "summary"]

@@ -40,10 +40,15 @@ class Ending:
 
 def evaluation_due(spec: JobSpec, round_index: int, evaluates: bool | None) -> bool:
     """Whether the round's global model is evaluated on a worker: a user-code job whose module has (or may
-    have: not yet known) fl_evaluate_model, every `evaluate_every` rounds and after the last."""
-    if spec.trainer is not None or evaluates is False:
+    have: not yet known) fl_evaluate_model, or a built-in job with held-out records (`eval_dataset_id`),
+    every `evaluate_every` rounds and after the last; a built-in job's round 0 (its starting model) too,
+    unless evaluate_every is 0."""
+    built_in = spec.built_in
+    if evaluates is False or (built_in is not None and built_in.eval_dataset_id is None):
         return False
     every = spec.distributed.evaluate_every
+    if round_index == 0:
+        return built_in is not None and every > 0
     return round_index == spec.distributed.num_rounds or (every > 0 and round_index % every == 0)
 
 

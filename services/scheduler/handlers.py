@@ -18,6 +18,7 @@ from apiary.contracts import (
     JobFailed,
     JobSharded,
     JobWaiting,
+    ObjectRef,
     RoundAggregated,
     RoundEvaluated,
     RoundFailed,
@@ -29,6 +30,7 @@ from apiary.contracts import (
     WorkerOnline,
 )
 from apiary.db import Database, Executor
+from apiary.jobspec import JobSpec
 from apiary.outbox import KeyedLocks, Outbox, Pending
 from apiary.policy import Policy
 from apiary.settings import Settings
@@ -175,16 +177,16 @@ class SchedulerHandlers:
                 await self._start_round(tx, target, prefer=event.trained_by)
             # Queued after the next round's assignments: a worker takes its training first.
             if evaluation_due(spec, event.round, job.evaluates):
-                await self._queue_evaluation(tx, job, event)
+                await self._queue_evaluation(tx, event.job_id, spec, event.round, event.attempt, event.weights)
         await self._finisher.settle(event.job_id)
 
-    async def _queue_evaluation(self, tx: Executor, job: Job, event: RoundAggregated) -> None:
+    async def _queue_evaluation(self, tx: Executor, job_id: str, spec: JobSpec, round_index: int, attempt: int,
+                                weights: ObjectRef) -> None:
         """Queue the round's evaluation on a worker; the next round does not wait for it."""
         now = time.time()
         online = set(await store.online_workers(tx, now - self._settings.worker_offline_after))
-        await store.insert_evaluation(tx, event.job_id, event.round, event.weights.key, now)
-        queued = await self._tasks.evaluate(event.job_id, job.spec, event.round, event.attempt, event.weights,
-                                            online, now)
+        await store.insert_evaluation(tx, job_id, round_index, weights.key, now)
+        queued = await self._tasks.evaluate(job_id, spec, round_index, attempt, weights, online, now)
         await self._outbox.add_all(tx, queued)
 
     async def on_round_evaluated(self, event: RoundEvaluated, delivery: Delivery) -> None:
@@ -316,6 +318,10 @@ class SchedulerHandlers:
         await self._outbox.add_all(tx, queued)
         log.info("job %s: round %d/%d (attempt %d) started on %d shards", target.job_id, target.round,
                  target.spec.distributed.num_rounds, target.attempt, len(plan.chosen))
+        if (target.round, target.attempt) == (1, 1) and evaluation_due(target.spec, 0, None):
+            # The starting model's score (a built-in job's base with its initial adapter), once, after round 1's
+            # assignments: a worker takes its training first.
+            await self._queue_evaluation(tx, target.job_id, target.spec, 0, 1, target.weights)
 
     async def _close_round(self, tx: Executor, job_id: str, round_index: int, attempt: int, status: RoundStatus,
                            *, reason: str | None = None, weights_key: str | None = None,

@@ -12,7 +12,7 @@ from apiary.assignments import POOL, declare_preferred, pinned_queue, preferred_
 from apiary.bus import Bus
 from apiary.contracts import Assignment, ModelRef, ShardInfo
 from apiary.jobspec import JobSpec
-from apiary.registry import model_info, model_ref
+from apiary.registry import dataset_info, model_info, model_ref
 from apiary.storage import Storage
 from services.scheduler.rounds import (
     AssignmentUrls,
@@ -54,6 +54,17 @@ class AssignmentRouter:
         if spec.trainer is None or spec.model_id is None:
             return None
         return model_ref(self._storage, await model_info(self._storage, spec.model_id), ttl)
+
+    async def evaluation_inputs(self, spec: JobSpec, ttl: int) -> dict[str, Any]:
+        """What a built-in job's evaluate assignment carries beside the weights, presigned for `ttl` seconds:
+        its base model, and its held-out dataset (`eval_dataset_id`) in the shard's fields; none for user code."""
+        cfg = spec.built_in
+        if cfg is None or cfg.eval_dataset_id is None or spec.model_id is None:
+            return {}
+        held_out = await dataset_info(self._storage, cfg.eval_dataset_id)
+        return {"base_model": model_ref(self._storage, await model_info(self._storage, spec.model_id), ttl),
+                "shard_url": self._storage.presign_get(held_out["key"], ttl), "shard_sha256": held_out["sha256"],
+                "shard_num_samples": held_out["num_samples"]}
 
     def code(self, spec: JobSpec, ttl: int) -> dict[str, Any]:
         """What every assignment of a job carries for its code, whatever its task: the bundle (URL presigned

@@ -32,7 +32,8 @@ class TaskQueue:
         ttl = int(task_timeout(spec) + self._presign_ttl)
         return await self._queued(job_id, spec, EVALUATE, round_index, attempt, online, now,
                                   weights_url=self._storage.presign_get(weights.key, ttl),
-                                  weights_sha256=weights.sha256, env=spec.env(round_index))
+                                  weights_sha256=weights.sha256, env=spec.env(round_index),
+                                  **await self._router.evaluation_inputs(spec, ttl))
 
     async def _queued(self, job_id: str, spec: JobSpec, task: TaskKind, round_index: int, attempt: int,
                       online: set[str], now: float, **fields: object) -> list[Pending]:

@@ -72,13 +72,15 @@ class RoundView(BaseModel):
 
     round: int
     attempt: int
-    status: str = Field(description="running, aggregated, failed, or cancelled (its job was cancelled first)")
+    status: str = Field(description="running, aggregated, failed, cancelled (its job was cancelled first), or "
+                                    "initial (round 0: a built-in job's starting model, evaluated)")
     metrics: dict[str, float]
     reason: str | None
     started_at: float | None
     ended_at: float | None
     evaluation: dict[str, float] | None = Field(
-        default=None, description="the round's global model evaluated on a worker (fl_evaluate_model), if it was")
+        default=None, description="the round's global model evaluated on a worker (fl_evaluate_model, or the "
+                                  "built-in trainer on eval_dataset_id), if it was")
     evaluation_error: str | None = Field(default=None, description="why the round's evaluation failed, if it did")
 
 

@@ -285,7 +285,10 @@ async def mark_silent_offline(db: Executor, seen_before: float) -> int:
 async def round_evaluated(tx: Executor, job_id: str, round_index: int, attempt: int, metrics: dict[str, float],
                           error: str | None) -> None:
     """A round's evaluation: its metrics, or why it failed; the first report counts (a redelivery changes
-    nothing)."""
+    nothing). Round 0's (a built-in job's starting model) gets its own row, as no round started it."""
+    if round_index == 0:
+        await tx.execute("INSERT INTO round_views (job_id, round, attempt, status) VALUES ($1, 0, $2, 'initial')"
+                         " ON CONFLICT DO NOTHING", job_id, attempt)
     await tx.execute(
         "UPDATE round_views SET evaluation = $4, evaluation_error = $5 WHERE job_id = $1 AND round = $2"
         " AND attempt = $3 AND evaluation IS NULL AND evaluation_error IS NULL",

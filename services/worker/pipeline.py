@@ -140,9 +140,22 @@ class AssignmentRun:
             self.worker.skip_ended(self.a)
             return
         self.space.work.mkdir(parents=True, exist_ok=True)
-        call = replace(self._call(None), function=task_function(self.a.task),
+        try:
+            data_root = await self._task_inputs()
+        except transfers.FETCH_ERRORS as e:
+            await task_failed(self.worker, self.a, f"inputs could not be fetched: {e}")
+            return
+        call = replace(self._call(data_root), function=task_function(self.a.task),
                        result_path=str(self.space.work / "initial.safetensors"))
         await TaskRun(self.worker, self.a, self.space, call).run()
+
+    async def _task_inputs(self) -> Path | None:
+        """A built-in job's task inputs: its base model (from this worker's cache) and, for an evaluation, the
+        held-out records the assignment names in its shard's fields (their folder; None where it names none)."""
+        a = self.a
+        if a.base_model is not None:
+            self.model_path, _ = await self.worker.models.fetch(a.base_model, deadline=a.deadline)
+        return await transfers.fetch_records(a, self.space.job_dir) if a.shard_url else None
 
     def _call(self, data_root: Path | None) -> TrainCall:
         a, space = self.a, self.space

@@ -78,7 +78,7 @@ class TaskRun:
         except transfers.FETCH_ERRORS as e:
             return done.model_copy(update={"error": f"round {a.round}'s weights could not be fetched: {e}"})
         try:
-            metrics = await self._runner().evaluate_task(self.call, timeout=self._timeout())
+            metrics = await self.worker.trainer_for(self.a).evaluate_task(self.call, timeout=self._timeout())
         except TrainerError as e:
             return done.model_copy(update={"error": str(e)})
         if metrics is None:

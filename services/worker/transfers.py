@@ -11,6 +11,7 @@ from pathlib import Path
 from apiary import transfer
 from apiary.contracts import Assignment
 from apiary.dataset import extract_shard
+from apiary.dataset_text import JSONL
 
 # What a failed download or upload raises: reported as the shard's failure, never a crash.
 FETCH_ERRORS = (transfer.TransferError, zipfile.BadZipFile, OSError, ValueError)
@@ -38,6 +39,25 @@ async def fetch_shard(a: Assignment, job_dir: Path) -> tuple[Path, int]:
     await asyncio.to_thread(extract_shard, archive, root)
     archive.unlink(missing_ok=True)
     return root, size
+
+
+async def fetch_records(a: Assignment, job_dir: Path) -> Path:
+    """An evaluation's held-out records (a registered dataset: a zip, or one JSONL file) in their folder,
+    downloaded once per job."""
+    root = job_dir / f"held-out-{a.shard_sha256[:16]}"
+    if root.is_dir():
+        return root
+    download = job_dir / f".{root.name}.download"
+    await transfer.download(a.shard_url, download, a.shard_sha256, deadline=a.deadline)
+    if zipfile.is_zipfile(download):
+        await asyncio.to_thread(extract_shard, download, root)
+        download.unlink(missing_ok=True)
+    else:  # moved whole into its folder, which appears complete or not at all
+        partial = job_dir / f".{root.name}.part"
+        partial.mkdir(parents=True, exist_ok=True)
+        download.replace(partial / f"held-out{JSONL}")
+        partial.replace(root)
+    return root
 
 
 def fetch_weights(a: Assignment, target: Path) -> asyncio.Future[None]:

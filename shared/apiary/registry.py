@@ -187,11 +187,13 @@ async def registry_errors(storage: Storage, spec: JobSpec) -> list[FieldError]:
     if spec.trainer is not None and not isinstance(spec.model_id, int):
         errors.append(FieldError(field="model_id", message="a built-in job fine-tunes a registered model: give its "
                                  "integer model_id (register one with `apiary model add PATH`)"))
-    if isinstance(spec.dataset_id, int):
-        try:
-            await dataset_info(storage, spec.dataset_id)
-        except DatasetError as e:
-            errors.append(FieldError(field="dataset_id", message=str(e)))
+    held_out = spec.built_in.eval_dataset_id if spec.built_in is not None else None
+    for field, dataset_id in (("dataset_id", spec.dataset_id), ("config.eval_dataset_id", held_out)):
+        if isinstance(dataset_id, int):
+            try:
+                await dataset_info(storage, dataset_id)
+            except DatasetError as e:
+                errors.append(FieldError(field=field, message=str(e).replace("dataset_id", field, 1)))
     if isinstance(spec.model_id, int):
         try:
             info = await model_info(storage, spec.model_id)

@@ -68,6 +68,11 @@ class Trainer(ABC):
                     on_metrics: MetricsCallback | None = None) -> TrainResult:
         """Train; raise TrainerError with one clear line if training fails."""
 
+    async def evaluate_task(self, call: TrainCall, *, timeout: float | None = None) -> dict[str, float] | None:
+        """An evaluate assignment: the metrics of the global weights at `call.weights_path`; None where this
+        trainer (or the job's code) has no evaluation. TrainerError with one clear line if it fails."""
+        return None
+
     @property
     @abstractmethod
     def pid(self) -> int | None:

@@ -52,5 +52,13 @@ class CausalLMTrainer(ChildTrainer):
         out = await self._call("causal_lm.train", call, timeout, on_metrics)
         return TrainResult(samples=out["samples"], size=out["size"], sha256=out["sha256"], metrics=out["metrics"])
 
+    async def evaluate_task(self, call: TrainCall, *, timeout: float | None = None) -> dict[str, float] | None:
+        """The global weights' exact match and loss on the held-out records (the call's dataset)."""
+        if not call.model_path or not call.dataset.get("data_root"):
+            raise TrainerError("the causal_lm trainer evaluates the job's base model on its eval_dataset_id, and "
+                               "the evaluate assignment names no model or dataset")
+        out = await self._call("causal_lm.evaluate", call, timeout, None)
+        return dict(out["metrics"]) if out["found"] else None
+
 
 register_trainer(BUILT_IN, CausalLMTrainer)

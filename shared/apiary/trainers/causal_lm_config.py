@@ -31,3 +31,7 @@ class CausalLMConfig(BaseModel):
     validation_split: float = Field(0.1, ge=0, lt=1)
     seed: int = 0
     merge_adapter: bool = False
+    # A registered dataset of held-out records (its integer id): round 0's model (the base with the initial
+    # adapter) and every evaluated round's global model are scored on it on a worker (exact match of the greedy
+    # reply for prompt/completion and chat records, and the loss). None: the rounds are not evaluated.
+    eval_dataset_id: int | None = Field(None, ge=1)

@@ -68,6 +68,21 @@ def encode(record: dict[str, Any], tokenizer: Any, max_length: int) -> Example:
     return ids, labels
 
 
+def prompt_and_reply(record: dict[str, Any], tokenizer: Any) -> tuple[list[int], str] | None:
+    """What a reply is generated from (the prompt's ids, or the conversation up to the assistant's last turn
+    with the generation prompt) and the reply expected; None for a text record or a conversation that does
+    not end with the assistant's turn (nothing to match)."""
+    shape = record_shape(record)
+    if shape == "prompt":
+        return _ids(tokenizer, record["prompt"]), record["completion"]
+    if shape == "messages" and record["messages"][-1].get("role") == "assistant":
+        if not getattr(tokenizer, "chat_template", None):
+            raise TrainerError("records with 'messages' need a chat template, and this model's tokenizer has none")
+        return _templated(tokenizer, record["messages"][:-1], generation_prompt=True), \
+            str(record["messages"][-1].get("content", ""))
+    return None
+
+
 def _ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -119,6 +134,16 @@ def micro_batches(train_count: int, batch_size: int, epochs: int, steps: int | N
     if steps:
         return steps * accumulation
     return epochs * max(1, math.ceil(train_count / batch_size))
+
+
+def left_padded(prompts: list[list[int]], pad_id: int) -> dict[str, Any]:
+    """Tensors for generating from a batch of prompts: left-padded, so that every reply starts at the end."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = [[pad_id] * (width - len(p)) + list(p) for p in prompts]
+    mask = [[0] * (width - len(p)) + [1] * len(p) for p in prompts]
+    return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
 
 
 def collate(examples: list[Example], pad_id: int) -> dict[str, Any]:

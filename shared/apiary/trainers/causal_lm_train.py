@@ -4,8 +4,10 @@ autocast on the worker's device, and write back only what travels (the adapter, 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -40,9 +42,20 @@ def precision(device: str, mixed_precision: str) -> Any:
     return torch.bfloat16 if mixed_precision == "bf16" else torch.float16
 
 
-def run_round(call: TrainCall, device: str, log_metrics: Callable[..., None]) -> tuple[dict[str, Any], int,
-                                                                                         dict[str, float]]:
-    """Train one round; the tensors that travel, the training records' count and {loss, val_loss}."""
+@dataclass
+class RoundInputs:
+    """What a round's call works on: the job's config, the autocast dtype, the shard's (or the held-out
+    dataset's) records, and the model set to the round's global weights, with its tokenizer."""
+
+    cfg: CausalLMConfig
+    dtype: Any
+    records: list[dict[str, Any]]
+    model: Any
+    tokenizer: Any
+
+
+def round_inputs(call: TrainCall, device: str) -> RoundInputs:
+    """The call's config, records and model (kept from the last call, reset to the call's global weights)."""
     from apiary import weights as w
 
     if not call.model_path:
@@ -52,23 +65,38 @@ def run_round(call: TrainCall, device: str, log_metrics: Callable[..., None]) ->
     records = data.read_records(Path(call.dataset["data_root"]))
     model, tokenizer = _warm_model(Path(call.model_path), cfg)
     lm.set_weights(model, w.loads(Path(call.weights_path).read_bytes()), adapter=cfg.use_peft)
-    examples = [data.encode(r, tokenizer, cfg.max_seq_length) for r in records]
-    train_idx, val_idx = data.split_validation(len(examples), cfg.validation_split, cfg.seed)
-    steps = call.env.get("STEPS_PER_ROUND")
-    total = data.micro_batches(len(train_idx), cfg.batch_size, cfg.epochs, int(steps) if steps else None,
-                               cfg.gradient_accumulation_steps)
-    loop = _Loop(model.to(device), cfg, device, dtype, tokenizer.pad_token_id)
-    seed = cfg.seed + int(call.round.get("index", 0))
+    return RoundInputs(cfg, dtype, records, model.to(device), tokenizer)
+
+
+@contextlib.contextmanager
+def out_of_memory_said(device: str, cfg: CausalLMConfig) -> Iterator[None]:
+    """A device out of memory as one TrainerError line saying what to lower."""
     try:
-        loss = loop.train([examples[i] for i in train_idx], total, seed, log_metrics)
-        metrics = {"loss": loss}
-        if val_idx:
-            metrics["val_loss"] = loop.evaluate([examples[i] for i in val_idx])
+        yield
     except Exception as e:
         if type(e).__name__ == "OutOfMemoryError":
             raise TrainerError(f"out of GPU memory on {device} (batch_size {cfg.batch_size}, max_seq_length "
                                f"{cfg.max_seq_length}): lower them or use a larger GPU") from e
         raise
+
+
+def run_round(call: TrainCall, device: str, log_metrics: Callable[..., None]) -> tuple[dict[str, Any], int,
+                                                                                         dict[str, float]]:
+    """Train one round; the tensors that travel, the training records' count and {loss, val_loss}."""
+    inputs = round_inputs(call, device)
+    cfg, model, tokenizer = inputs.cfg, inputs.model, inputs.tokenizer
+    examples = [data.encode(r, tokenizer, cfg.max_seq_length) for r in inputs.records]
+    train_idx, val_idx = data.split_validation(len(examples), cfg.validation_split, cfg.seed)
+    steps = call.env.get("STEPS_PER_ROUND")
+    total = data.micro_batches(len(train_idx), cfg.batch_size, cfg.epochs, int(steps) if steps else None,
+                               cfg.gradient_accumulation_steps)
+    loop = _Loop(model, cfg, device, inputs.dtype, tokenizer.pad_token_id)
+    seed = cfg.seed + int(call.round.get("index", 0))
+    with out_of_memory_said(device, cfg):
+        loss = loop.train([examples[i] for i in train_idx], total, seed, log_metrics)
+        metrics = {"loss": loss}
+        if val_idx:
+            metrics["val_loss"] = loop.evaluate([examples[i] for i in val_idx])
     tensors = lm.adapter_tensors(model) if cfg.use_peft else lm.full_tensors(model)
     return tensors, len(train_idx), metrics
 
@@ -107,11 +135,7 @@ class _Loop:
         self.scaler = torch.amp.GradScaler(device.split(":")[0], enabled=dtype is torch.float16)
 
     def _loss(self, batch: list[data.Example]) -> Any:
-        import torch
-
-        tensors = {k: v.to(self.device) for k, v in data.collate(batch, self.pad_id).items()}
-        with torch.autocast(self.device.split(":")[0], dtype=self.dtype, enabled=self.dtype is not None):
-            return self.model(**tensors).loss
+        return batch_loss(self.model, batch, self.device, self.dtype, self.pad_id)
 
     def train(self, examples: list[data.Example], total: int, seed: int, log_metrics: Callable[..., None]) -> float:
         """Run `total` batches (an optimizer step every gradient_accumulation_steps); their mean loss."""
@@ -135,14 +159,34 @@ class _Loop:
 
     def evaluate(self, examples: list[data.Example]) -> float:
         """The mean loss over the held-out records, one batch at a time."""
-        import torch
+        return mean_loss(self.model, examples, self.cfg.batch_size, self.device, self.dtype, self.pad_id)
 
-        self.model.eval()
-        size, losses = self.cfg.batch_size, []
-        with torch.no_grad():
-            for start in range(0, len(examples), size):
-                losses.append(float(self._loss(examples[start:start + size])))
-        return sum(losses) / len(losses)
+
+def autocast(device: str, dtype: Any) -> Any:
+    """Autocast to `dtype` on the device's kind (off for None: float32)."""
+    import torch
+
+    return torch.autocast(device.split(":")[0], dtype=dtype, enabled=dtype is not None)
+
+
+def batch_loss(model: Any, batch: list[data.Example], device: str, dtype: Any, pad_id: int) -> Any:
+    """The model's loss on one batch, under autocast."""
+    tensors = {k: v.to(device) for k, v in data.collate(batch, pad_id).items()}
+    with autocast(device, dtype):
+        return model(**tensors).loss
+
+
+def mean_loss(model: Any, examples: list[data.Example], batch_size: int, device: str, dtype: Any,
+              pad_id: int) -> float:
+    """The mean loss over held-out examples, `batch_size` at a time, without gradients."""
+    import torch
+
+    model.eval()
+    losses = []
+    with torch.no_grad():
+        for start in range(0, len(examples), batch_size):
+            losses.append(float(batch_loss(model, examples[start:start + batch_size], device, dtype, pad_id)))
+    return sum(losses) / len(losses)
 
 
 def run_train(call: TrainCall, conn: Connection) -> dict[str, Any]:

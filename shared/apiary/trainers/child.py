@@ -182,13 +182,15 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="apiary-parent-watch", daemon=True).start()
 
 
-# Built-in trainers' calls, imported in the child when first made (their libraries are heavy).
-_BUILT_IN_CALLS = {"causal_lm.train": "apiary.trainers.causal_lm_train"}
+# Built-in trainers' calls (`module:function`), imported in the child when first made (their libraries are heavy).
+_BUILT_IN_CALLS = {"causal_lm.train": "apiary.trainers.causal_lm_train:run_train",
+                   "causal_lm.evaluate": "apiary.trainers.causal_lm_eval:run_evaluate"}
 
 
 def _run(kind: str, args: Any, conn: Connection) -> dict[str, Any]:
     if kind in _BUILT_IN_CALLS:
-        result: dict[str, Any] = importlib.import_module(_BUILT_IN_CALLS[kind]).run_train(args, conn)
+        module, _, function = _BUILT_IN_CALLS[kind].partition(":")
+        result: dict[str, Any] = getattr(importlib.import_module(module), function)(args, conn)
         return result
     if kind == "train":
         return _run_train(args, conn)

@@ -1,5 +1,6 @@
-"""Write the example's instruction dataset, register SmolLM2-135M-Instruct (GGUF) and the dataset, and write
-job.yaml naming them by id: `python examples/llm-lora/prepare.py`, then `apiary run examples/llm-lora/job.yaml`."""
+"""Write the example's instruction dataset and its held-out records, register SmolLM2-135M-Instruct (GGUF) and
+both datasets, and write job.yaml naming them by id: `python examples/llm-lora/prepare.py`, then
+`apiary run examples/llm-lora/job.yaml --workers 3`, which ends with the exact match before and after."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ HERE = Path(__file__).resolve().parent
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TRAIN, HELDOUT = HERE / "data" / "train.jsonl", HERE / "data" / "heldout.jsonl"
 
-# The documented request's shape, sized for a CPU: 2 rounds of 8 optimizer steps per worker. The documented
+# The documented request's shape, sized for a CPU: 2 rounds of 8 optimizer steps per worker, round 0 (the base)
+# and round 2 scored on the held-out records. The documented
 # learning rate (2e-4) needs hundreds of steps; 1e-3 learns this format in a few dozen. bf16 autocast is
 # slower than float32 on most CPUs, so the example trains in float32 ("no"); set "bf16" on a GPU worker.
 JOB = """\
@@ -37,11 +39,14 @@ config:
   max_seq_length: 96
   validation_split: 0.1
   seed: 0
+  # The held-out records: round 0 (the base model) and the last round are scored on them (exact match).
+  eval_dataset_id: {eval_dataset_id}
 distributed:
   enabled: true
   strategy: federated_averaging
   num_rounds: 2
   steps_per_round: 8
+  evaluate_every: 2
   min_workers: 2
   max_workers: 3
   aggregation_timeout: 1200
@@ -85,9 +90,12 @@ def main() -> None:
         return
     model = register("model", "add", gguf_path(), "smollm2-135m-instruct")
     dataset = register("dataset", "upload", TRAIN, "catalogue-codes")
-    (HERE / "job.yaml").write_text(JOB.format(here=HERE.relative_to(Path.cwd()) if HERE.is_relative_to(Path.cwd())
-                                              else HERE, model_id=model["model_id"], dataset_id=dataset["dataset_id"]))
-    print(f"model_id {model['model_id']}, dataset_id {dataset['dataset_id']}: wrote {HERE / 'job.yaml'}")
+    held_out = register("dataset", "upload", HELDOUT, "catalogue-codes-held-out")
+    here = HERE.relative_to(Path.cwd()) if HERE.is_relative_to(Path.cwd()) else HERE
+    (HERE / "job.yaml").write_text(JOB.format(here=here, model_id=model["model_id"], dataset_id=dataset["dataset_id"],
+                                              eval_dataset_id=held_out["dataset_id"]))
+    print(f"model_id {model['model_id']}, dataset_id {dataset['dataset_id']}, eval_dataset_id "
+          f"{held_out['dataset_id']}: wrote {HERE / 'job.yaml'}")
 
 
 if __name__ == "__main__":

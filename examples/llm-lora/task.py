@@ -1,7 +1,8 @@
 """The example's task: turn a sentence about a person into a made-up catalogue code, `City/Surname/Year`.
 
 SmolLM2-135M-Instruct answers the question in prose, so its exact-match score starts near zero; a few dozen
-LoRA steps teach it the format. The records are seeded, so every run writes the same files."""
+LoRA steps teach it the format. The records are seeded, so every run writes the same files. The job scores the
+held-out ones itself (config eval_dataset_id: the built-in trainer's exact match of the greedy reply)."""
 
 from __future__ import annotations
 
@@ -38,31 +39,3 @@ def write_records(path: Path, count: int, seed: int) -> list[dict[str, Any]]:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return records
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a JSONL file."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def exact_match(model: Any, tokenizer: Any, records: list[dict[str, Any]], max_new_tokens: int = 12,
-                batch_size: int = 20) -> float:
-    """The share of records whose greedy reply is exactly the expected code (surrounding spaces ignored),
-    the prompts generated `batch_size` at a time (left-padded, so that every reply starts at the end)."""
-    import torch
-
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    hits = 0
-    model.eval()
-    for start in range(0, len(records), batch_size):
-        batch = records[start:start + batch_size]
-        prompts = [tokenizer.apply_chat_template(r["messages"][:-1], add_generation_prompt=True, tokenize=False)
-                   for r in batch]
-        inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-        replies = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-        hits += sum(reply.strip() == r["messages"][-1]["content"] for reply, r in zip(replies, batch, strict=True))
-    tokenizer.padding_side = side
-    return hits / len(records)

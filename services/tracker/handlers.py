@@ -127,12 +127,10 @@ async def _worker_online(tx: Executor, b: dict[str, Any], ts: float) -> None:
 
 
 async def _worker_heartbeat(tx: Executor, b: dict[str, Any], ts: float) -> None:
+    # The worker's own row is written with the next batch of heartbeats (services.tracker.beats).
     if b.get("state") == "training" and isinstance(b.get("job_id"), str) and isinstance(b.get("shard"), int):
         # The worker took the shard but has not reported progress yet: it is training, not waiting.
         await store.shard_taken(tx, b["job_id"], b.get("round"), b["shard"], b["worker_id"], ts)
-    await store.touch_worker(tx, b["worker_id"], ts, state=b.get("state"), job_id=b.get("job_id"),
-                             round_index=b.get("round"), shard=b.get("shard"), gpu=b.get("gpu"),
-                             samples_per_s=b.get("samples_per_s"), kind=_kind(b))
 
 
 def _kind(b: dict[str, Any]) -> str | None:

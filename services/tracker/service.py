@@ -15,6 +15,7 @@ from apiary.contracts import DecodeError, decode_body
 from apiary.db import Executor
 from apiary.db.group import GroupCommit
 from services.tracker import forgery, store
+from services.tracker.beats import Heartbeats, beat_of
 from services.tracker.handlers import VIEWS, summary
 from services.tracker.http import HttpServer
 
@@ -29,6 +30,8 @@ class Tracker(Component):
         super().__init__(*args, **kwargs)
         self._sweeper: asyncio.Task[None] | None = None
         self._commits = GroupCommit(self.db, self._apply, after=self._notify)
+        self._beats = Heartbeats(self.db, after=self._notify)
+        self._beat_writer: asyncio.Task[None] | None = None
         self.changed = asyncio.Condition()
         # Bumped with every notification, so a waiter can tell whether it missed one.
         self.version = 0
@@ -46,6 +49,7 @@ class Tracker(Component):
         await self.db.migrate(self.name, store.MIGRATIONS)
         await self.consume("tracker", {"#": Raw(self.on_event)})
         self._sweeper = asyncio.create_task(self._sweep_offline(), name="tracker:offline-sweep")
+        self._beat_writer = asyncio.create_task(self._beats.run(), name="tracker:heartbeats")
         if self.serve_http:
             await self.start_http()
 
@@ -70,11 +74,14 @@ class Tracker(Component):
             await self._http.stop()
             self._http = None
         await super().stop()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
-            self._sweeper = None
+        for task in (self._sweeper, self._beat_writer):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._sweeper = self._beat_writer = None
+        with contextlib.suppress(Exception):
+            await self._beats.write()  # the beats kept since the last write
 
     async def _notify(self) -> None:
         async with self.changed:
@@ -87,7 +94,13 @@ class Tracker(Component):
             body = decode_body(delivery.body, delivery.content_type)
         except DecodeError as e:
             raise Poison(str(e)) from e
-        await self._commits.submit((delivery.routing_key, body, time.time(), delivery.user_id))
+        key, now = delivery.routing_key, time.time()
+        if key == "worker.heartbeat" and not forgery.names_a_shard(key, body) and (
+                forgery.judge(key, body, None, delivery.user_id) is None):
+            # A beat naming no shard changes only its worker's row: kept for the next batched write.
+            self._beats.keep(beat_of(body, now))
+            return
+        await self._commits.submit((key, body, now, delivery.user_id))
 
     async def _apply(self, tx: Executor, event: tuple[str, dict[str, Any], float, str | None]) -> None:
         """Log one event and apply it to the views, in the group commit's transaction (a forged worker
@@ -103,6 +116,8 @@ class Tracker(Component):
                 await handler(tx, body, ts)
             except (KeyError, TypeError, ValueError) as e:
                 raise Poison(f"{key} message lacks what the tracker needs: {e}") from e
+            if key == "worker.heartbeat":
+                self._beats.keep(beat_of(body, ts))  # its worker's row, with the next batched write
 
     async def _sweep_offline(self) -> None:
         """Mark workers offline when their heartbeats stop."""
@@ -110,6 +125,7 @@ class Tracker(Component):
             await asyncio.sleep(self.settings.heartbeat_interval)
             cutoff = time.time() - self.settings.worker_offline_after
             with contextlib.suppress(Exception):
+                await self._beats.write()  # the beats kept since the last write count
                 changed = await store.mark_silent_offline(self.db, cutoff)
                 if changed:
                     await self._notify()

@@ -270,6 +270,28 @@ async def touch_worker(tx: Executor, worker_id: str, ts: float, *, state: str | 
     )
 
 
+BEAT_COLUMNS = ("worker_id", "state", "job_id", "round", "shard", "gpu", "samples_per_s", "kind", "last_seen")
+
+
+async def beats(tx: Executor, rows: list[tuple[Any, ...]]) -> None:
+    """Workers' heartbeats (rows of BEAT_COLUMNS), in one statement: each worker online, in its state, on its
+    shard (none when not given), as of the beat; a row already newer than its beat is left as it is."""
+    width = len(BEAT_COLUMNS)
+    values = ", ".join(
+        "(" + ", ".join(f"${i * width + j + 1}" for j in range(width)) + f", 'online', ${i * width + width})"
+        for i in range(len(rows)))
+    await tx.execute(
+        f"INSERT INTO workers ({', '.join(BEAT_COLUMNS)}, status, first_seen) VALUES {values}"
+        " ON CONFLICT (worker_id) DO UPDATE SET status = 'online', state = COALESCE(excluded.state, workers.state),"
+        " job_id = excluded.job_id, round = excluded.round, shard = excluded.shard,"
+        " gpu = COALESCE(excluded.gpu, workers.gpu),"
+        " samples_per_s = COALESCE(excluded.samples_per_s, workers.samples_per_s),"
+        " kind = COALESCE(excluded.kind, workers.kind), last_seen = excluded.last_seen"
+        " WHERE workers.last_seen <= excluded.last_seen",
+        *(value for row in rows for value in row),
+    )
+
+
 async def worker_offline(tx: Executor, worker_id: str) -> None:
     """A worker said it goes offline."""
     await tx.execute("UPDATE workers SET status = 'offline' WHERE worker_id = $1", worker_id)

@@ -20,13 +20,14 @@ from typing import Any
 
 from apiary.bus.identity import DEFAULT_PREFIX, SERVICE_ROLES, SHARED_WORKERS, service_user, worker_user
 
-# What a worker publishes: its own events, an assignment it hands back to the pool while busy, and the
-# answers to tasks run on workers (initial weights, evaluation).
-WORKER_PUBLISHES = (r"worker\..+", r"assign\.pool", r"job\.initialized", r"round\.evaluated")
+# What a worker publishes: its own events, the reports of the tasks it runs (worker.initialized,
+# worker.evaluated) among them. A preferred assignment it cannot take reaches the pool by being rejected (the
+# broker dead-letters it there), not published.
+WORKER_PUBLISHES = (r"worker\..+",)
 # What each service publishes on the exchange (delayed events go through the default exchange, and the
 # broker, not the service, dead-letters them into the exchange, so topic permissions do not apply there).
 SERVICE_PUBLISHES: dict[str, tuple[str, ...]] = {
-    "scheduler": (r"job\..+", r"shard\..+", r"round\..+", r"assign\..+", r"task\..+"),
+    "scheduler": (r"job\..+", r"shard\..+", r"round\..+", r"assign\..+", r"task\..+", r"report\..+"),
     "sharder": (r"job\.sharded",),
     "aggregator": (r"round\..+", r"job\..+"),
     "tracker": (r"job\.requested", r"job\.cancel"),

@@ -14,6 +14,7 @@ from apiary.bus import Bus, Delivery
 from apiary.bus.identity import worker_of
 from apiary.component import from_json
 from apiary.contracts import (
+    EVALUATE,
     INIT,
     JobFailed,
     JobSharded,
@@ -23,8 +24,10 @@ from apiary.contracts import (
     RoundEvaluated,
     RoundFailed,
     RoundTimeout,
+    TaskKind,
     TaskTimeout,
     WeightsInitialized,
+    WorkerEvaluated,
     WorkerHeartbeat,
     WorkerOffline,
     WorkerOnline,
@@ -37,7 +40,7 @@ from apiary.settings import Settings
 from apiary.status import JobStatus, RoundStatus
 from apiary.storage import ObjectNotFound, Storage
 from apiary.weights import WeightsError
-from services.scheduler import store
+from services.scheduler import store, task_proofs
 from services.scheduler.commands import JobCommands
 from services.scheduler.evaluation import DONE, FAILED, NONE, PENDING, evaluation_due, task_timeout
 from services.scheduler.finishing import JobFinisher
@@ -110,8 +113,11 @@ class SchedulerHandlers:
         await self._outbox.flush()
 
     async def on_job_initialized(self, event: WeightsInitialized, delivery: Delivery) -> None:
-        """A worker ran the job's fl_init_weights: its stored result starts round 1 (once)."""
+        """A worker ran the job's fl_init_weights: its stored result starts round 1 (once), if the report comes
+        from the init assignment's worker (else it is forged, and changes nothing)."""
         async with self._locks(event.job_id):
+            if await self._forged(INIT, event, delivery):
+                return
             job = await store.job(self._db, event.job_id)
             if job is None or job.status != JobStatus.RUNNING or (job.round, job.attempt) != (0, event.attempt):
                 return
@@ -187,11 +193,15 @@ class SchedulerHandlers:
         online = set(await store.online_workers(tx, now - self._settings.worker_offline_after))
         await store.insert_evaluation(tx, job_id, round_index, weights.key, now)
         queued = await self._tasks.evaluate(job_id, spec, round_index, attempt, weights, online, now)
+        await task_proofs.remember(tx, queued)
         await self._outbox.add_all(tx, queued)
 
-    async def on_round_evaluated(self, event: RoundEvaluated, delivery: Delivery) -> None:
-        """A worker evaluated a round: its metrics are recorded (once); the job may end now."""
+    async def on_worker_evaluated(self, event: WorkerEvaluated, delivery: Delivery) -> None:
+        """A worker evaluated a round: its metrics are recorded (once) and announced as `round.evaluated`, if the
+        report comes from the evaluate assignment's worker (else it is forged); the job may end now."""
         async with self._locks(event.job_id):
+            if await self._forged(EVALUATE, event, delivery):
+                return
             job = await store.job(self._db, event.job_id)
             if job is None or job.status.terminal:
                 return
@@ -205,10 +215,24 @@ class SchedulerHandlers:
             async with self._db.transaction() as tx:
                 await store.settle_evaluation(tx, event.job_id, event.round, status, time.time(),
                                               metrics=event.metrics, error=event.error, worker_id=event.worker_id)
+                await self._outbox.add(tx, RoundEvaluated.model_validate(event.model_dump(exclude={"secret"})))
                 if status != FAILED and job.evaluates is None:
                     await store.set_evaluates(tx, event.job_id, event.found)
             await self._finisher.settle(event.job_id)
         await self._outbox.flush()
+
+    async def _forged(self, task: TaskKind, report: task_proofs.TaskReport, delivery: Delivery) -> bool:
+        """Whether a task report is forged (not from its assignment's worker): if so, announce it (whatever
+        the job's state: a forged report is worth seeing even when it would change nothing) and say so."""
+        refused = await task_proofs.forged(self._db, task, report, delivery.user_id)
+        if refused is None:
+            return False
+        log.warning("job %s: %s from worker %s is forged: %s", report.job_id, report.routing_key, report.worker_id,
+                    refused.reason)
+        async with self._db.transaction() as tx:
+            await self._outbox.add(tx, refused)
+        await self._outbox.flush()
+        return True
 
     async def on_task_timeout(self, event: TaskTimeout, delivery: Delivery) -> None:
         """An init or evaluate task's time is up: a job still waiting for its initial weights fails; an
@@ -295,7 +319,9 @@ class SchedulerHandlers:
         """Round 0: queue the job's init task (its fl_init_weights, on a worker)."""
         now = time.time()
         await store.set_current(tx, target.job_id, 0, target.attempt, now)
-        await self._outbox.add_all(tx, await self._tasks.init(target.job_id, target.spec, target.attempt, online, now))
+        queued = await self._tasks.init(target.job_id, target.spec, target.attempt, online, now)
+        await task_proofs.remember(tx, queued)
+        await self._outbox.add_all(tx, queued)
         log.info("job %s: initial weights asked of a worker (fl_init_weights)", target.job_id)
 
     async def _launch_round(self, tx: Executor, target: RoundTarget, prefer: dict[int, str],

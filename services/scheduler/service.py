@@ -6,7 +6,9 @@ from typing import Any
 
 from apiary.bus import EventHandler, Raw
 from apiary.component import Component
+from apiary.contracts import WeightsInitialized, WorkerEvaluated
 from apiary.outbox import Outbox
+from services.scheduler import task_proofs
 from services.scheduler.handlers import SchedulerHandlers
 from services.scheduler.store import MIGRATIONS, OUTBOX
 
@@ -25,6 +27,7 @@ class Scheduler(Component):
     async def start(self) -> None:
         """Migrate, publish what an earlier run left in the outbox, and start consuming."""
         await self.db.migrate(self.name, MIGRATIONS)
+        await self.db.migrate(task_proofs.COMPONENT, task_proofs.MIGRATIONS)
         await self.outbox.flush()
         h = self.handlers
         handlers: dict[str, EventHandler | Raw] = {
@@ -32,8 +35,8 @@ class Scheduler(Component):
             "job.sharded": h.on_job_sharded,
             "round.aggregated": h.on_round_aggregated,
             "round.failed": h.on_round_failed,
-            "job.initialized": h.on_job_initialized,
-            "round.evaluated": h.on_round_evaluated,
+            WeightsInitialized.routing_key: h.on_job_initialized,
+            WorkerEvaluated.routing_key: h.on_worker_evaluated,
             "task.timeout": h.on_task_timeout,
             "job.cancel": h.on_job_cancel,
             "worker.online": h.on_worker_presence,

@@ -3,7 +3,7 @@ their presigned URLs and queue, and the delayed timeout after which the schedule
 
 from __future__ import annotations
 
-from apiary import keys
+from apiary import keys, proof
 from apiary.contracts import EVALUATE, INIT, Assignment, ObjectRef, TaskKind, TaskTimeout
 from apiary.jobspec import JobSpec
 from apiary.outbox import Pending
@@ -45,6 +45,8 @@ class TaskQueue:
             "task": task, "job_id": job_id, "round": round_index, "attempt": attempt, "job_name": spec.name,
             "num_rounds": spec.distributed.num_rounds, "entrypoint": spec.entrypoint, "trainer": spec.trainer,
             "deadline": now + timeout, "issued_at": now, "ended_url": ended, "pinned_worker": worker, **fields,
+            # What its worker's report must present (the scheduler keeps only its digest: task_proofs).
+            "secret": proof.new_secret(),
             # The job's code bundle and requirements, as its training assignments carry them.
             **self._router.code(spec, int(timeout + self._presign_ttl)),
         })

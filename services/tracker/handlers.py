@@ -102,6 +102,12 @@ async def _round_evaluated(tx: Executor, b: dict[str, Any], ts: float) -> None:
                                     b.get("error"))
 
 
+async def _report_forged(tx: Executor, b: dict[str, Any], ts: float) -> None:
+    # A task report the scheduler refused (not from its assignment's worker): kept as the forged reports judged
+    # here are.
+    await store.record_forged(tx, str(b["report"]), b, str(b["reason"]), ts)
+
+
 async def _job_completed(tx: Executor, b: dict[str, Any], ts: float) -> None:
     await store.ensure_job(tx, b["job_id"], ts)
     await store.update_job(tx, b["job_id"], ts, status="completed", round=b["rounds_completed"],
@@ -155,6 +161,7 @@ VIEWS: dict[str, View] = {
     "round.aggregated": _round_aggregated,
     "round.failed": _round_failed,
     "round.evaluated": _round_evaluated,
+    "report.forged": _report_forged,
     "job.completed": _job_completed,
     "job.failed": _job_failed,
     "job.waiting": _job_waiting,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, TypeAlias
 from apiary import telemetry, transfer
 from apiary.backoff import while_unavailable
 from apiary.bus import publish_event
-from apiary.contracts import INIT, Assignment, ObjectRef, RoundEvaluated, WeightsInitialized
+from apiary.contracts import INIT, Assignment, ObjectRef, WeightsInitialized, WorkerEvaluated
 from apiary.trainers import EVALUATE_FUNCTION, INIT_FUNCTION, TrainCall, TrainerError, UserCodeRunner
 from services.worker import transfers
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("apiary.worker")
 
-Report: TypeAlias = WeightsInitialized | RoundEvaluated
+Report: TypeAlias = WeightsInitialized | WorkerEvaluated
 
 
 class TaskRun:
@@ -70,9 +70,9 @@ class TaskRun:
         ref = ObjectRef(key=a.result_key, size=len(data), sha256=hashlib.sha256(data).hexdigest())
         return done.model_copy(update={"weights": ref})
 
-    async def _evaluate(self) -> RoundEvaluated:
+    async def _evaluate(self) -> WorkerEvaluated:
         a = self.a
-        done = RoundEvaluated(job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=self.worker.worker_id)
+        done = WorkerEvaluated(job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=self.worker.worker_id)
         try:
             await transfers.fetch_weights(a, self.space.weights)
         except transfers.FETCH_ERRORS as e:
@@ -93,13 +93,15 @@ async def task_failed(worker: Slot, a: Assignment, error: str) -> None:
     if a.task == INIT:
         report = WeightsInitialized(job_id=a.job_id, attempt=a.attempt, worker_id=worker.worker_id, error=error)
     else:
-        report = RoundEvaluated(job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=worker.worker_id,
-                                error=error)
+        report = WorkerEvaluated(job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=worker.worker_id,
+                                 error=error)
     await publish_report(worker, a, report)
 
 
 async def publish_report(worker: Slot, a: Assignment, report: Report) -> None:
-    """Publish a task's report, waiting for the broker rather than running the task again."""
+    """Publish a task's report with the assignment's secret (the scheduler believes no report without it),
+    waiting for the broker rather than running the task again."""
+    report = report.model_copy(update={"secret": a.secret or ""})
     await while_unavailable(lambda: publish_event(worker.bus, report), worker.settings.dependency_backoff(),
                             f"worker {worker.worker_id}: report of job {a.job_id}'s {a.task}", log)
 

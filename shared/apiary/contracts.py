@@ -254,27 +254,49 @@ class RoundFailed(RoundEvent):
 
 
 class WeightsInitialized(Event):
-    """`job.initialized`: a worker ran the job's `fl_init_weights` (an init assignment); its weights, stored,
+    """`worker.initialized`: a worker ran the job's `fl_init_weights` (an init assignment); its weights, stored,
     are round 1's. `found` False: the module defines no fl_init_weights; `error`: the user's code failed."""
 
-    routing_key: ClassVar[str] = "job.initialized"
+    routing_key: ClassVar[str] = "worker.initialized"
     attempt: int = 1
     worker_id: str
     weights: ObjectRef | None = None
     found: bool = True
     error: str | None = None
+    secret: str = ""  # the init assignment's one-time secret
 
 
 class RoundEvaluated(RoundEvent):
-    """`round.evaluated`: a worker evaluated a round's global weights (`fl_evaluate_model`); its metrics are
-    the round's evaluation metrics. `error`: the user's code failed (the round still counts); `found` False:
-    the module defines no fl_evaluate_model (the job's rounds are not evaluated)."""
+    """`round.evaluated`: the scheduler recorded a round's evaluation, from the `worker.evaluated` of the worker
+    its evaluate assignment went to; its metrics are the round's evaluation metrics. `error`: the user's code
+    failed (the round still counts); `found` False: the module defines no fl_evaluate_model (the job's rounds
+    are not evaluated)."""
 
     routing_key: ClassVar[str] = "round.evaluated"
     worker_id: str
     metrics: dict[str, float] = Field(default_factory=dict)
     found: bool = True
     error: str | None = None
+
+
+class WorkerEvaluated(RoundEvaluated):
+    """`worker.evaluated`: a worker evaluated a round's global weights (`fl_evaluate_model`, an evaluate
+    assignment); the scheduler checks that it comes from the assignment's worker, then announces `round.evaluated`."""
+
+    routing_key: ClassVar[str] = "worker.evaluated"
+    secret: str = ""  # the evaluate assignment's one-time secret
+
+
+class ReportForged(Event):
+    """`report.forged`: the scheduler refused a worker's task report (`report`, its routing key) as not from the
+    worker the task was assigned to; recorded, never applied."""
+
+    routing_key: ClassVar[str] = "report.forged"
+    round: int | None = None
+    attempt: int | None = None
+    worker_id: str
+    report: str
+    reason: str
 
 
 class TaskTimeout(RoundEvent):
@@ -355,7 +377,7 @@ EVENT_TYPES: dict[str, type[BaseModel]] = {
         JobRequested, JobAccepted, JobRejected, ShardRequested, JobSharded, RoundStart,
         WorkerProgress, WorkerDone, WorkerFailed, RoundTimeout, RoundAggregated, RoundFailed,
         JobCompleted, JobFailed, JobWaiting, JobCancelRequested, WorkerOnline, WorkerHeartbeat, WorkerOffline,
-        WeightsInitialized, RoundEvaluated, TaskTimeout,
+        WeightsInitialized, RoundEvaluated, WorkerEvaluated, ReportForged, TaskTimeout,
     )
 }
 

@@ -16,7 +16,7 @@ import pytest
 
 from apiary import keys
 from apiary.bus import publish_event
-from apiary.contracts import RoundEvaluated
+from apiary.contracts import WorkerEvaluated
 from apiary.weights import loads
 from tests.faults.support import process_alive
 from tests.fixtures.embedded import StackFactory, toy_request
@@ -130,20 +130,26 @@ async def test_an_early_stopping_metric_the_evaluation_lacks_fails_the_job_in_on
                               "name one the job's rounds report")
 
 
-async def test_a_redelivered_round_evaluated_is_counted_once(embedded: StackFactory, toy_dataset: Path) -> None:
+async def test_a_second_report_of_an_evaluation_without_its_secret_is_refused_as_forged(
+        embedded: StackFactory, toy_dataset: Path) -> None:
     async with embedded(workers=2) as stack:
         job_id = await stack.submit(toy_request(toy_dataset, num_rounds=2))
         before = await stack.wait(job_id, timeout=120)
-        # A second report of round 1's evaluation, with other metrics (a redelivery from another worker)
-        await publish_event(stack.ports.bus, RoundEvaluated(job_id=job_id, round=1, worker_id="worker-2",
-                                                            metrics={"weight_sum": -1.0}))
-        await _until_events(stack, job_id, "round.evaluated", 3)
+        # A second report of round 1's evaluation, with other metrics, without the evaluate assignment's secret
+        await publish_event(stack.ports.bus, WorkerEvaluated(job_id=job_id, round=1, worker_id="worker-2",
+                                                             metrics={"weight_sum": -1.0}))
+        await _until_events(stack, job_id, "report.forged", 1)
         after = await stack.wait(job_id, timeout=30)
         stored = await stack.ports.db.fetch("SELECT round, metrics FROM evaluations WHERE job_id = $1", job_id)
+        announced = await stack.ports.db.fetchval(
+            "SELECT COUNT(*) FROM events WHERE job_id = $1 AND routing_key = 'round.evaluated'", job_id)
 
     assert [r["evaluation"] for r in after["rounds"]] == [r["evaluation"] for r in before["rounds"]]
     assert after["metrics"] == before["metrics"]
     assert all(json.loads(r["metrics"])["weight_sum"] != -1.0 for r in stored)
+    assert announced == 2  # one round.evaluated per round, from the genuine reports
+    assert [(f["routing_key"], f["reason"]) for f in after["forged"]] == [
+        ("worker.evaluated", "no assignment secret for the task")]
 
 
 async def _until_events(stack: Any, job_id: str, key: str, count: int, timeout: float = 30) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -18,8 +20,11 @@ import aio_pika
 import pytest
 from aiormq.exceptions import AMQPError
 
-from apiary.bus import Delivery, make_bus
+from apiary.assignments import POOL, PREFER_WAIT, preferred_queue
+from apiary.bus import Delivery, make_bus, publish_event
 from apiary.bus.rabbitmq import RabbitBus, wire
+from apiary.bus.typed import Next
+from apiary.contracts import Assignment
 from apiary.settings import Settings
 from services.app import broker_setup
 from services.app.broker_setup import SetupResult
@@ -134,6 +139,55 @@ async def test_a_worker_publishes_its_events_as_itself_and_nothing_else(
 
     # Assert
     assert [(d.routing_key, d.user_id) for d in seen] == [("worker.done", deployment.user("w1"))]
+
+
+@pytest.mark.parametrize("routing_key", ["assign.pool", "job.initialized", "round.evaluated", "job.requested"])
+async def test_a_worker_may_not_publish_assignments_nor_the_schedulers_events(
+        deployment: Deployment, services_up: RabbitBus, routing_key: str) -> None:
+    # Execute / Assert: only worker.* is a worker's to publish
+    with pytest.raises(AMQPError, match=rf"ACCESS_REFUSED.*{re.escape(routing_key)}"):
+        await _publish_raw(deployment.url("w1"), routing_key)
+
+
+async def test_a_busy_worker_passes_a_preferred_assignment_to_the_pool_on_its_own_user(
+        deployment: Deployment, services_up: RabbitBus, tmp_path: Path) -> None:
+    # Prepare: worker w1 on its own user, busy; what reaches it from the pool is recorded.
+    scheduler = make_bus(deployment.url("scheduler"), exchange=EXCHANGE)
+    await scheduler.connect()
+    worker_bus = make_bus(deployment.url("w1"), exchange=EXCHANGE)
+    await worker_bus.connect()
+    worker = Worker(worker_bus, Settings(home=tmp_path / "w1", heartbeat_interval=60), worker_id="w1")
+    pooled: list[tuple[int, str, str | None, bool]] = []
+    at: list[float] = []
+    pool_turn = worker._pool_turn
+
+    async def recorded(a: Assignment, delivery: Delivery, call_next: Next) -> None:
+        pooled.append((a.shard, delivery.routing_key, delivery.user_id, delivery.redelivered))
+        at.append(time.monotonic())
+        await pool_turn(a, delivery, call_next)
+
+    worker._pool_turn = recorded  # type: ignore[method-assign]
+    # Stale by the time it is trained: the worker skips it once free.
+    assignment = Assignment(job_id="j1", round=2, attempt=1, job_name="j", num_rounds=2, shard=3, env={},
+                            deadline=time.time() - 1)
+    try:
+        await worker.start()
+        async with worker._busy:
+            # Execute: the scheduler offers w1 the shard it trained last round.
+            sent = time.monotonic()
+            await publish_event(scheduler, assignment, routing_key=preferred_queue("w1"))
+            deadline = sent + 15
+            while not pooled and time.monotonic() < deadline:  # noqa: ASYNC110 - the broker gives no event
+                await asyncio.sleep(0.05)
+    finally:
+        await worker.stop()
+        await worker_bus.close()
+        await scheduler.close()
+
+    # Assert: in the pool well before the preferred queue's wait ran out, under the pool's key, still the
+    # scheduler's message and no redelivery, though w1 may not publish to the pool.
+    assert pooled == [(3, POOL, deployment.user("scheduler"), False)]
+    assert at[0] - sent < PREFER_WAIT
 
 
 async def test_a_worker_cannot_read_another_workers_queue_nor_bind_its_own_to_other_events(

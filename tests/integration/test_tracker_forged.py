@@ -1,6 +1,7 @@
 """The tracker applies no forged worker report to its views (on SQLite and PostgreSQL): a failure, progress
 or heartbeat without the assignment's secret or token, or from another worker's broker user, is recorded as
-forged and shown with the job; the genuine ones count."""
+forged and shown with the job, as is a task report the scheduler refused (`report.forged`); the genuine ones
+count."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from apiary import proof
 from apiary.bus.identity import worker_user
 from apiary.bus.memory import MemoryBus
 from apiary.bus.typed import publish_event
-from apiary.contracts import ObjectRef, RoundStart, WorkerFailed, WorkerHeartbeat, WorkerProgress
+from apiary.contracts import ObjectRef, ReportForged, RoundStart, WorkerFailed, WorkerHeartbeat, WorkerProgress
 from apiary.db import Database
 from apiary.settings import Settings
 from apiary.storage.local import LocalStorage
@@ -55,18 +56,22 @@ async def test_forged_reports_change_no_view_and_are_shown_with_the_job(database
         await publish_event(intruder, WorkerProgress(job_id="j", round=1, worker_id="w1", shard=0, step=8,
                                                      token=TOKEN))
         await publish_event(bus, WorkerHeartbeat(worker_id="w1", state="training", job_id="j", round=1, shard=0))
+        # ... and a task report the scheduler refused, as it announces it
+        await publish_event(bus, ReportForged(job_id="j", round=1, attempt=1, worker_id="w1", report="worker.evaluated",
+                                              reason="a wrong assignment secret for the task"))
         await publish_event(bus, WorkerProgress(job_id="j", round=1, worker_id="w1", shard=0, step=3,
                                                 metrics={"loss": 0.5}, token=TOKEN))
-        view = await _until(lambda: _settled_view(database, 3, forged=4), "the genuine progress and 4 forged reports")
+        view = await _until(lambda: _settled_view(database, 3, forged=5), "the genuine progress and 5 forged reports")
     finally:
         await tracker.stop()
         await bus.close()
 
-    # Assert: the shard trains at the genuine step; four forged reports, each with why.
+    # Assert: the shard trains at the genuine step; five forged reports, each with why.
     shard = view["shards"][0]
     assert (shard["state"], shard["step"], shard["worker_id"]) == ("training", 3, "w1")
     reasons = sorted((f["routing_key"], f["reason"]) for f in view["forged"])
     assert reasons == [
+        ("worker.evaluated", "a wrong assignment secret for the task"),
         ("worker.failed", "a wrong assignment secret for shard 0"),
         ("worker.heartbeat", "no progress token for shard 0"),
         ("worker.progress", "a wrong progress token for shard 0"),

@@ -30,9 +30,11 @@ def test_a_worker_publishes_only_worker_events_and_binds_only_its_own_keys() -> 
     w1 = worker("w1", "apiary")
 
     # Assert
-    assert all(re.match(w1.topic_write, key) for key in ("worker.done", "worker.heartbeat", "assign.pool"))
+    assert all(re.match(w1.topic_write, key) for key in
+               ("worker.done", "worker.heartbeat", "worker.initialized", "worker.evaluated"))
     assert not any(re.match(w1.topic_write, key) for key in
-                   ("round.aggregated", "job.requested", "job.cancel", "assign.worker.w2", "worker", "xworker.done"))
+                   ("round.aggregated", "job.requested", "job.cancel", "assign.worker.w2", "worker", "xworker.done",
+                    "assign.pool", "job.initialized", "round.evaluated", "report.forged"))
     assert re.match(w1.topic_read, "assign.worker.w1") and re.match(w1.topic_read, "job.failed")
     assert not any(re.match(w1.topic_read, key) for key in ("#", "worker.done", "assign.worker.w2", "job.#"))
 
@@ -43,6 +45,8 @@ def test_services_publish_their_own_events_only() -> None:
     assert not re.match(service("tracker", "apiary").topic_write, "worker.done")
     assert not re.match(service("sharder", "apiary").topic_write, "round.aggregated")
     assert not re.match(service("scheduler", "apiary").topic_write, "worker.done")
+    assert all(re.match(service("scheduler", "apiary").topic_write, key) for key in
+               ("round.evaluated", "report.forged", "assign.pool"))
 
 
 def test_an_exchange_name_with_regex_characters_is_matched_literally() -> None:

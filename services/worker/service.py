@@ -160,7 +160,8 @@ class Worker:
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval)
             with contextlib.suppress(Exception):
-                await publish_event(self.bus, self._heartbeat_event())
+                # Not kept on the broker's disk: the next beat replaces a beat lost in a broker restart.
+                await publish_event(self.bus, self._heartbeat_event(), persistent=False)
 
     def _heartbeat_event(self) -> WorkerHeartbeat:
         a = self.current

@@ -579,6 +579,21 @@ async def test_delayed_publish_arrives_after_its_delay_and_a_short_one_is_not_he
     assert long_at - sent_long >= 2.0 - 0.01
 
 
+async def test_a_message_published_not_persistent_arrives_saying_so(bus: Bus) -> None:
+    # Prepare
+    await bus.declare_queue("q", ["worker.heartbeat", "worker.done"])
+    recorder = Recorder()
+
+    # Execute: a heartbeat kept in the broker's memory only, a report kept on its disk (the default).
+    async with consuming(bus, "q", recorder):
+        await bus.publish("worker.heartbeat", b"beat", persistent=False)
+        await bus.publish("worker.done", b"done")
+        await eventually(lambda: len(recorder.seen) == 2, "both deliveries")
+
+    # Assert
+    assert sorted((d.body, d.persistent) for d in recorder.seen) == [(b"beat", False), (b"done", True)]
+
+
 # --- RabbitMQ only ---------------------------------------------------------------------------------
 
 

@@ -102,6 +102,8 @@ class Delivery:
     # Who published it, as the broker vouches (RabbitMQ checks `user_id` against the connection's user;
     # the memory bus stamps its own user): None when the publisher did not say (other systems, old messages).
     user_id: str | None = None
+    # Whether the broker keeps it across its own restart (on disk); a heartbeat, which the next one replaces, is not.
+    persistent: bool = True
 
 
 Handler = Callable[[Delivery], Awaitable[None]]
@@ -192,14 +194,16 @@ class Bus(ABC):
         content_type: str = MSGPACK,
         message_id: str | None = None,
         delay: float | None = None,
+        persistent: bool = True,
     ) -> None:
-        """Publish persistently and wait for the broker's confirm; raise Unroutable if no queue matches,
-        BrokerUnavailable if the broker cannot be reached.
+        """Publish persistently (unless `persistent` is False: the broker keeps it in memory only, and a
+        restart of the broker loses it) and wait for the broker's confirm; raise Unroutable if no queue
+        matches, BrokerUnavailable if the broker cannot be reached.
 
         With `delay` (seconds) the message is routed only after that long, even across restarts.
         """
         message = Delivery(routing_key=routing_key, body=bytes(body), headers=dict(headers or {}),
-                           content_type=content_type, message_id=message_id)
+                           content_type=content_type, message_id=message_id, persistent=persistent)
         try:
             await self._publish(message, delay if delay and delay > 0 else None)
         except (Unroutable, DependencyUnavailable):

@@ -38,11 +38,12 @@ class Raw:
         self.handler = handler
 
 
-async def publish_event(bus: Bus, event: BaseModel, **routing: Unpack[Routing]) -> None:
-    """Publish an event under its own routing key (or the one given, for assignments)."""
+async def publish_event(bus: Bus, event: BaseModel, *, persistent: bool = True, **routing: Unpack[Routing]) -> None:
+    """Publish an event under its own routing key (or the one given, for assignments); not kept on the broker's
+    disk if not `persistent`."""
     key = routing.get("routing_key") or str(getattr(event, "routing_key", ""))
     headers = {**telemetry.headers_for(), **(routing.get("headers") or {})}
-    await bus.publish(key, encode(event), headers=headers, delay=routing.get("delay"))
+    await bus.publish(key, encode(event), headers=headers, delay=routing.get("delay"), persistent=persistent)
 
 
 def consumer_span(exchange: str, attributes: Callable[[Any], Mapping[str, Any]]) -> Middleware:

@@ -25,7 +25,7 @@ TRANSIENT = (AMQPConnectionError, ChannelClosed, ChannelInvalidStateError, Conne
 
 def _persistent(
     body: bytes, headers: dict[str, Any], content_type: str | None, message_id: str | None,
-    user_id: str | None = None,
+    user_id: str | None = None, persistent: bool = True,
 ) -> aio_pika.Message:
     return aio_pika.Message(
         body=body,
@@ -33,15 +33,15 @@ def _persistent(
         content_type=content_type,
         message_id=message_id,
         user_id=user_id,
-        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT if persistent else aio_pika.DeliveryMode.NOT_PERSISTENT,
     )
 
 
 def outgoing(message: Delivery, user: str | None = None) -> aio_pika.Message:
-    """A message to publish, persistent, with a fresh id unless it has one, and `user_id` the connection's
-    user (RabbitMQ refuses a `user_id` that is not the connection's own, so consumers can trust it)."""
+    """A message to publish, persistent unless it says not, with a fresh id unless it has one, and `user_id` the
+    connection's user (RabbitMQ refuses a `user_id` that is not the connection's own, so consumers can trust it)."""
     return _persistent(message.body, message.headers, message.content_type, message.message_id or uuid.uuid4().hex,
-                       user)
+                       user, message.persistent)
 
 
 def dead_letter(delivery: Delivery, reason: str, user: str | None = None) -> aio_pika.Message:
@@ -91,4 +91,5 @@ def incoming(message: AbstractIncomingMessage, user: str | None = None) -> Deliv
         message_id=message.message_id,
         redelivered=redelivered,
         user_id=None if user_id is None else str(user_id),
+        persistent=message.delivery_mode != aio_pika.DeliveryMode.NOT_PERSISTENT,
     )

@@ -50,7 +50,10 @@ class Settings(BaseSettings):
     # `/healthz` and `/readyz` for an orchestrator's probes (services/app/health.py); off when unset.
     health_port: int | None = Field(default=None, ge=0, le=65535)
     health_host: str = "0.0.0.0"
-    presign_ttl: int = Field(default=24 * 3600, ge=60)
+    # How long an assignment's presigned URLs outlive its deadline (a round's aggregation_timeout, a task's
+    # timeout): a margin for clock skew and an upload still running at the deadline, kept short so that a URL a
+    # worker leaks is soon worth nothing. A URL is presigned for the whole of (deadline - now) plus this.
+    presign_ttl: int = Field(default=15 * 60, ge=60)
     # While a dependency is away, work waiting on it is retried after retry_initial s, doubling up to
     # retry_cap s: a small cap, so that work resumes within seconds of the dependency's return.
     retry_initial: float = Field(default=0.25, gt=0)

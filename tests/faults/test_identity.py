@@ -75,7 +75,8 @@ def test_a_worker_cannot_pass_for_another_worker_nor_publish_a_services_event(
 
         # Execute
         refused = []
-        for routing_key, user_id in (("worker.done", f"{prefix}worker.w2"), ("round.aggregated", None)):
+        for routing_key, user_id in (("worker.done", f"{prefix}worker.w2"), ("round.aggregated", None),
+                                     ("assign.pool", None), ("job.initialized", None), ("round.evaluated", None)):
             with pytest.raises(AMQPError) as caught:
                 asyncio.run(_publish(url, cluster.exchange, routing_key, user_id))
             refused.append(str(caught.value))
@@ -85,6 +86,10 @@ def test_a_worker_cannot_pass_for_another_worker_nor_publish_a_services_event(
 
     # Assert
     assert "user_id property set to" in refused[0] and "PRECONDITION_FAILED" in refused[0]
-    assert "ACCESS_REFUSED" in refused[1] and "round.aggregated" in refused[1]
-    outcome("a worker publishing worker.done as another worker; publishing round.aggregated",
-            "refused by the broker (user_id checked; topic permissions)", "both refused; its own heartbeat taken", 0)
+    for message, key in zip(refused[1:], ("round.aggregated", "assign.pool", "job.initialized", "round.evaluated"),
+                            strict=True):
+        assert "ACCESS_REFUSED" in message and key in message
+    outcome("a worker publishing worker.done as another worker; publishing round.aggregated, assign.pool, "
+            "job.initialized or round.evaluated",
+            "refused by the broker (user_id checked; topic permissions: worker.* only)",
+            f"all {len(refused)} refused; its own heartbeat taken", 0)

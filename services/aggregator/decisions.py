@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +55,7 @@ def judge_sender(report: Report, aggregation: Mapping[str, Any], user_id: str | 
             # Only the object the assignment's upload URL wrote counts: never any other in the bucket.
             return Verdict(ContributionStatus.FORGED,
                            f"result {report.result.key!r} is not this shard's upload ({expected!r})")
-    digests = from_json(aggregation.get("secret_digests"))
+    digests = secret_digests(aggregation.get("secret_digests"))
     if digests is not None and not proof.proves(report.secret, digests.get(str(report.shard))):
         why = "no" if not report.secret else "a wrong"
         return Verdict(ContributionStatus.FORGED, f"{why} assignment secret for shard {report.shard}")
@@ -65,6 +66,14 @@ def judge_sender(report: Report, aggregation: Mapping[str, Any], user_id: str | 
         return Verdict(ContributionStatus.FORGED,
                        f"sent by worker {sender!r}'s broker user, not by worker {report.worker_id!r}")
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def secret_digests(stored: str | None) -> Mapping[str, str] | None:
+    """A round's shard -> secret digest, from its row's JSON: parsed once per round, not once per report (the
+    JSON holds every shard's digest, so parsing it for each report cost O(K) a report, O(K^2) a round). The same
+    row text is one string object for the round's reports, whose hash Python computes once."""
+    return from_json(stored)
 
 
 def all_settled(settled: Collection[int], shards: Collection[int]) -> bool:

@@ -39,7 +39,7 @@ async def bytes_per_round(tmp: Path, rounds: int, hidden: int = 256, layers: int
     per round after the first over 2 x the adapter."""
     from apiary.settings import Settings
     from services.app.runtime import Embedded
-    from tests.fixtures.llm import TransferLog, cli_json, jsonl_dataset, llama_folder
+    from tests.fixtures.llm import SHARED, TransferLog, cli_json, jsonl_dataset, llama_folder
 
     transfers = TransferLog(tmp / ".apiary" / "workers")
     transfers.install()
@@ -60,10 +60,12 @@ async def bytes_per_round(tmp: Path, rounds: int, hidden: int = 256, layers: int
     size = adapter.stat().st_size
     round_2 = next(r["started_at"] for r in view["rounds"] if r["round"] == 2)
     print(f"bytes moved: base model {model['size'] / 1e6:.1f} MB, adapter {size / 1e3:.1f} kB, {rounds} rounds")
-    for worker in sorted({m.worker for m in transfers.moved}):
+    shared = sum(m.size for m in transfers.moved if m.worker == SHARED)
+    print(f"  the workers' shared model cache: {shared / 1e6:.2f} MB (the base, fetched once for all of them)")
+    for worker in sorted({m.worker for m in transfers.moved} - {SHARED}):
         total = sum(m.size for m in transfers.since(worker, round_2))
         first = sum(m.size for m in transfers.before(worker, round_2))
-        print(f"  {worker}: round 1 {first / 1e6:.2f} MB (base, shard, adapter); later rounds "
+        print(f"  {worker}: round 1 {first / 1e6:.2f} MB (shard, adapters); later rounds "
               f"{total / (rounds - 1) / 1e3:.1f} kB per round = {total / (rounds - 1) / (2 * size):.3f} x 2 adapters")
 
 

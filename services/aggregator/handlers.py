@@ -1,4 +1,4 @@
-"""Aggregator handlers: round.start, worker.done, worker.failed, round.timeout, job.failed."""
+"""Aggregator handlers: round.start, worker.done, worker.failed, round.timeout, job.failed, job.completed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from apiary import contracts, keys
 from apiary.bus import Delivery, EventHandler
 from apiary.component import Component, to_json
 from apiary.outbox import KeyedLocks, Outbox
-from apiary.status import ContributionStatus
+from apiary.status import ContributionStatus, RoundStatus
 from apiary.storage import ObjectNotFound
 from apiary.strategies.base import Contribution
 from apiary.strategies.validation import InvalidContribution
@@ -58,6 +58,7 @@ class Aggregator(Component):
             "worker.failed": self.on_worker_failed,
             "round.timeout": self.on_round_timeout,
             "job.failed": self.on_job_ended,
+            "job.completed": self.on_job_ended,
         }
         await self.consume("aggregator", handlers)
 
@@ -191,20 +192,25 @@ class Aggregator(Component):
                 self._rounds.drop(key)
                 raise
 
-    async def on_job_ended(self, event: contracts.JobFailed, delivery: Delivery) -> None:
-        """A job was cancelled or failed: its end marker is stored, its open rounds close now and their
-        state is freed (a large model's would otherwise be held until the round's timeout); reports
-        still on their way are recorded as late."""
-        status = ended_status(event.cancelled)
+    async def on_job_ended(self, event: contracts.JobFailed | contracts.JobCompleted, delivery: Delivery) -> None:
+        """A job was cancelled, failed or completed (early stopping ends one while its next round runs): its
+        end marker is stored, its open rounds close now as cancelled or failed, nothing of them aggregated,
+        and their state is freed (a large model's would otherwise be held until the round's timeout);
+        reports still on their way are recorded as late."""
+        if isinstance(event, contracts.JobCompleted):
+            status, ended, reason = RoundStatus.CANCELLED, "completed", event.reason or "completed"
+        else:
+            status = ended_status(event.cancelled)
+            ended, reason = str(status), event.reason
         # The job's end marker, for workers that start after this event and would otherwise train
         # its assignments still queued (they have only the bus and the URLs in those assignments).
         await self.storage.put_bytes(keys.job_ended(event.job_id), to_json(
-            {"job_id": event.job_id, "status": status, "reason": event.reason}).encode())
+            {"job_id": event.job_id, "status": ended, "reason": reason}).encode())
         async with self._locks(event.job_id):
-            closed = await self.store.end_job(event.job_id, status, f"job {status}: {event.reason}")
+            closed = await self.store.end_job(event.job_id, status, f"job {ended}: {reason}")
             self._rounds.drop_job(event.job_id)
         if closed:
-            log.info("job %s %s: its open round closed", event.job_id, status)
+            log.info("job %s %s: its open round closed", event.job_id, ended)
 
     async def _maybe_close(self, state: RoundState) -> None:
         # Another aggregator replica may have settled the shards this one has not seen: the table counts all.

@@ -76,7 +76,7 @@ def worker(worker_id: str | None, exchange: str, prefix: str = DEFAULT_PREFIX) -
     return BrokerUser(name, "worker", configure=configure,
                       write=_any([e, r"amq\.default", *queues]), read=_any([e, *queues]),
                       topic_write=_any(WORKER_PUBLISHES),
-                      topic_read=_any([*own, r"assign\.pool", r"job\.failed"]), worker_id=worker_id)
+                      topic_read=_any([*own, r"assign\.pool", r"job\.failed", r"job\.completed"]), worker_id=worker_id)
 
 
 def plan(exchange: str, workers: Sequence[str], prefix: str = DEFAULT_PREFIX, *, shared_workers: bool = False

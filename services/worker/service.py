@@ -30,6 +30,7 @@ from apiary.bus.typed import Next, consumer_span
 from apiary.contracts import (
     TRAIN,
     Assignment,
+    JobCompleted,
     JobFailed,
     WorkerFailed,
     WorkerHeartbeat,
@@ -115,7 +116,8 @@ class Worker:
             log.warning("worker %s: no service listens for worker.online yet; heartbeats will announce it",
                         self.worker_id)
         prefetch = self.settings.worker_prefetch
-        self._control = await subscribe(self.bus, self.control_queue, {"job.failed": self.on_job_ended},
+        self._control = await subscribe(self.bus, self.control_queue, {"job.failed": self.on_job_ended,
+                                                                       "job.completed": self.on_job_ended},
                                         prefetch=1, expires=CONTROL_QUEUE_EXPIRES)
         self._listening_since = time.time()
         # Each queue has its own turn-taking; past it, a stale or ended job's assignment is skipped, and
@@ -195,9 +197,10 @@ class Worker:
         _remember(self._ended, job_id, reason)
         return True
 
-    async def on_job_ended(self, event: JobFailed, delivery: Delivery) -> None:
-        """A job was cancelled or failed: stop training its shard now, and skip its queued assignments."""
-        _remember(self._ended, event.job_id, event.reason)
+    async def on_job_ended(self, event: JobFailed | JobCompleted, delivery: Delivery) -> None:
+        """A job was cancelled, failed or completed (early stopping ends one while its next round trains): stop
+        training its shard now, and skip its queued assignments."""
+        _remember(self._ended, event.job_id, event.reason or "job completed")
         a, training = self.current, self._training
         if a is not None and a.job_id == event.job_id and training is not None and not training.done():
             log.info("worker %s: job %s ended (%s); stopping its round %d shard %d", self.worker_id, a.job_id,

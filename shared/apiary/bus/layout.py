@@ -14,7 +14,7 @@ SERVICE_QUEUES: Mapping[str, Sequence[str]] = {
                   "worker.evaluated", "task.timeout", "job.cancel", "worker.online", "worker.heartbeat",
                   "worker.offline"),
     "sharder": ("shard.requested",),
-    "aggregator": ("round.start", "worker.done", "worker.failed", "round.timeout", "job.failed"),
+    "aggregator": ("round.start", "worker.done", "worker.failed", "round.timeout", "job.failed", "job.completed"),
     "tracker": ("#",),
     POOL: (POOL,),
 }

@@ -16,6 +16,8 @@ from apiary.component import from_json
 from apiary.contracts import (
     EVALUATE,
     INIT,
+    MERGE,
+    AdapterMerged,
     JobFailed,
     JobSharded,
     JobWaiting,
@@ -77,7 +79,8 @@ class SchedulerHandlers:
         self._settings = settings
         self._router = AssignmentRouter(bus, storage)
         self._tasks = TaskQueue(storage, self._router, settings.presign_ttl)
-        self._finisher = JobFinisher(db, storage, outbox, endings=self)
+        self._finisher = JobFinisher(db, storage, outbox, endings=self, tasks=self._tasks,
+                                     offline_after=settings.worker_offline_after)
         self._locks = KeyedLocks()
         self._presence = PresenceFilter(settings.worker_offline_after)
         # A job's commands are handled in their own module, under the same per-job locks; the Scheduler
@@ -221,6 +224,14 @@ class SchedulerHandlers:
             await self._finisher.settle(event.job_id)
         await self._outbox.flush()
 
+    async def on_adapter_merged(self, event: AdapterMerged, delivery: Delivery) -> None:
+        """A worker merged a built-in job's final adapter into its base model: the job completes (or fails), if
+        the report comes from the merge assignment's worker (else it is forged, and changes nothing)."""
+        async with self._locks(event.job_id):
+            if not await self._forged(MERGE, event, delivery):
+                await self._finisher.on_merged(event)
+        await self._outbox.flush()
+
     async def _forged(self, task: TaskKind, report: task_proofs.TaskReport, delivery: Delivery) -> bool:
         """Whether a task report is forged (not from its assignment's worker): if so, announce it (whatever
         the job's state: a forged report is worth seeing even when it would change nothing) and say so."""
@@ -235,17 +246,20 @@ class SchedulerHandlers:
         return True
 
     async def on_task_timeout(self, event: TaskTimeout, delivery: Delivery) -> None:
-        """An init or evaluate task's time is up: a job still waiting for its initial weights fails; an
-        evaluation not in yet is recorded as failed (the job goes on)."""
+        """An init, evaluate or merge task's time is up: a job still waiting for its initial weights or its
+        merged model fails; an evaluation not in yet is recorded as failed (the job goes on)."""
         async with self._locks(event.job_id):
             job = await store.job(self._db, event.job_id)
             if job is None or job.status.terminal:
                 return
             timeout = task_timeout(job.spec)
+            if event.task == MERGE:
+                await self._finisher.merge_timed_out(job, event.round, timeout)
+                await self._outbox.flush()
+                return
             if event.task == INIT:
                 if job.status == JobStatus.RUNNING and (job.round, job.attempt) == (0, event.attempt):
-                    await self._fail(event.job_id, f"initial weights: no worker ran fl_init_weights within "
-                                                   f"{timeout:.0f}s", 0)
+                    await self._fail(event.job_id, f"initial weights: no worker made them within {timeout:.0f}s", 0)
                 return
             if await store.evaluation_status(self._db, event.job_id, event.round) != PENDING:
                 return

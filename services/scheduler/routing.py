@@ -38,7 +38,7 @@ class AssignmentRouter:
                           ttl: int) -> list[tuple[Assignment, str]]:
         """Each chosen shard's assignment, with URLs valid for `ttl` seconds, and its routing key."""
         ended_url = self._storage.presign_get(keys.job_ended(target.job_id), ttl)
-        base_model = await self.base_model(target, ttl)
+        base_model = await self.base_model(target.spec, ttl)
         pinned = target.spec.worker_selection.pinned
         code = self.code(target.spec, ttl)
         queued = []
@@ -48,9 +48,8 @@ class AssignmentRouter:
             queued.append((message, await self.queue(route(shard.index, pinned, prefer))))
         return queued
 
-    async def base_model(self, target: RoundTarget, ttl: int) -> ModelRef | None:
+    async def base_model(self, spec: JobSpec, ttl: int) -> ModelRef | None:
         """A built-in job's registered model, presigned for `ttl` seconds; None for user code."""
-        spec = target.spec
         if spec.trainer is None or spec.model_id is None:
             return None
         return model_ref(self._storage, await model_info(self._storage, spec.model_id), ttl)

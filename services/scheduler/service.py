@@ -6,7 +6,7 @@ from typing import Any
 
 from apiary.bus import EventHandler, Raw
 from apiary.component import Component
-from apiary.contracts import WeightsInitialized, WorkerEvaluated
+from apiary.contracts import AdapterMerged, WeightsInitialized, WorkerEvaluated
 from apiary.outbox import Outbox
 from services.scheduler import task_proofs
 from services.scheduler.handlers import SchedulerHandlers
@@ -21,7 +21,8 @@ class Scheduler(Component):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.outbox = Outbox(self.db, self.bus, OUTBOX)
-        # No user code runs here: a job's fl_init_weights and fl_evaluate_model are tasks for workers.
+        # No user code runs here, nor is a base model loaded: a job's fl_init_weights and fl_evaluate_model,
+        # a built-in job's base weights and its merged model are tasks for workers.
         self.handlers = SchedulerHandlers(self.db, self.bus, self.storage, self.outbox, self.settings)
 
     async def start(self) -> None:
@@ -37,6 +38,7 @@ class Scheduler(Component):
             "round.failed": h.on_round_failed,
             WeightsInitialized.routing_key: h.on_job_initialized,
             WorkerEvaluated.routing_key: h.on_worker_evaluated,
+            AdapterMerged.routing_key: h.on_adapter_merged,
             "task.timeout": h.on_task_timeout,
             "job.cancel": h.on_job_cancel,
             "worker.online": h.on_worker_presence,

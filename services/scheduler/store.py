@@ -52,6 +52,9 @@ MIGRATIONS = [
     ALTER TABLE jobs ADD COLUMN evaluates BIGINT;
     ALTER TABLE jobs ADD COLUMN last_round BIGINT
     """,
+    # A built-in job whose final adapter a worker merges into the base model (merge_adapter): the round whose
+    # adapter it is, from when the merge is queued (the job completes once the merged model is stored).
+    "ALTER TABLE jobs ADD COLUMN merging BIGINT",
 ]
 
 OUTBOX = "scheduler_outbox"
@@ -93,6 +96,12 @@ class Job:
     def last_round(self) -> int | None:
         """Its last round, once that aggregated (it completes when its evaluations are in)."""
         value = self.row.get("last_round")
+        return None if value is None else int(value)
+
+    @property
+    def merging(self) -> int | None:
+        """The round whose adapter a worker is merging into the base model, once that is queued."""
+        value = self.row.get("merging")
         return None if value is None else int(value)
 
     @property
@@ -293,6 +302,11 @@ async def set_weights(tx: Executor, job_id: str, weights: ObjectRef) -> None:
 async def set_last_round(tx: Executor, job_id: str, round_index: int) -> None:
     """The job's last round aggregated: it completes once its evaluations are in."""
     await tx.execute("UPDATE jobs SET last_round = $2 WHERE job_id = $1", job_id, round_index)
+
+
+async def set_merging(tx: Executor, job_id: str, round_index: int) -> None:
+    """A worker is asked to merge round `round_index`'s adapter into the base model."""
+    await tx.execute("UPDATE jobs SET merging = $2 WHERE job_id = $1", job_id, round_index)
 
 
 async def set_evaluates(tx: Executor, job_id: str, evaluates: bool) -> None:

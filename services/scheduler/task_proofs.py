@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from apiary import proof
 from apiary.bus.identity import worker_of
-from apiary.contracts import Assignment, ReportForged, TaskKind, WeightsInitialized, WorkerEvaluated
+from apiary.contracts import AdapterMerged, Assignment, ReportForged, TaskKind, WeightsInitialized, WorkerEvaluated
 from apiary.db import Executor
 from apiary.outbox import Pending
 
@@ -25,7 +25,7 @@ MIGRATIONS = [
     """,
 ]
 
-TaskReport = WeightsInitialized | WorkerEvaluated
+TaskReport = WeightsInitialized | WorkerEvaluated | AdapterMerged
 
 
 async def remember(tx: Executor, queued: Sequence[Pending]) -> None:

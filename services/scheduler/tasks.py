@@ -1,30 +1,46 @@
-"""A job's init and evaluate tasks: assignments for a worker (the job's code runs there, never here) with
-their presigned URLs and queue, and the delayed timeout after which the scheduler stops waiting for them."""
+"""A job's init, evaluate and merge tasks: assignments for a worker (the job's code runs there, and a built-in
+job's base model loads there, never here) with their presigned URLs and queue, and the delayed timeout after
+which the scheduler stops waiting for them."""
 
 from __future__ import annotations
 
 from apiary import keys, proof
-from apiary.contracts import EVALUATE, INIT, Assignment, ObjectRef, TaskKind, TaskTimeout
+from apiary.contracts import EVALUATE, INIT, MERGE, Assignment, ObjectRef, TaskKind, TaskTimeout
 from apiary.jobspec import JobSpec
 from apiary.outbox import Pending
 from apiary.storage import Storage
+from services.scheduler.builtin import merged_upload
 from services.scheduler.evaluation import task_timeout, task_worker
 from services.scheduler.rounds import Queue, Route
 from services.scheduler.routing import AssignmentRouter
 
 
 class TaskQueue:
-    """Makes a job's init and evaluate assignments and the events that queue them."""
+    """Makes a job's init, evaluate and merge assignments and the events that queue them."""
 
     def __init__(self, storage: Storage, router: AssignmentRouter, presign_ttl: int) -> None:
         self._storage, self._router, self._presign_ttl = storage, router, presign_ttl
 
     async def init(self, job_id: str, spec: JobSpec, attempt: int, online: set[str], now: float) -> list[Pending]:
-        """Round 0: a worker runs the module's fl_init_weights and uploads the result as round 1's weights."""
+        """Round 0: a worker runs the module's fl_init_weights (a built-in job: reads its base model's weights)
+        and uploads the result as round 1's weights."""
         target = keys.global_weights(job_id, 0)
-        upload = self._storage.presign_put(target, int(task_timeout(spec) + self._presign_ttl))
+        ttl = int(task_timeout(spec) + self._presign_ttl)
         return await self._queued(job_id, spec, INIT, 0, attempt, online, now,
-                                  upload_url=upload, result_key=target, env=spec.env(0))
+                                  upload_url=self._storage.presign_put(target, ttl), result_key=target,
+                                  env=spec.env(0), base_model=await self._router.base_model(spec, ttl))
+
+    async def merge(self, job_id: str, spec: JobSpec, round_index: int, adapter: ObjectRef, online: set[str],
+                    now: float) -> list[Pending]:
+        """After a built-in job's last round: a worker merges the final adapter (round `round_index`'s) into the
+        base model in its cache and uploads the merged model folder as one zip."""
+        target = merged_upload(job_id)
+        ttl = int(task_timeout(spec) + self._presign_ttl)
+        return await self._queued(job_id, spec, MERGE, round_index, 1, online, now,
+                                  weights_url=self._storage.presign_get(adapter.key, ttl),
+                                  weights_sha256=adapter.sha256, upload_url=self._storage.presign_put(target, ttl),
+                                  result_key=target, env=spec.env(round_index),
+                                  base_model=await self._router.base_model(spec, ttl))
 
     async def evaluate(self, job_id: str, spec: JobSpec, round_index: int, attempt: int, weights: ObjectRef,
                        online: set[str], now: float) -> list[Pending]:

@@ -149,11 +149,13 @@ class ModelRef(BaseModel):
 
 
 # What an assignment asks of its worker: train a shard for a round, make the job's initial weights
-# (`fl_init_weights`) or evaluate a round's global weights (`fl_evaluate_model`). User code runs only on workers.
-TaskKind = Literal["train", "init", "evaluate"]
+# (`fl_init_weights`, or a built-in job's base weights) or evaluate a round's global weights (`fl_evaluate_model`),
+# or merge a built-in job's final adapter into its base model. User code and base models load only on workers.
+TaskKind = Literal["train", "init", "evaluate", "merge"]
 TRAIN: Literal["train"] = "train"
 INIT: Literal["init"] = "init"
 EVALUATE: Literal["evaluate"] = "evaluate"
+MERGE: Literal["merge"] = "merge"
 
 
 class CodeBundle(BaseModel):
@@ -169,7 +171,8 @@ class CodeBundle(BaseModel):
 
 class Assignment(RoundEvent):
     """`assign.pool`, `assign.worker.<id>` or `assign.prefer.<id>`: train one shard for one round (or, by
-    `task`, make the job's initial weights or evaluate a round's global weights; those name no shard)."""
+    `task`, make the job's initial weights, evaluate a round's global weights or merge the final adapter into
+    the base model; those name no shard)."""
 
     routing_key: ClassVar[str] = "assign.pool"
     task: TaskKind = TRAIN
@@ -180,9 +183,9 @@ class Assignment(RoundEvent):
     shard_num_samples: int = 0
     shard_url: str = ""
     shard_sha256: str = ""
-    weights_url: str = ""  # evaluate: the weights to evaluate; init: none
+    weights_url: str = ""  # evaluate: the weights to evaluate; merge: the adapter to merge; init: none
     weights_sha256: str = ""
-    upload_url: str = ""  # init: where the initial weights go; evaluate: none
+    upload_url: str = ""  # init: where the initial weights go; merge: the merged model's zip; evaluate: none
     result_key: str = ""
     files_upload_url: str | None = None
     entrypoint: str | None = None  # None: the job runs a built-in trainer (see `trainer`)
@@ -299,8 +302,19 @@ class ReportForged(Event):
     reason: str
 
 
+class AdapterMerged(RoundEvent):
+    """`worker.merged`: a worker merged a built-in job's final adapter (round `round`'s) into the base model (a
+    merge assignment); `merged` is the zipped Hugging Face model folder it uploaded, `error` why it could not."""
+
+    routing_key: ClassVar[str] = "worker.merged"
+    worker_id: str
+    merged: ObjectRef | None = None
+    error: str | None = None
+    secret: str = ""  # the merge assignment's one-time secret
+
+
 class TaskTimeout(RoundEvent):
-    """`task.timeout` (delayed): an init or evaluate assignment's time is up; if it has not reported, the
+    """`task.timeout` (delayed): an init, evaluate or merge assignment's time is up; if it has not reported, the
     scheduler stops waiting for it."""
 
     routing_key: ClassVar[str] = "task.timeout"
@@ -377,7 +391,7 @@ EVENT_TYPES: dict[str, type[BaseModel]] = {
         JobRequested, JobAccepted, JobRejected, ShardRequested, JobSharded, RoundStart,
         WorkerProgress, WorkerDone, WorkerFailed, RoundTimeout, RoundAggregated, RoundFailed,
         JobCompleted, JobFailed, JobWaiting, JobCancelRequested, WorkerOnline, WorkerHeartbeat, WorkerOffline,
-        WeightsInitialized, RoundEvaluated, WorkerEvaluated, ReportForged, TaskTimeout,
+        WeightsInitialized, RoundEvaluated, WorkerEvaluated, ReportForged, AdapterMerged, TaskTimeout,
     )
 }
 

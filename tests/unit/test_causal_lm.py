@@ -14,7 +14,7 @@ from apiary import weights as w
 from apiary.trainers import TrainCall, TrainerError
 from apiary.trainers import causal_lm_data as data
 from apiary.trainers import causal_lm_model as lm
-from apiary.trainers.causal_lm_adapter import initial_adapter, merge_adapter_folder, write_adapter_folder
+from apiary.trainers.causal_lm_adapter import initial_adapter, merge_adapter, write_adapter_folder
 from apiary.trainers.causal_lm_config import CausalLMConfig
 from apiary.trainers.causal_lm_train import config_from_env, precision, run_round
 from tests.fixtures import tiny_llm
@@ -135,7 +135,7 @@ def test_a_round_returns_adapter_only_tensors_that_peft_loads_from_the_folder(tm
     ids = torch.tensor([[6, 7, 9, 11, 6, 12]])
     with torch.no_grad():
         assert torch.allclose(trained.eval()(ids).logits, loaded.eval()(ids).logits, atol=1e-6)
-        merge_adapter_folder(model_dir, tmp_path / "adapter", tmp_path / "merged")
+        merge_adapter(model_dir, tensors, cfg, tmp_path / "merged")
         merged = lm.load_base(tmp_path / "merged")[0].eval()
         assert torch.allclose(merged(ids).logits, loaded(ids).logits, atol=1e-5)
 

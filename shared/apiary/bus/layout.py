@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 POOL = "assign.pool"  # apiary.assignments.POOL (imported from there, it would import the bus package)
 SERVICE_QUEUES: Mapping[str, Sequence[str]] = {
     "scheduler": ("job.requested", "job.sharded", "round.aggregated", "round.failed", "worker.initialized",
-                  "worker.evaluated", "task.timeout", "job.cancel", "worker.online", "worker.heartbeat",
-                  "worker.offline"),
+                  "worker.evaluated", "worker.merged", "task.timeout", "job.cancel", "worker.online",
+                  "worker.heartbeat", "worker.offline"),
     "sharder": ("shard.requested",),
     "aggregator": ("round.start", "worker.done", "worker.failed", "round.timeout", "job.failed", "job.completed"),
     "tracker": ("#",),

@@ -68,6 +68,17 @@ class Trainer(ABC):
                     on_metrics: MetricsCallback | None = None) -> TrainResult:
         """Train; raise TrainerError with one clear line if training fails."""
 
+    async def init_task(self, call: TrainCall, *, timeout: float | None = None) -> bool:
+        """An init assignment: write the job's initial weights to `call.result_path`; False where this trainer
+        (or the job's code) makes none. TrainerError with one clear line if it fails."""
+        return False
+
+    async def merge_task(self, call: TrainCall, *, timeout: float | None = None) -> None:
+        """A merge assignment: the adapter at `call.weights_path` merged into the base model (`call.model_path`),
+        saved as a Hugging Face model folder at `call.result_path`. TrainerError with one clear line if it fails
+        (or this trainer has no adapter to merge)."""
+        raise TrainerError("this job's trainer has no adapter to merge into a base model")
+
     async def evaluate_task(self, call: TrainCall, *, timeout: float | None = None) -> dict[str, float] | None:
         """An evaluate assignment: the metrics of the global weights at `call.weights_path`; None where this
         trainer (or the job's code) has no evaluation. TrainerError with one clear line if it fails."""

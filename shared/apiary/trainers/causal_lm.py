@@ -52,6 +52,20 @@ class CausalLMTrainer(ChildTrainer):
         out = await self._call("causal_lm.train", call, timeout, on_metrics)
         return TrainResult(samples=out["samples"], size=out["size"], sha256=out["sha256"], metrics=out["metrics"])
 
+    async def init_task(self, call: TrainCall, *, timeout: float | None = None) -> bool:
+        """Round 0 of a job without peft: the base model's own weights, from the worker's cache."""
+        if not call.model_path:
+            raise TrainerError("the causal_lm trainer's initial weights are its base model's, and the init "
+                               "assignment names none")
+        out = await self._call("causal_lm.init", call, timeout)
+        return bool(out["found"])
+
+    async def merge_task(self, call: TrainCall, *, timeout: float | None = None) -> None:
+        """The final adapter merged into the base model from the worker's cache, saved as a model folder."""
+        if not call.model_path:
+            raise TrainerError("merging the adapter needs the job's base model, and the merge assignment names none")
+        await self._call("causal_lm.merge", call, timeout)
+
     async def evaluate_task(self, call: TrainCall, *, timeout: float | None = None) -> dict[str, float] | None:
         """The global weights' exact match and loss on the held-out records (the call's dataset)."""
         if not call.model_path or not call.dataset.get("data_root"):

@@ -1,16 +1,20 @@
-"""What the scheduler needs of the causal-LM trainer, without the base model's weights where it can:
-round 0's adapter built from the model's config alone (on the meta device), round 0's full weights for
-a job without peft, and the final artifacts (a PEFT adapter folder, a merged model folder)."""
+"""The causal-LM trainer's two ends. On the scheduler, without the base model's weights: round 0's adapter
+built from the model's config alone (on the meta device) and the final PEFT adapter folder. In a worker's
+training child, with the base model from its cache: round 0's full weights for a job without peft (the
+`causal_lm.init` call) and the final adapter merged into the base (`causal_lm.merge`, with merge_adapter)."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from apiary.trainers.base import TrainCall
 from apiary.trainers.causal_lm_config import CausalLMConfig
-from apiary.trainers.causal_lm_model import config_object, full_tensors, load_base, with_lora
+from apiary.trainers.causal_lm_model import config_object, full_tensors, load_base, set_weights, with_lora
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -49,6 +53,15 @@ def initial_full_weights(model_path: Path) -> dict[str, Any]:
     return full_tensors(model)
 
 
+def run_init(call: TrainCall, conn: Connection) -> dict[str, Any]:
+    """The child's `causal_lm.init` call: the base model's weights (`call.model_path`, the worker's cache)
+    written to `call.result_path` as round 0's."""
+    from apiary.trainers.child import save_result
+
+    size, sha256 = save_result(call.result_path, initial_full_weights(Path(str(call.model_path))), "causal_lm")
+    return {"found": True, "size": size, "sha256": sha256}
+
+
 def write_adapter_folder(tensors: dict[str, Any], hf_config: dict[str, Any], cfg: CausalLMConfig,
                          folder: Path, base_model_name: str | None = None) -> None:
     """A PEFT adapter folder (adapter_model.safetensors, adapter_config.json) that
@@ -69,11 +82,24 @@ def _jsonable(value: Any) -> Any:
     return sorted(value) if isinstance(value, set) else str(value)
 
 
-def merge_adapter_folder(base_path: Path, adapter_folder: Path, out: Path) -> None:
-    """A Hugging Face model folder with the adapter merged into the base's weights (loads the base)."""
-    from peft import PeftModel
-
+def merge_adapter(base_path: Path, tensors: dict[str, Any], cfg: CausalLMConfig, out: Path) -> None:
+    """A Hugging Face model folder at `out`: the base (loaded here) with the job's adapter merged into its
+    weights, and its tokenizer; TrainerError in one line if the base will not load or the adapter does not fit."""
     model, tokenizer = load_base(base_path)
-    merged = PeftModel.from_pretrained(model, str(adapter_folder)).merge_and_unload()
+    adapted = with_lora(model, cfg)
+    set_weights(adapted, tensors, adapter=True)
+    merged = adapted.merge_and_unload()
+    shutil.rmtree(out, ignore_errors=True)
     merged.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
+
+
+def run_merge(call: TrainCall, conn: Connection) -> dict[str, Any]:
+    """The child's `causal_lm.merge` call: the adapter at `call.weights_path` merged into the base model
+    (`call.model_path`), saved at `call.result_path`."""
+    from apiary import weights as w
+    from apiary.trainers.causal_lm_train import config_from_env
+
+    tensors = w.loads(Path(call.weights_path).read_bytes())
+    merge_adapter(Path(str(call.model_path)), tensors, config_from_env(call.env), Path(call.result_path))
+    return {}

@@ -184,7 +184,9 @@ def _exit_with_parent(parent: int) -> None:
 
 # Built-in trainers' calls (`module:function`), imported in the child when first made (their libraries are heavy).
 _BUILT_IN_CALLS = {"causal_lm.train": "apiary.trainers.causal_lm_train:run_train",
-                   "causal_lm.evaluate": "apiary.trainers.causal_lm_eval:run_evaluate"}
+                   "causal_lm.evaluate": "apiary.trainers.causal_lm_eval:run_evaluate",
+                   "causal_lm.init": "apiary.trainers.causal_lm_adapter:run_init",
+                   "causal_lm.merge": "apiary.trainers.causal_lm_adapter:run_merge"}
 
 
 def _run(kind: str, args: Any, conn: Connection) -> dict[str, Any]:

@@ -156,7 +156,7 @@ class SchedulerHandlers:
         for job_id in await store.job_ids(self._db, status=JobStatus.WAITING):
             async with self._locks(job_id):
                 job = await store.job(self._db, job_id)
-                if job is None or job.status != JobStatus.WAITING:
+                if job is None or job.status != JobStatus.WAITING or job.merging is not None:
                     continue
                 async with self._db.transaction() as tx:
                     await self._start_round(tx, _target(job, job.round, job.attempt))
@@ -292,10 +292,11 @@ class SchedulerHandlers:
 
     async def _on_current(self, event: Outcome, act: Callable[[Job, Outcome], Awaitable[None]]) -> None:
         """Under the job's lock, `act` on the running job if the outcome is for the attempt it runs now
-        (else it is late or a duplicate, and ignored); then publish what it stored."""
+        (else it is late or a duplicate, and ignored); then publish what it stored. A job whose adapter is
+        being merged has ended its rounds (it stopped early while one ran): no round of it goes on."""
         async with self._locks(event.job_id):
             job = await store.job(self._db, event.job_id)
-            if job is None or job.status != JobStatus.RUNNING:
+            if job is None or job.status != JobStatus.RUNNING or job.merging is not None:
                 return
             if not is_current(job.round, job.attempt, event.round, event.attempt):
                 log.info("job %s: late %s for round %d attempt %d ignored", event.job_id, event.routing_key,

@@ -245,3 +245,29 @@ async def test_a_bad_merged_upload_is_refused_and_leaves_nothing_stored(tmp_path
     # Assert
     assert "merged model" in str(refused.value) and "\n" not in str(refused.value)
     assert await storage.list(final_folder("j", "merged")) == []
+
+
+async def test_a_job_stopped_early_merges_its_best_rounds_adapter_and_starts_no_more_rounds(
+        embedded: StackFactory, tmp_path: Path) -> None:
+    # Prepare: the training loss falls round after round, so with mode max and patience 1 round 2 stops the job
+    # keeping round 1; round 3 starts as soon as round 2 is aggregated, before the merge is asked for.
+    stopping = {"metric": "loss", "mode": "max", "patience": 1}
+    async with embedded(workers=2) as stack:
+        model_id, dataset_id = await _register(stack, tmp_path)
+        storage = stack.ports.storage
+
+        # Execute
+        job_id = await stack.submit(_request(model_id, dataset_id, {"merge_adapter": True}, num_rounds=5,
+                                             early_stopping=stopping))
+        view = await stack.wait(job_id, timeout=300)
+        started = [r["round"] for r in await stack.ports.db.fetch(
+            "SELECT round FROM rounds WHERE job_id = $1 ORDER BY round", job_id)]
+        final = await storage.get_bytes(keys.final_model(job_id))
+        kept = await storage.get_bytes(keys.global_weights(job_id, 1))
+        merged = await storage.list(final_folder(job_id, "merged"))
+
+    # Assert
+    assert view["status"] == "completed", view.get("reason")
+    assert view["reason"].startswith("stopped early at round 2"), view["reason"]
+    assert started == [1, 2, 3], started  # round 3 was cancelled with the job, no round 4 started
+    assert final == kept and "config.json" in {Path(k).name for k in merged}

@@ -113,6 +113,9 @@ async def _job_completed(tx: Executor, b: dict[str, Any], ts: float) -> None:
     await store.update_job(tx, b["job_id"], ts, status="completed", round=b["rounds_completed"],
                            final_model=b["final_model"], metrics=to_json(b.get("metrics", {})),
                            reason=b.get("reason"))
+    # Early stopping ends a job while its next round runs: that round is cancelled (the scheduler's record).
+    await store.running_round_ended(tx, b["job_id"], "cancelled", f"job completed: {b.get('reason') or 'completed'}",
+                                    ts)
 
 
 async def _job_waiting(tx: Executor, b: dict[str, Any], ts: float) -> None:

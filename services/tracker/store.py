@@ -141,6 +141,11 @@ async def job_accepted(tx: Executor, job_id: str, name: str, num_rounds: int, nu
 async def job_ended(tx: Executor, job_id: str, status: str, reason: str, ts: float) -> None:
     """The job failed or was cancelled; the round it was in ends with it."""
     await update_job(tx, job_id, ts, status=status, reason=reason)
+    await running_round_ended(tx, job_id, status, reason, ts)
+
+
+async def running_round_ended(tx: Executor, job_id: str, status: str, reason: str, ts: float) -> None:
+    """The job's running round, if any, ends with the job (`status`: failed or cancelled)."""
     await tx.execute(
         "UPDATE round_views SET status = $2, reason = $3, ended_at = $4 WHERE job_id = $1 AND status = 'running'",
         job_id, status, reason, ts,

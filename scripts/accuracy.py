@@ -243,10 +243,11 @@ def write_markdown(outcomes: list[Outcome], path: Path, total_s: float, parallel
     ]
     if moved:
         worst = max(moved, key=lambda name: moved[name])
-        lines += [f"Reproducibility: against an earlier run of the same script ({against}), the largest difference",
-                  f"in any setting's accuracy in any round was {moved[worst]:.2f} points ({worst}; "
-                  f"{sum(1 for v in moved.values() if v == 0)} of {len(moved)} settings identical in every round).",
-                  ""]
+        same = sum(1 for v in moved.values() if v == 0)
+        lines += [f"Reproducibility: against an earlier run of the script (`--against {against}`), the largest",
+                  f"difference in any setting's accuracy in any round was {moved[worst]:.2f} points"
+                  + (f" ({worst})" if moved[worst] else "")
+                  + f"; {same} of {len(moved)} settings were identical in every round.", ""]
     lines += [*table(outcomes), "", "![held-out accuracy per round](accuracy.png)", ""]
     path.write_text("\n".join(lines))
 

@@ -22,6 +22,7 @@ def _received(message: Any, *, routing_key: str, redelivered: bool = False, exch
         body=message.body, headers={**(message.headers or {}), **(extra or {})},
         content_type=message.content_type, message_id=message.message_id, exchange=exchange,
         routing_key=routing_key, redelivered=redelivered, user_id=message.user_id,
+        delivery_mode=message.delivery_mode,
     ))
 
 

@@ -129,9 +129,10 @@ def wait_rounds(cluster: Cluster, job_id: str, k: int, until: Callable[[], Any],
 
 
 def run(k: int, replicas: int, rounds: int, params: int, tmp: Path, profile_to: Path | None = None,
-        aggregators: int | None = None, heartbeat: float = 5.0) -> dict[str, Any]:
+        aggregators: int | None = None, heartbeat: float = 5.0, idle: float = 0.0) -> dict[str, Any]:
     """One deployment (`replicas` of each service; `aggregators` of the aggregator if given), one job of
-    `rounds` rounds and K contributions each; its figures."""
+    `rounds` rounds and K contributions each; its figures (with `idle` seconds, the CPU per second of the K
+    workers online before the job, too)."""
     db = f"apiary_bench_{uuid.uuid4().hex[:8]}"
     admin(f'CREATE DATABASE "{db}"')
     exchange = f"apiary_bench_{uuid.uuid4().hex[:8]}"
@@ -150,6 +151,7 @@ def run(k: int, replicas: int, rounds: int, params: int, tmp: Path, profile_to: 
         sim = simulated_workers(cluster.env(**deployed), k, cluster.logs / "simulated.log", times)
         cluster.processes["simulated"] = sim
         cluster.wait_workers([f"sim-{i:04d}" for i in range(k)], timeout=600)
+        idle_cpu = _idle_cpu(cluster, idle) if idle else None
         job_id = f"scale-k{k}-{uuid.uuid4().hex[:6]}"
         cluster.publish_job({
             "job_id": job_id, "name": job_id, "entrypoint": "tests.toyjobs.identity:fl_train_model",
@@ -167,7 +169,10 @@ def run(k: int, replicas: int, rounds: int, params: int, tmp: Path, profile_to: 
         after = _cpu_snapshot(cluster.processes)
         if job["status"] != "completed":
             raise RuntimeError(f"benchmark job {job['status']}: {job['reason']}")
-        return _figures(cluster, job_id, k, rounds, times, _cpu_spent(before, after))
+        figures = _figures(cluster, job_id, k, rounds, times, _cpu_spent(before, after))
+        if idle_cpu is not None:
+            figures["idle_cpu_s_per_s"] = idle_cpu
+        return figures
     finally:
         cluster.stop_all()
         from tests.fixtures.services import delete_rabbit_namespace
@@ -175,6 +180,17 @@ def run(k: int, replicas: int, rounds: int, params: int, tmp: Path, profile_to: 
         delete_rabbit_namespace(AMQP, exchange)
         admin(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _idle_cpu(cluster: Cluster, seconds: float) -> dict[str, float]:
+    """CPU seconds per second of each process while the K workers are online and no job runs (their heartbeats,
+    the broker's upkeep of their connections, channels and queues): what every second of a round costs
+    besides its work."""
+    time.sleep(min(seconds, 10))  # the workers' online announcements settle
+    before = _cpu_snapshot(cluster.processes)
+    time.sleep(seconds)
+    spent = _cpu_spent(before, _cpu_snapshot(cluster.processes))
+    return {n: round(v / seconds, 3) for n, v in sorted(spent.items(), key=lambda i: -i[1])}
 
 
 def _figures(cluster: Cluster, job_id: str, k: int, rounds: int, times: Path,
@@ -350,6 +366,8 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=REPO / "docs" / "scale.png")
     parser.add_argument("--heartbeat", type=float, default=5.0,
                         help="workers' heartbeat interval, s (the deployed default: 5; offline after 4 of them)")
+    parser.add_argument("--idle", type=float, default=0.0,
+                        help="seconds to measure each process's CPU with the K workers online before the job")
     parser.add_argument("--one-aggregator", action="store_true",
                         help="one aggregator whatever --replicas says (the others replicated)")
     parser.add_argument("--results", type=Path, default=REPO / "docs" / "scale.json",
@@ -376,7 +394,7 @@ def main() -> None:
             for k in args.k:
                 try:
                     figures = run(k, replicas, args.rounds, args.params, Path(tmp), args.profile,
-                                  1 if args.one_aggregator else None, args.heartbeat)
+                                  1 if args.one_aggregator else None, args.heartbeat, args.idle)
                 except RuntimeError as e:
                     print(f"replicas={replicas} K={k}: {e}", flush=True)
                     continue

@@ -59,8 +59,9 @@ def test_a_worker_added_mid_job_takes_pool_assignments(cluster: Cluster, tmp_pat
     job_id = f"scale-{uuid.uuid4().hex[:8]}"
     cluster.publish_job({
         "job_id": job_id, "name": "scale", "entrypoint": "tests.toyjobs.toy:fl_train_model",
-        "dataset": str(dataset), "config": {"mode": "slow", "slow_seconds": 0.5},
-        "distributed": {"num_rounds": 4, "min_workers": 2, "max_workers": 4, "aggregation_timeout": 600},
+        "dataset": str(dataset), "config": {"mode": "slow", "slow_seconds": 1.0},
+        "distributed": {"num_rounds": 6, "min_workers": 2, "max_workers": 4, "aggregation_timeout": 600,
+                        "evaluate_every": 0},
     })
     cluster.wait_for(lambda: cluster.query(
         "SELECT 1 FROM aggregations WHERE job_id = $1 AND round = 1 AND status = 'aggregated'", job_id),

@@ -27,7 +27,7 @@ WORKER_PUBLISHES = (r"worker\..+",)
 # What each service publishes on the exchange (delayed events go through the default exchange, and the
 # broker, not the service, dead-letters them into the exchange, so topic permissions do not apply there).
 SERVICE_PUBLISHES: dict[str, tuple[str, ...]] = {
-    "scheduler": (r"job\..+", r"shard\..+", r"round\..+", r"assign\..+", r"task\..+", r"report\..+"),
+    "scheduler": (r"job\..+", r"shard\..+", r"round\..+", r"assign\..+", r"task\..+", r"report\..+", r"presence\.pace"),
     "sharder": (r"job\.sharded",),
     "aggregator": (r"round\..+", r"job\..+"),
     "tracker": (r"job\.requested", r"job\.cancel"),
@@ -76,7 +76,8 @@ def worker(worker_id: str | None, exchange: str, prefix: str = DEFAULT_PREFIX) -
     return BrokerUser(name, "worker", configure=configure,
                       write=_any([e, r"amq\.default", *queues]), read=_any([e, *queues]),
                       topic_write=_any(WORKER_PUBLISHES),
-                      topic_read=_any([*own, r"assign\.pool", r"job\.failed", r"job\.completed"]), worker_id=worker_id)
+                      topic_read=_any([*own, r"assign\.pool", r"job\.failed", r"job\.completed", r"presence\.pace"]),
+                      worker_id=worker_id)
 
 
 def plan(exchange: str, workers: Sequence[str], prefix: str = DEFAULT_PREFIX, *, shared_workers: bool = False

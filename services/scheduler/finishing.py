@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,7 @@ class JobFinisher:
     """Decides, after each round's outcome or evaluation, whether the job ends now, and ends it."""
 
     def __init__(self, db: Database, storage: Storage, outbox: Outbox, endings: JobEndings, tasks: TaskQueue,
-                 offline_after: float) -> None:
+                 offline_after: Callable[[float], float]) -> None:
         self._db, self._storage, self._outbox, self._endings = db, storage, outbox, endings
         self._tasks, self._offline_after = tasks, offline_after
 
@@ -114,7 +115,7 @@ class JobFinisher:
         """Ask a worker to merge the final adapter into the base model (it loads there, never here)."""
         now = time.time()
         async with self._db.transaction() as tx:
-            online = set(await store.online_workers(tx, now - self._offline_after))
+            online = set(await store.online_workers(tx, now - self._offline_after(now)))
             await store.set_merging(tx, job.job_id, round_index)
             queued = await self._tasks.merge(job.job_id, job.spec, round_index, adapter, online, now)
             await task_proofs.remember(tx, queued)

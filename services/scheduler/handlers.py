@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeAlias, TypeVar
 
 from apiary import telemetry
-from apiary.bus import Bus, Delivery
+from apiary.bus import Bus, Delivery, publish_event
 from apiary.bus.identity import worker_of
 from apiary.component import from_json
 from apiary.contracts import (
@@ -47,7 +47,7 @@ from services.scheduler.commands import JobCommands
 from services.scheduler.evaluation import DONE, FAILED, NONE, PENDING, evaluation_due, task_timeout
 from services.scheduler.finishing import JobFinisher
 from services.scheduler.models import checked_initial_weights, initial_weights, no_initial_weights
-from services.scheduler.presence import PresenceFilter
+from services.scheduler.presence import FleetPace, PresenceFilter
 from services.scheduler.rounds import (
     NO_WEIGHTS,
     RoundTarget,
@@ -79,10 +79,12 @@ class SchedulerHandlers:
         self._settings = settings
         self._router = AssignmentRouter(bus, storage)
         self._tasks = TaskQueue(storage, self._router, settings.presign_ttl)
+        self._pace = FleetPace.of(settings)
         self._finisher = JobFinisher(db, storage, outbox, endings=self, tasks=self._tasks,
-                                     offline_after=settings.worker_offline_after)
+                                     offline_after=self._pace.offline_after)
         self._locks = KeyedLocks()
         self._presence = PresenceFilter(settings.worker_offline_after)
+        self._bus = bus
         # A job's commands are handled in their own module, under the same per-job locks; the Scheduler
         # subscribes to them through this object.
         commands = JobCommands(db, storage, outbox, self._locks, endings=self, policy=Policy.of(settings))
@@ -148,6 +150,9 @@ class SchedulerHandlers:
         online = not isinstance(event, WorkerOffline)
         kind = None if isinstance(event, WorkerOffline) else event.kind
         now = time.time()
+        if isinstance(event, WorkerHeartbeat):
+            self._pace.heard_beat(event.interval, now)
+        self._presence.offline_after = self._pace.offline_after(now)
         action = self._presence.on_report(event.worker_id, online, now, announced=isinstance(event, WorkerOnline))
         if action.write:
             await store.record_presence(self._db, event.worker_id, online, now, kind)
@@ -161,6 +166,17 @@ class SchedulerHandlers:
                 async with self._db.transaction() as tx:
                     await self._start_round(tx, _target(job, job.round, job.attempt))
             await self._outbox.flush()
+
+    async def check_pace(self) -> None:
+        """Count the workers online and, if the pace their number calls for changed, tell every worker
+        (`presence.pace`, not kept on disk: the next change, or the pace in an assignment, replaces a lost one)."""
+        now = time.time()
+        workers = len(await store.online_workers(self._db, self._pace.counting_since(now)))
+        announcement = self._pace.decide(workers, now)
+        if announcement is not None:
+            log.info("heartbeats every %.1f s for %d workers online (offline after %.0f s)", announcement.interval,
+                     workers, announcement.offline_after)
+            await publish_event(self._bus, announcement, persistent=False)
 
     # ------------------------------------------------------------ round outcomes
 
@@ -193,7 +209,7 @@ class SchedulerHandlers:
                                 weights: ObjectRef) -> None:
         """Queue the round's evaluation on a worker; the next round does not wait for it."""
         now = time.time()
-        online = set(await store.online_workers(tx, now - self._settings.worker_offline_after))
+        online = set(await store.online_workers(tx, now - self._pace.offline_after(now)))
         await store.insert_evaluation(tx, job_id, round_index, weights.key, now)
         queued = await self._tasks.evaluate(job_id, spec, round_index, attempt, weights, online, now)
         await task_proofs.remember(tx, queued)
@@ -311,7 +327,8 @@ class SchedulerHandlers:
         """Start the round if enough workers are online; else park the job as waiting, with why.
         `prefer` names the worker that trained each shard last round: it is offered the shard again."""
         spec = target.spec
-        seen = await store.online_workers(tx, time.time() - self._settings.worker_offline_after)
+        now = time.time()
+        seen = await store.online_workers(tx, now - self._pace.offline_after(now))
         online, wrong = usable_workers(seen, spec.worker_selection.kinds)
         # Round 0 (the init task) needs one worker of the job's; its rounds need min_workers.
         needed = 1 if target.round == 0 else spec.distributed.min_workers
@@ -350,10 +367,12 @@ class SchedulerHandlers:
                                  plan.started_at, plan.deadline, trace_ids)
         queued = [Pending(round_start(target, plan), headers=trace)]
         ttl = url_lifetime(plan, self._settings.presign_ttl)
+        beat = {"heartbeat_interval": self._pace.interval} if self._pace.interval > self._settings.heartbeat_interval \
+            else {}
         for assignment, routing_key in await self._router.assignments(target, plan, prefer, ttl):
             if assignment.pinned_worker in (absent or ()):
                 continue
-            queued.append(Pending(assignment, routing_key=routing_key, headers=trace))
+            queued.append(Pending(assignment.model_copy(update=beat), routing_key=routing_key, headers=trace))
         queued.append(Pending(RoundTimeout(job_id=target.job_id, round=target.round, attempt=target.attempt),
                               delay=plan.timeout, headers=trace))
         await self._outbox.add_all(tx, queued)

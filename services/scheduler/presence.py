@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from apiary.contracts import PresencePace
+from apiary.pace import MAX_FACTOR, PaceWindow, pace_factor
+from apiary.settings import Settings
+
 REFRESH_FRACTION = 0.4  # of worker_offline_after: how stale this process lets a worker's last_seen get
 FORGET_AFTER = 4096  # workers remembered; the least recently written goes first
 
@@ -48,4 +52,52 @@ class PresenceFilter:
         return PresenceAction(write=False, joined=False)
 
 
-__all__ = ["PresenceAction", "PresenceFilter"]
+@dataclass
+class FleetPace:
+    """The scheduler's side of apiary.pace: the factor its fleet's size calls for, announced when it changes,
+    and the offline time presence is judged by (the slowest pace heard within its own offline time)."""
+
+    base_interval: float
+    base_offline_after: float
+    presence_rate: float
+    window: PaceWindow
+    announced: float | None = None  # the factor this process announced last; None: none yet
+
+    @classmethod
+    def of(cls, settings: Settings) -> FleetPace:
+        """The pace of the settings' heartbeat interval, offline time and presence rate."""
+        return cls(settings.heartbeat_interval, settings.worker_offline_after, settings.presence_rate,
+                   PaceWindow(settings.worker_offline_after))
+
+    def counting_since(self, now: float) -> float:
+        """Workers seen since then count as the fleet: before the first count, as far back as any pace reaches (a
+        restarted scheduler must not take a slow-beating fleet for a small one)."""
+        if self.announced is None:
+            return now - self.base_offline_after * MAX_FACTOR
+        return now - self.window.offline_after(now)
+
+    def decide(self, workers: int, now: float) -> PresencePace | None:
+        """The pace for `workers` online at `now`: the announcement to send if it differs from the last one."""
+        factor = pace_factor(workers, self.base_interval, self.presence_rate)
+        self.window.hear(factor, now)
+        if factor == self.announced:
+            return None
+        self.announced = factor
+        return PresencePace(factor=factor, interval=self.base_interval * factor,
+                            offline_after=self.base_offline_after * factor, workers=workers)
+
+    def heard_beat(self, interval: float | None, now: float) -> None:
+        """A heartbeat said its worker beats every `interval` seconds."""
+        self.window.hear_interval(interval, self.base_interval, now)
+
+    @property
+    def interval(self) -> float:
+        """The heartbeat interval announced last (the base before any announcement)."""
+        return self.base_interval * (self.announced or 1.0)
+
+    def offline_after(self, now: float) -> float:
+        """Seconds without a beat after which a worker is offline, at `now`."""
+        return self.window.offline_after(now)
+
+
+__all__ = ["FleetPace", "PresenceAction", "PresenceFilter"]

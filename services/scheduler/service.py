@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from typing import Any
 
 from apiary.bus import EventHandler, Raw
@@ -11,6 +14,8 @@ from apiary.outbox import Outbox
 from services.scheduler import task_proofs
 from services.scheduler.handlers import SchedulerHandlers
 from services.scheduler.store import MIGRATIONS, OUTBOX
+
+log = logging.getLogger("apiary.scheduler")
 
 
 class Scheduler(Component):
@@ -24,6 +29,7 @@ class Scheduler(Component):
         # No user code runs here, nor is a base model loaded: a job's fl_init_weights and fl_evaluate_model,
         # a built-in job's base weights and its merged model are tasks for workers.
         self.handlers = SchedulerHandlers(self.db, self.bus, self.storage, self.outbox, self.settings)
+        self._pacer: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Migrate, publish what an earlier run left in the outbox, and start consuming."""
@@ -46,11 +52,27 @@ class Scheduler(Component):
             "worker.offline": h.on_worker_presence,
         }
         await self.consume("scheduler", handlers)
+        self._pacer = asyncio.create_task(self._pace(), name="scheduler:presence-pace")
 
     async def stop(self) -> None:
-        """Stop consuming, then the outbox's background flush."""
+        """Stop consuming and pacing, then the outbox's background flush."""
+        if self._pacer is not None:
+            self._pacer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pacer
+            self._pacer = None
         await super().stop()
         await self.outbox.close()
+
+    async def _pace(self) -> None:
+        """Every heartbeat interval (at least a second), count the fleet and announce its pace if it changed."""
+        every = max(1.0, self.settings.heartbeat_interval)
+        while True:
+            try:
+                await self.handlers.check_pace()
+            except Exception as e:  # the database or the broker is away: the next check tries again
+                log.warning("presence pace not checked: %s", e)
+            await asyncio.sleep(every)
 
     async def fail_unfinished(self, reason: str) -> list[str]:
         """End every job that has not ended as failed with `reason`; return their ids.

@@ -14,6 +14,7 @@ from apiary.component import Component
 from apiary.contracts import DecodeError, decode_body
 from apiary.db import Executor
 from apiary.db.group import GroupCommit
+from apiary.pace import PaceWindow
 from services.tracker import forgery, store
 from services.tracker.beats import Heartbeats, beat_of
 from services.tracker.handlers import VIEWS, summary
@@ -29,6 +30,7 @@ class Tracker(Component):
     def __init__(self, *args: Any, http: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._sweeper: asyncio.Task[None] | None = None
+        self._pace = PaceWindow(self.settings.worker_offline_after)
         self._commits = GroupCommit(self.db, self._apply, after=self._notify)
         self._beats = Heartbeats(self.db, after=self._notify)
         self._beat_writer: asyncio.Task[None] | None = None
@@ -95,6 +97,10 @@ class Tracker(Component):
         except DecodeError as e:
             raise Poison(str(e)) from e
         key, now = delivery.routing_key, time.time()
+        if key == "worker.heartbeat":
+            self._pace.hear_interval(body.get("interval"), self.settings.heartbeat_interval, now)
+        elif key == "presence.pace" and isinstance(body.get("factor"), int | float):
+            self._pace.hear(float(body["factor"]), now)
         if key == "worker.heartbeat" and not forgery.names_a_shard(key, body) and (
                 forgery.judge(key, body, None, delivery.user_id) is None):
             # A beat naming no shard changes only its worker's row: kept for the next batched write.
@@ -123,7 +129,8 @@ class Tracker(Component):
         """Mark workers offline when their heartbeats stop."""
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval)
-            cutoff = time.time() - self.settings.worker_offline_after
+            now = time.time()
+            cutoff = now - self._pace.offline_after(now)  # stretched for a large fleet (apiary.pace)
             with contextlib.suppress(Exception):
                 await self._beats.write()  # the beats kept since the last write count
                 changed = await store.mark_silent_offline(self.db, cutoff)

@@ -32,11 +32,13 @@ from apiary.contracts import (
     Assignment,
     JobCompleted,
     JobFailed,
+    PresencePace,
     WorkerFailed,
     WorkerHeartbeat,
     WorkerOffline,
     WorkerOnline,
 )
+from apiary.pace import MAX_FACTOR
 from apiary.settings import Settings
 from apiary.trainers import USER_FUNCTION, Trainer, TrainerError, TrainerSetup, make_trainer, trainer_name
 from services.worker.bundles import BundleCache
@@ -89,6 +91,7 @@ class Worker:
         self._listening_since = float("inf")  # when job ends started to reach this worker
         self._training: asyncio.Task[None] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
+        self.beat_every = self.settings.heartbeat_interval  # stretched for a large fleet (apiary.pace)
         self.state = "idle"
         self.current: Assignment | None = None
         self.samples_per_s: float | None = None
@@ -117,7 +120,8 @@ class Worker:
                         self.worker_id)
         prefetch = self.settings.worker_prefetch
         self._control = await subscribe(self.bus, self.control_queue, {"job.failed": self.on_job_ended,
-                                                                       "job.completed": self.on_job_ended},
+                                                                       "job.completed": self.on_job_ended,
+                                                                       PresencePace.routing_key: self.on_pace},
                                         prefetch=1, expires=CONTROL_QUEUE_EXPIRES)
         self._listening_since = time.time()
         # Each queue has its own turn-taking; past it, a stale or ended job's assignment is skipped, and
@@ -160,7 +164,7 @@ class Worker:
 
     async def _beat(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.heartbeat_interval)
+            await asyncio.sleep(self.beat_every)
             with contextlib.suppress(Exception):
                 # Not kept on the broker's disk: the next beat replaces a beat lost in a broker restart.
                 await publish_event(self.bus, self._heartbeat_event(), persistent=False)
@@ -172,7 +176,18 @@ class Worker:
             round=a.round if a else None, shard=a.shard if a else None,
             gpu=gpu_stats(self.gpu, self._trainer_pid()), samples_per_s=self.samples_per_s,
             kind=self.settings.worker_kind, token=proof.progress_token(a.secret) if a and a.secret else None,
+            interval=self.beat_every,
         )
+
+    def pace(self, interval: float) -> None:
+        """Beat every `interval` seconds from the next beat on, as the scheduler asks for the fleet's size
+        (apiary.pace), never faster than this worker's own setting."""
+        base = self.settings.heartbeat_interval
+        self.beat_every = min(max(base, interval), base * MAX_FACTOR)
+
+    async def on_pace(self, event: PresencePace, delivery: Delivery) -> None:
+        """The fleet's heartbeat pace changed."""
+        self.pace(event.interval)
 
     def _end_probe(self, a: Assignment) -> asyncio.Task[bool] | None:
         """Whether the assignment's job ended before this worker listened for job ends, read from the
@@ -258,6 +273,8 @@ class Worker:
         crash the worker."""
         # An init or evaluate task names no shard: heartbeats say which task, not that a shard trains.
         self.current, self.state = assignment, "training" if assignment.task == TRAIN else assignment.task
+        if assignment.heartbeat_interval is not None:
+            self.pace(assignment.heartbeat_interval)
         try:
             # Its own task, so that the job ending can stop it (its training child is killed).
             self._training = asyncio.create_task(self._train(assignment), name=f"train:{self.worker_id}")

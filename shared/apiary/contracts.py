@@ -203,6 +203,8 @@ class Assignment(RoundEvent):
     requirements: list[str] | None = None
     # The one-time secret its worker.done / worker.failed must present (only ever in the assignment itself).
     secret: str | None = None
+    # Seconds between the worker's heartbeats, stretched for a large fleet (apiary.pace); None: its own setting.
+    heartbeat_interval: float | None = Field(default=None, gt=0)
 
 
 class WorkerProgress(RoundEvent):
@@ -375,11 +377,23 @@ class WorkerHeartbeat(WorkerPresence):
     samples_per_s: float | None = None
     kind: str | None = None  # as declared in worker.online
     token: str | None = None  # the progress token of the assignment it trains, if any
+    interval: float | None = None  # seconds until its next beat (apiary.pace); None: the services' setting
 
 
 class WorkerOffline(WorkerPresence):
     routing_key: ClassVar[str] = "worker.offline"
     reason: str = "stopped"
+
+
+class PresencePace(Message):
+    """`presence.pace`: how often workers beat now, for the fleet online (apiary.pace): every `interval` seconds,
+    offline after `offline_after`; sent by the scheduler to every worker when the pace changes."""
+
+    routing_key: ClassVar[str] = "presence.pace"
+    factor: float = Field(ge=1.0)
+    interval: float = Field(gt=0)
+    offline_after: float = Field(gt=0)
+    workers: int = Field(ge=0)
 
 
 AnyEvent = Event | WorkerPresence | JobRequested
@@ -392,6 +406,7 @@ EVENT_TYPES: dict[str, type[BaseModel]] = {
         WorkerProgress, WorkerDone, WorkerFailed, RoundTimeout, RoundAggregated, RoundFailed,
         JobCompleted, JobFailed, JobWaiting, JobCancelRequested, WorkerOnline, WorkerHeartbeat, WorkerOffline,
         WeightsInitialized, RoundEvaluated, WorkerEvaluated, ReportForged, AdapterMerged, TaskTimeout,
+        PresencePace,
     )
 }
 

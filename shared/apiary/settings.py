@@ -38,6 +38,8 @@ class Settings(BaseSettings):
     heartbeat_interval: float = Field(default=5.0, gt=0)
     progress_interval: float = Field(default=1.0, ge=0)
     worker_offline_after: float = Field(default=20.0, gt=0)
+    # The heartbeats a second the whole fleet sends at most: past it, workers beat less often (apiary.pace).
+    presence_rate: float = Field(default=50.0, gt=0)
     code_path: list[str] = Field(default_factory=list)
     worker_kind: Literal["own", "platform"] | None = None  # declared in worker.online (mixed selection)
     # Base models a worker keeps across jobs (default: under its work folder), cleaned past the limit.

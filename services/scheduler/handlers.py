@@ -154,10 +154,17 @@ class SchedulerHandlers:
             self._pace.heard_beat(event.interval, now)
         self._presence.offline_after = self._pace.offline_after(now)
         action = self._presence.on_report(event.worker_id, online, now, announced=isinstance(event, WorkerOnline))
-        if action.write:
-            await store.record_presence(self._db, event.worker_id, online, now, kind)
-        if not action.joined:
-            return
+        try:
+            if action.write:
+                await store.record_presence(self._db, event.worker_id, online, now, kind)
+            if action.joined:
+                await self._start_waiting_jobs()
+        except BaseException:
+            self._presence.forget(event.worker_id)  # the retry writes and joins again
+            raise
+
+    async def _start_waiting_jobs(self) -> None:
+        """A worker joined: start the rounds of the jobs waiting for workers, where they can start now."""
         for job_id in await store.job_ids(self._db, status=JobStatus.WAITING):
             async with self._locks(job_id):
                 job = await store.job(self._db, job_id)

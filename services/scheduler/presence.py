@@ -51,6 +51,12 @@ class PresenceFilter:
         self.written[worker_id] = last
         return PresenceAction(write=False, joined=False)
 
+    def forget(self, worker_id: str) -> None:
+        """Acting on the worker's last report failed (the database away): its next report (the same one, retried)
+        is written and joins again, as if never seen; else a write lost in an outage would keep a worker looking
+        offline to the rounds it could start, and no join would ever look at the jobs waiting for it."""
+        self.written.pop(worker_id, None)
+
 
 @dataclass
 class FleetPace:

@@ -156,7 +156,9 @@ def test_scheduler_killed_between_rounds_and_mid_round_resumes_the_job(
     cluster = faults.cluster
     cluster.start(workers=2)
     job_id = new_id("kill-scheduler")
-    cluster.publish_job(toy_job(job_id, toy_data(12), rounds=3, config={"mode": "slow", "slow_seconds": 2}))
+    # 4 s shards: the tracker shows a shard training from the worker's next beat (every second) and its batched
+    # write (every second), so a 2 s shard could end before the test saw round 2 training, under load.
+    cluster.publish_job(toy_job(job_id, toy_data(12), rounds=3, config={"mode": "slow", "slow_seconds": 4}))
     sizes = faults.shard_sizes(job_id)
     faults.wait_training("worker-1", job_id, 1)
 

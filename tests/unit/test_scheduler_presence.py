@@ -40,3 +40,14 @@ def test_worker_online_always_joins() -> None:
     presence.on_report("w1", True, 100.0)
     again = presence.on_report("w1", True, 101.0, announced=True)
     assert again.write and again.joined
+
+
+def test_a_report_whose_write_failed_is_written_and_joins_when_retried() -> None:
+    # The database was away when the beat was to be written: nothing was stored, so the retried report must be
+    # written (else the worker's row stays as old as the outage) and join (a job may have parked meanwhile).
+    presence = PresenceFilter(offline_after=20.0)
+    presence.on_report("w1", True, 100.0, announced=True)
+    failed = presence.on_report("w1", True, 108.1)
+    presence.forget("w1")
+    retried = presence.on_report("w1", True, 109.0)
+    assert failed.write and retried.write and retried.joined

@@ -129,7 +129,8 @@ def wait_rounds(cluster: Cluster, job_id: str, k: int, until: Callable[[], Any],
 
 
 def run(k: int, replicas: int, rounds: int, params: int, tmp: Path, profile_to: Path | None = None,
-        aggregators: int | None = None, heartbeat: float = 5.0, idle: float = 0.0) -> dict[str, Any]:
+        aggregators: int | None = None, heartbeat: float = 5.0, idle: float = 0.0,
+        presence_rate: float | None = None) -> dict[str, Any]:
     """One deployment (`replicas` of each service; `aggregators` of the aggregator if given), one job of
     `rounds` rounds and K contributions each; its figures (with `idle` seconds, the CPU per second of the K
     workers online before the job, too)."""
@@ -141,6 +142,8 @@ def run(k: int, replicas: int, rounds: int, params: int, tmp: Path, profile_to: 
     # The deployed defaults (heartbeats every 5 s, offline after 20 s), or heartbeats every `heartbeat` s.
     deployed = {"APIARY_HEARTBEAT_INTERVAL": str(heartbeat), "APIARY_WORKER_OFFLINE_AFTER": str(4 * heartbeat),
                 "APIARY_PROGRESS_INTERVAL": "1"}
+    if presence_rate is not None:  # the fleet's heartbeat budget (apiary.pace); default the deployed one
+        deployed["APIARY_PRESENCE_RATE"] = str(presence_rate)
     times = base / "times.jsonl"
     try:
         cluster.start(workers=0, **deployed)
@@ -366,6 +369,9 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=REPO / "docs" / "scale.png")
     parser.add_argument("--heartbeat", type=float, default=5.0,
                         help="workers' heartbeat interval, s (the deployed default: 5; offline after 4 of them)")
+    parser.add_argument("--presence-rate", type=float,
+                        help="the fleet's heartbeats a second before they are paced (default: the deployed 50; "
+                             "1e9 beats at --heartbeat whatever the fleet, as before apiary.pace)")
     parser.add_argument("--idle", type=float, default=0.0,
                         help="seconds to measure each process's CPU with the K workers online before the job")
     parser.add_argument("--one-aggregator", action="store_true",
@@ -394,12 +400,13 @@ def main() -> None:
             for k in args.k:
                 try:
                     figures = run(k, replicas, args.rounds, args.params, Path(tmp), args.profile,
-                                  1 if args.one_aggregator else None, args.heartbeat, args.idle)
+                                  1 if args.one_aggregator else None, args.heartbeat, args.idle, args.presence_rate)
                 except RuntimeError as e:
                     print(f"replicas={replicas} K={k}: {e}", flush=True)
                     continue
                 figures["aggregators"] = 1 if args.one_aggregator else replicas
                 figures["heartbeat_s"] = args.heartbeat
+                figures["presence_rate"] = args.presence_rate
                 results.setdefault(replicas, {})[k] = figures
                 print(f"replicas={replicas} K={k}: {json.dumps(figures)}", flush=True)
                 save(args.results, results, flower)

@@ -20,6 +20,7 @@ from apiary.trainers.child import PARENTS_SIGNALS, UserCodeError, child_main
 log = logging.getLogger("apiary.usercode")
 
 _FINAL = ("result", "error")
+STOP_GRACE = 5.0  # seconds an idle child has to exit on its own when its trainer stops
 
 
 class _Replies:
@@ -122,6 +123,17 @@ class ChildProcess:
             self._conn.close()
         self._proc, self._conn = None, None
 
+    def close(self, grace: float) -> None:
+        """Stop an idle child the way it ends itself: its pipe closed, it returns and exits normally (its
+        interpreter cleans up what it made, such as the semaphores torch or tokenizers create, which a kill
+        leaves to the resource tracker's 'leaked semaphore' warning at the worker's exit); killed if it has not
+        exited within `grace` seconds."""
+        if self._proc is not None and self._proc.is_alive() and self._conn is not None:
+            self._conn.close()
+            self._conn = None
+            self._proc.join(timeout=grace)
+        self.kill()
+
     async def _exited(self) -> UserCodeError:
         """The error for a child that died: its exit code is known once it is reaped (the pipe can
         close before that)."""
@@ -195,8 +207,11 @@ class ChildTrainer(Trainer):
         await asyncio.to_thread(self._child.ensure)
 
     async def stop(self) -> None:
-        """Stop the child."""
-        await asyncio.to_thread(self._child.kill)
+        """Stop the child: at once while a call runs (it is cancelled), else letting it exit normally."""
+        if self._lock.locked():
+            await asyncio.to_thread(self._child.kill)
+        else:
+            await asyncio.to_thread(self._child.close, STOP_GRACE)
 
     async def _call(self, kind: str, args: Any, timeout: float | None,
                     on_metrics: MetricsCallback | None = None) -> Any:

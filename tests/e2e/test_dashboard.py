@@ -57,20 +57,22 @@ async def test_the_job_page_follows_a_running_digits_job(browser: Browser, tmp_p
 
         token = await stack.api_token()
         await page.goto(f"{url}/?token={token}#/jobs/{job_id}")  # as `apiary run` prints it
-        await page.wait_for_function("+document.querySelector('#round-counter').dataset.round >= 1", timeout=60_000)
-        await page.wait_for_function("+document.querySelector('#worker-loss-chart').dataset.points > 0",
+        # The predicates below see no element while the page still renders (a predicate that throws would end
+        # the wait at once, as it did once under load): `?.` reads undefined instead.
+        await page.wait_for_function("+document.querySelector('#round-counter')?.dataset.round >= 1", timeout=60_000)
+        await page.wait_for_function("+document.querySelector('#worker-loss-chart')?.dataset.points > 0",
                                      timeout=60_000)
         first_round, first_points = await _round(page), await _points(page)
         await page.wait_for_function(
-            f"+document.querySelector('#round-counter').dataset.round > {first_round}"
-            f" && +document.querySelector('#worker-loss-chart').dataset.points > {first_points}",
+            f"+document.querySelector('#round-counter')?.dataset.round > {first_round}"
+            f" && +document.querySelector('#worker-loss-chart')?.dataset.points > {first_points}",
             timeout=60_000,
         )
         later_round, later_points = await _round(page), await _points(page)
         await page.screenshot(path=str(ARTIFACTS / "dashboard-running.png"), full_page=True)
 
         await stack.wait(job_id, timeout=180)
-        await page.wait_for_function("document.querySelector('#live').dataset.state === 'ended'", timeout=30_000)
+        await page.wait_for_function("document.querySelector('#live')?.dataset.state === 'ended'", timeout=30_000)
         await page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
         counter = await page.inner_text("#round-counter")
         status = await page.inner_text(".job-head .badge")

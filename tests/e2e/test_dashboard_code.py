@@ -41,7 +41,7 @@ async def test_the_job_page_shows_the_code_bundle(browser: Browser, tmp_path: Pa
         view = await stack.wait(job_id, timeout=120)
         page = await browser.new_page()
         await page.goto(f"{url}/?token={await stack.api_token()}#/jobs/{job_id}")
-        await page.wait_for_function("document.querySelector('#code').textContent.length > 0", timeout=30_000)
+        await page.wait_for_function("(document.querySelector('#code')?.textContent.length ?? 0) > 0", timeout=30_000)
         shown = await page.text_content("#code")
 
     assert view["status"] == "completed", view.get("reason")

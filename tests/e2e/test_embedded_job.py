@@ -159,8 +159,11 @@ def test_apiary_run_trains_digits_to_90_percent(tmp_path: Path) -> None:
 async def test_jobs_running_at_once_on_the_same_workers_keep_to_their_own_weights(
     embedded: StackFactory, toy_dataset: Path
 ) -> None:
-    # Prepare: two jobs with different rounds and shard counts, sharing two workers.
-    three_rounds = toy_request(toy_dataset, num_rounds=3, max_workers=3)
+    # Prepare: two jobs with different rounds and shard counts, sharing two workers. The first one's shards take
+    # 0.5 s: with instant ones it could end (in 0.2 s) before the second's init task was back from a worker whose
+    # training process was still importing torch (seen under load), and nothing would have run at once.
+    three_rounds = {**toy_request(toy_dataset, num_rounds=3, max_workers=3),
+                    "config": {"mode": "slow", "slow_seconds": 0.5}}
     two_rounds = {**toy_request(toy_dataset, num_rounds=2, min_workers=1, max_workers=2), "name": "toy-b"}
 
     async with embedded(workers=2) as stack:

@@ -189,7 +189,8 @@ def test_sharder_and_tracker_killed_and_restarted_lose_nothing(
     cluster.kill("sharder", signal.SIGKILL)
     job_id = new_id("kill-sharder-tracker")
 
-    cluster.publish_job(toy_job(job_id, toy_data(12), rounds=2, config={"mode": "slow", "slow_seconds": 1}))
+    # 3 s shards: the tracker must show round 1 training (from a beat every second) before it ends, under load too.
+    cluster.publish_job(toy_job(job_id, toy_data(12), rounds=2, config={"mode": "slow", "slow_seconds": 3}))
     cluster.wait_for(lambda: (j := cluster.job(job_id)) and j["status"] == "sharding", 60, "the job to be accepted")
     cluster.start_service("sharder")
     sizes = faults.shard_sizes(job_id)

@@ -65,7 +65,8 @@ def test_one_replica_killed_mid_round_while_the_other_goes_on(
     cluster = faults.cluster
     _start_with_replicas(faults, workers=2)
     job_id = new_id("replica-kill")
-    cluster.publish_job(toy_job(job_id, toy_data(12), rounds=3, config={"mode": "slow", "slow_seconds": 2}))
+    # 3 s shards, so the tracker shows round 2 training (beats every second) before it ends, under load too.
+    cluster.publish_job(toy_job(job_id, toy_data(12), rounds=3, config={"mode": "slow", "slow_seconds": 3}))
     faults.wait_training("worker-1", job_id, 2)
 
     cluster.kill("scheduler", signal.SIGKILL)

@@ -374,8 +374,7 @@ class SchedulerHandlers:
                                  plan.started_at, plan.deadline, trace_ids)
         queued = [Pending(round_start(target, plan), headers=trace)]
         ttl = url_lifetime(plan, self._settings.presign_ttl)
-        beat = {"heartbeat_interval": self._pace.interval} if self._pace.interval > self._settings.heartbeat_interval \
-            else {}
+        beat = {"heartbeat_interval": self._pace.interval} if self._pace.stretched else {}
         for assignment, routing_key in await self._router.assignments(target, plan, prefer, ttl):
             if assignment.pinned_worker in (absent or ()):
                 continue

@@ -101,6 +101,11 @@ class FleetPace:
         """The heartbeat interval announced last (the base before any announcement)."""
         return self.base_interval * (self.announced or 1.0)
 
+    @property
+    def stretched(self) -> bool:
+        """Whether the pace announced last is slower than the base interval."""
+        return (self.announced or 1.0) > 1.0
+
     def offline_after(self, now: float) -> float:
         """Seconds without a beat after which a worker is offline, at `now`."""
         return self.window.offline_after(now)

@@ -154,7 +154,8 @@ def run(k: int, replicas: int, rounds: int, params: int, tmp: Path, profile_to: 
         sim = simulated_workers(cluster.env(**deployed), k, cluster.logs / "simulated.log", times)
         cluster.processes["simulated"] = sim
         cluster.wait_workers([f"sim-{i:04d}" for i in range(k)], timeout=600)
-        idle_cpu = _idle_cpu(cluster, idle) if idle else None
+        idle_profile = None if profile_to is None else profile_to / f"idle-k{k}-r{replicas}"
+        idle_cpu = _idle_cpu(cluster, idle, idle_profile) if idle else None
         job_id = f"scale-k{k}-{uuid.uuid4().hex[:6]}"
         cluster.publish_job({
             "job_id": job_id, "name": job_id, "entrypoint": "tests.toyjobs.identity:fl_train_model",
@@ -185,12 +186,14 @@ def run(k: int, replicas: int, rounds: int, params: int, tmp: Path, profile_to: 
         shutil.rmtree(base, ignore_errors=True)
 
 
-def _idle_cpu(cluster: Cluster, seconds: float) -> dict[str, float]:
+def _idle_cpu(cluster: Cluster, seconds: float, profile_to: Path | None = None) -> dict[str, float]:
     """CPU seconds per second of each process while the K workers are online and no job runs (their heartbeats,
     the broker's upkeep of their connections, channels and queues): what every second of a round costs
-    besides its work."""
+    besides its work (each process sampled into `profile_to` meanwhile, if given)."""
     time.sleep(min(seconds, 10))  # the workers' online announcements settle
     before = _cpu_snapshot(cluster.processes)
+    if profile_to is not None:
+        profile(cluster.processes, int(seconds), profile_to)
     time.sleep(seconds)
     spent = _cpu_spent(before, _cpu_snapshot(cluster.processes))
     return {n: round(v / seconds, 3) for n, v in sorted(spent.items(), key=lambda i: -i[1])}
@@ -379,7 +382,8 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=REPO / "docs" / "scale.json",
                         help="where the figures are written (JSON); with --keep, earlier ones there are kept")
     parser.add_argument("--keep", action="store_true", help="add to the figures already in --results")
-    parser.add_argument("--profile", type=Path, help="py-spy each process for 30 s from round 2 on, into this folder")
+    parser.add_argument("--profile", type=Path,
+                        help="py-spy each process for 30 s from round 2 on (and through --idle), into this folder")
     parser.add_argument("--simulate", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--times", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -87,8 +87,7 @@ class Aggregator(Component):
             state = await self._admit(event, delivery)
             if state is None:
                 return
-            await self._record(event, ContributionStatus.FAILED, event.error, state)
-            await self._maybe_close(state)
+            await self._maybe_close(state, await self._record(event, ContributionStatus.FAILED, event.error, state))
 
     async def on_worker_done(self, event: contracts.WorkerDone, delivery: Delivery) -> None:
         """Validate a contribution and take it in, once; close the round when every shard reported."""
@@ -104,12 +103,12 @@ class Aggregator(Component):
                 weights = load_weights(data, copy=False)
                 state.strategy.accept(Contribution(weights, event.samples, event.metrics))
             except (ObjectNotFound, InvalidContribution, WeightsError, ValueError) as e:
-                state = await self._reject(event, state, e)
+                state, settled = await self._reject(event, state, e)
             else:
                 # Should recording fail, the strategy holds a contribution the database does not: the
                 # state is dropped (below) and rebuilt from the stored rows next time.
-                await self._record(event, ContributionStatus.ACCEPTED, None, state)
-            await self._maybe_close(state)
+                settled = await self._record(event, ContributionStatus.ACCEPTED, None, state)
+            await self._maybe_close(state, settled)
 
     async def _prefetch(self, event: contracts.WorkerDone) -> bytes | BaseException | None:
         """Small contributions are fetched before queueing for the job's lock, so many download at
@@ -123,18 +122,20 @@ class Aggregator(Component):
         except (ObjectNotFound, ValueError) as e:
             return e
 
-    async def _reject(self, event: contracts.WorkerDone, state: RoundState, error: Exception) -> RoundState:
-        """Record a refused contribution; the round's state, re-folded if the refusal spoiled it."""
+    async def _reject(self, event: contracts.WorkerDone, state: RoundState,
+                      error: Exception) -> tuple[RoundState, int | None]:
+        """Record a refused contribution; the round's state, re-folded if the refusal spoiled it, and how many
+        of its shards have settled now."""
         reason = f"object {event.result.key} is missing" if isinstance(error, ObjectNotFound) else str(error)
         log.warning("job %s: round %d shard %d from %s rejected: %s", event.job_id, event.round,
                     event.shard, event.worker_id, reason)
-        await self._record(event, ContributionStatus.REJECTED, reason, state)
+        settled = await self._record(event, ContributionStatus.REJECTED, reason, state)
         if not state.strategy.spoiled:
-            return state
+            return state, settled
         # Part of the refused contribution was taken in: the exact state is re-folded from the
         # accepted contributions in storage.
         self._rounds.drop(state.key)
-        return await self._rounds.load(state.agg)
+        return await self._rounds.load(state.agg), settled
 
     async def _admit(self, event: Report, delivery: Delivery) -> RoundState | None:
         """The open round this report settles a shard of; None (recorded why) if it settles nothing: it
@@ -212,16 +213,23 @@ class Aggregator(Component):
         if closed:
             log.info("job %s %s: its open round closed", event.job_id, ended)
 
-    async def _maybe_close(self, state: RoundState) -> None:
-        # Another aggregator replica may have settled the shards this one has not seen: the table counts all.
-        if all_settled(state.settled, state.shards) or (
-                await self.store.settled_shards(*state.key) >= len(state.shards)):
-            # A last shard settled after the deadline (a straggler stopped there) ends a round that timed out.
-            await self._closer.close(state, timed_out=past_deadline(state.agg["deadline"], time.time()))
+    async def _maybe_close(self, state: RoundState, settled: int | None = None) -> None:
+        """Close the round if every shard has settled: here, or by any replica (`settled`, as counted when this
+        one recorded its report, or read now): another aggregator replica may have settled the shards this
+        one has not seen, and the one whose report settles the last shard counts them all."""
+        if not all_settled(state.settled, state.shards):
+            if settled is None:
+                settled = await self.store.settled_shards(*state.key)
+            if settled < len(state.shards):
+                return
+        # A last shard settled after the deadline (a straggler stopped there) ends a round that timed out.
+        await self._closer.close(state, timed_out=past_deadline(state.agg["deadline"], time.time()))
 
     async def _record(self, event: Report, status: ContributionStatus, reason: str | None,
-                      state: RoundState | None = None) -> None:
-        await self.store.record(event, status, reason)
+                      state: RoundState | None = None) -> int | None:
+        """Store a report; for one that settles its shard, how many of the round's shards have settled."""
+        settled = await self.store.record(event, status, reason)
         if state is not None and status.settles:
             state.settled[event.shard] = status
+        return settled
 

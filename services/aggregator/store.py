@@ -41,6 +41,12 @@ MIGRATIONS = [
     "ALTER TABLE aggregations ADD COLUMN state_key TEXT",
     # Each shard's assignment-secret digest (JSON; NULL in rows from before: reports judged on the object alone).
     "ALTER TABLE aggregations ADD COLUMN secret_digests TEXT",
+    # How many shards have settled (by any replica), kept with each settling report in the same transaction:
+    # closing a round reads one row rather than counting its contributions after each one (K^2 a round).
+    "ALTER TABLE aggregations ADD COLUMN settled BIGINT NOT NULL DEFAULT 0;"
+    " UPDATE aggregations SET settled = (SELECT COUNT(*) FROM contributions c WHERE c.job_id = aggregations.job_id"
+    " AND c.round = aggregations.round AND c.attempt = aggregations.attempt"
+    " AND c.status IN ('accepted', 'rejected', 'failed'))",
 ]
 
 COLUMNS = ("job_id", "round", "attempt", "shards", "min_workers", "weights_key", "weights_size", "weights_sha256",
@@ -59,8 +65,15 @@ def opened_row(event: RoundStart) -> dict[str, Any]:
         "update_format": str(event.update_format), "strategy": event.strategy,
         "strategy_params": to_json(event.strategy_params),
         "secret_digests": to_json({str(shard): d for shard, d in event.secret_digests.items()}),
-        "result_key": None, "reason": None, "closed_at": None,
+        "result_key": None, "reason": None, "closed_at": None, "settled": 0,
     }
+
+
+_INSERT_CONTRIBUTION = (
+    "INSERT INTO contributions (job_id, round, attempt, shard, worker_id, status, reason, samples,"
+    " result_key, size, sha256, metrics, received_at, traceparent)"
+    " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)"
+)
 
 
 class AggregatorStore:
@@ -97,28 +110,34 @@ class AggregatorStore:
             job_id, round_index, attempt,
         )
 
-    async def record(self, event: WorkerDone | WorkerFailed, status: ContributionStatus, reason: str | None) -> None:
-        """Store one report with what became of it."""
+    async def record(self, event: WorkerDone | WorkerFailed, status: ContributionStatus,
+                     reason: str | None) -> int | None:
+        """Store one report with what became of it; for one that settles its shard, how many shards of the
+        round attempt have settled now, by any aggregator replica (counted in the same transaction)."""
         if isinstance(event, WorkerFailed):
             samples, result, metrics = 0, ObjectRef(key="", size=0, sha256=""), {}
         else:
             samples, result, metrics = event.samples, event.result, event.metrics
-        await self.db.execute(
-            "INSERT INTO contributions (job_id, round, attempt, shard, worker_id, status, reason, samples,"
-            " result_key, size, sha256, metrics, received_at, traceparent)"
-            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
-            event.job_id, event.round, event.attempt, event.shard, event.worker_id, str(status), reason,
-            samples, result.key, result.size, result.sha256, to_json(metrics), time.time(),
-            telemetry.headers_for().get("traceparent"),
-        )
+        row = (event.job_id, event.round, event.attempt, event.shard, event.worker_id, str(status), reason,
+               samples, result.key, result.size, result.sha256, to_json(metrics), time.time(),
+               telemetry.headers_for().get("traceparent"))
+        if not status.settles:
+            await self.db.execute(_INSERT_CONTRIBUTION, *row)
+            return None
+        async with self.db.transaction() as tx:
+            await tx.execute(_INSERT_CONTRIBUTION, *row)
+            settled = await tx.fetchval(
+                "UPDATE aggregations SET settled = settled + 1 WHERE job_id = $1 AND round = $2 AND attempt = $3"
+                " RETURNING settled", event.job_id, event.round, event.attempt)
+        return None if settled is None else int(settled)
 
     async def settled_shards(self, job_id: str, round_index: int, attempt: int) -> int:
         """How many shards of a round attempt have settled, by any aggregator replica."""
-        return int(await self.db.fetchval(
-            "SELECT COUNT(*) FROM contributions WHERE job_id = $1 AND round = $2 AND attempt = $3"
-            " AND status IN ('accepted', 'rejected', 'failed')",
+        settled = await self.db.fetchval(
+            "SELECT settled FROM aggregations WHERE job_id = $1 AND round = $2 AND attempt = $3",
             job_id, round_index, attempt,
-        ))
+        )
+        return int(settled or 0)
 
     async def previous_state_key(self, job_id: str, round_index: int) -> str | None:
         """Where the strategy's server state after the job's last aggregated round before this one is stored."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hashlib
 import json
 import os
@@ -303,8 +304,6 @@ async def simulate(k: int, times: Path) -> None:
     # K workers' objects in one heap (each real worker is a process of its own): Python's full collections,
     # which grow more frequent with K, would each walk all of them, K^2 a round in this process alone (1.2 s
     # a round at K = 1,000 before this). What exists once the workers are up is exempted from collection.
-    import gc
-
     gc.collect()
     gc.freeze()
     stop = asyncio.Event()
@@ -323,8 +322,6 @@ class GcClock:
         self.seconds, self.full, self._started = 0.0, 0, 0.0
 
     def install(self) -> None:
-        import gc
-
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
@@ -395,8 +392,8 @@ def report(results: dict[int, dict[int, dict[str, Any]]], flower: dict[int, floa
                   f"contribution, busy {r['busy_s']:.2f} s, control plane {r['control_per_contribution_ms']:.2f} ms "
                   f"per contribution; CPU s per round: {cpu}")
         if 1000 in by_k and 100 in by_k:
-            big, small = (by_k[k].get("round_s_runs", [by_k[k]["round_s"]]) for k in (1000, 100))
-            ratios = [b / s for b, s in zip(big, small, strict=False)]
+            big, small = (by_k[k].get("round_s_runs", {"0": by_k[k]["round_s"]}) for k in (1000, 100))
+            ratios = [big[i] / small[i] for i in sorted(big.keys() & small.keys(), key=int)]
             each = f" (each repeat: {', '.join(f'{r:.2f}' for r in ratios)})" if len(ratios) > 1 else ""
             print(f"replicas={replicas}: round time K=1000 / K=100 = "
                   f"{statistics.median(ratios):.2f}{each} (target <= 11)")
@@ -452,7 +449,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="apiary-scale-") as tmp:
         # Each repeat measures every K in turn, so that a ratio compares runs taken minutes apart, not a
         # quiet spell of this shared machine with a busy one.
-        for _ in range(args.repeat):
+        for repeat in range(args.repeat):
             for replicas in args.replicas:
                 for k in args.k:
                     try:
@@ -465,6 +462,7 @@ def main() -> None:
                     figures["aggregators"] = 1 if args.one_aggregator else replicas
                     figures["heartbeat_s"] = args.heartbeat
                     figures["presence_rate"] = args.presence_rate
+                    figures["repeat"] = repeat
                     print(f"replicas={replicas} K={k}: {json.dumps(figures)}", flush=True)
                     runs.setdefault((replicas, k), []).append(figures)
                     results.setdefault(replicas, {})[k] = median_run(runs[(replicas, k)])
@@ -475,9 +473,10 @@ def main() -> None:
 
 
 def median_run(figures: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run of median round time (the lower one of an even count), with every run's round time beside it."""
+    """The run of median round time (the faster one of an even count), with every run's round time beside it by
+    repeat (a ratio pairs runs of the same repeat: a run that failed leaves its repeat out)."""
     ordered = sorted(figures, key=lambda f: f["round_s"])
-    return {**ordered[(len(ordered) - 1) // 2], "round_s_runs": [f["round_s"] for f in figures]}
+    return {**ordered[(len(ordered) - 1) // 2], "round_s_runs": {str(f["repeat"]): f["round_s"] for f in figures}}
 
 
 def save(path: Path, results: dict[int, dict[int, dict[str, Any]]], flower: dict[int, float]) -> None:

@@ -50,18 +50,19 @@ def run(
     stop = StopSignals()
     stop.catch()  # from here on a Ctrl-C is a cancel, whenever it comes
     quiet_openmp()
+    from services.app.run import RunOptions, gpu_list, run_job
+
+    try:  # the flag first: a GPU this machine lacks is said before anything is read
+        gpu_indices = gpu_list(gpus)
+    except ValueError as e:
+        fail(str(e))
     request, code_root = _checked_job(job_file)
     from services.app.jobcheck import embedded_settings
 
     settings = embedded_settings(Settings(), request, job_file)
     from apiary import telemetry
-    from services.app.run import RunOptions, gpu_list, run_job
     from services.app.runtime import DatabaseInUse
 
-    try:
-        gpu_indices = gpu_list(gpus)
-    except ValueError as e:
-        fail(str(e))
     options = RunOptions(workers=workers, as_json=as_json, timeout=timeout, gpus=gpu_indices,
                          code_paths=[str(code_root)] if code_root is not None else [],
                          log_path=setup_logging(settings, to_console=False), started=STARTED,

@@ -18,6 +18,9 @@ Figures, for each K and replica count:
   i.e. the time during which the workers' own work (downloads, no-op training, upload, report) was going on;
 - control-plane time per contribution: (round time - busy time) / K: the time in the round when no worker
   had anything to do (assigning, aggregating, starting the next round), per contribution;
+- phases: when the aggregator recorded the round's first and last contribution and when it closed the round (s
+  after the round's start, medians): the start (assigning), the stretch of reports and the close (with two
+  aggregator replicas, the one closing re-folds the contributions the other took);
 - CPU seconds per round of each service (all its replicas, user + system from /proc/<pid>/stat), of the
   simulated workers' process, RabbitMQ and PostgreSQL, over rounds 2..R.
 
@@ -223,9 +226,25 @@ def _figures(cluster: Cluster, job_id: str, k: int, rounds: int, times: Path,
     control = statistics.median((t - b) / k for t, b in zip(round_s, busy_s, strict=True))
     return {"round_s": round(median, 3), "per_contribution_ms": round(median / k * 1000, 2),
             "busy_s": round(statistics.median(busy_s), 3), "control_per_contribution_ms": round(control * 1000, 2),
+            "phases_s": _phases(cluster, job_id, starts, measured),
             "cpu_s_per_round": {n: round(v / len(round_s), 2) for n, v in sorted(cpu.items(), key=lambda i: -i[1])},
             "simulated_gc_per_round": _gc_per_round(gc_seen, len(round_s)),
             "rounds": len(round_s)}
+
+
+def _phases(cluster: Cluster, job_id: str, starts: Mapping[int, float], measured: range) -> dict[str, float]:
+    """Where a round's time goes, from the rows the services write (medians over the measured rounds, s after
+    the round's start): its first and last contribution recorded by the aggregator, and the round closed."""
+    marks: dict[str, list[float]] = {"first_recorded": [], "last_recorded": [], "closed": []}
+    for r in measured:
+        row = cluster.query(
+            "SELECT MIN(c.received_at) AS first, MAX(c.received_at) AS last, MAX(a.closed_at) AS closed"
+            " FROM contributions c JOIN aggregations a USING (job_id, round, attempt)"
+            " WHERE c.job_id = $1 AND c.round = $2 AND c.attempt = 1", job_id, r)[0]
+        for name, column in (("first_recorded", "first"), ("last_recorded", "last"), ("closed", "closed")):
+            if row[column] is not None:
+                marks[name].append(row[column] - starts[r])
+    return {name: round(statistics.median(values), 3) for name, values in marks.items() if values}
 
 
 def _gc_per_round(seen: list[tuple[float, float, int]], rounds: int) -> dict[str, float]:
@@ -391,6 +410,10 @@ def report(results: dict[int, dict[int, dict[str, Any]]], flower: dict[int, floa
             print(f"replicas={replicas} K={k}: round {r['round_s']:.2f} s, {r['per_contribution_ms']:.1f} ms per "
                   f"contribution, busy {r['busy_s']:.2f} s, control plane {r['control_per_contribution_ms']:.2f} ms "
                   f"per contribution; CPU s per round: {cpu}")
+            if "phases_s" in r:
+                p = r["phases_s"]
+                print(f"  after the round's start: first report recorded +{p['first_recorded']:.2f} s, last "
+                      f"+{p['last_recorded']:.2f} s, round closed +{p['closed']:.2f} s")
         if 1000 in by_k and 100 in by_k:
             big, small = (by_k[k].get("round_s_runs", {"0": by_k[k]["round_s"]}) for k in (1000, 100))
             ratios = [big[i] / small[i] for i in sorted(big.keys() & small.keys(), key=int)]

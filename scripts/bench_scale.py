@@ -238,12 +238,12 @@ def _phases(cluster: Cluster, job_id: str, starts: Mapping[int, float], measured
     marks: dict[str, list[float]] = {"first_recorded": [], "last_recorded": [], "closed": []}
     for r in measured:
         row = cluster.query(
-            "SELECT MIN(c.received_at) AS first, MAX(c.received_at) AS last, MAX(a.closed_at) AS closed"
-            " FROM contributions c JOIN aggregations a USING (job_id, round, attempt)"
+            "SELECT MIN(c.received_at) AS first_recorded, MAX(c.received_at) AS last_recorded,"
+            " MAX(a.closed_at) AS closed FROM contributions c JOIN aggregations a USING (job_id, round, attempt)"
             " WHERE c.job_id = $1 AND c.round = $2 AND c.attempt = 1", job_id, r)[0]
-        for name, column in (("first_recorded", "first"), ("last_recorded", "last"), ("closed", "closed")):
-            if row[column] is not None:
-                marks[name].append(row[column] - starts[r])
+        for name, values in marks.items():
+            if row[name] is not None:
+                values.append(row[name] - starts[r])
     return {name: round(statistics.median(values), 3) for name, values in marks.items() if values}
 
 

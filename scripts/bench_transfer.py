@@ -104,6 +104,9 @@ def https_server(body: bytes, folder: Path) -> tuple[str, ssl.SSLContext]:
     context.load_cert_chain(cert, key)
     server.socket = context.wrap_socket(server.socket, server_side=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    # Trusted as a deployment trusts its S3 endpoint's CA: apiary.transfer's client (made at its first request,
+    # after this) reads the system's trust store, which SSL_CERT_FILE names.
+    os.environ["SSL_CERT_FILE"] = str(cert)
     return f"https://127.0.0.1:{server.server_address[1]}/global", ssl.create_default_context(cafile=str(cert))
 
 
@@ -127,10 +130,7 @@ async def compare(args: argparse.Namespace, endpoint: str, folder: Path) -> None
     source, target = folder / "source", folder / "target"
     source.write_bytes(body)
     get, put = s3_urls(endpoint, body)
-    https, trust = https_server(body, folder)
-    # apiary.transfer's client trusts the system store: here it is given one that also trusts the run's
-    # certificate, as a deployment's trusts its S3 endpoint.
-    transfer._client = transfer.httpx.Client(timeout=transfer.TIMEOUT, verify=trust)
+    https, trust = https_server(body, folder)  # before the first transfer: its client trusts the certificate
     cases: dict[str, dict[str, Callable[[], Awaitable[None]]]] = {
         "moto S3, GET (a new connection each)": {
             "apiary.transfer": lambda: transfer.download(get, target),

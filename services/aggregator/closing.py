@@ -24,11 +24,6 @@ from services.aggregator.stored import StoredRound
 log = logging.getLogger("apiary.aggregator")
 
 
-def _held(state: RoundState) -> set[int]:
-    """The shards whose contributions this aggregator's running state has taken in."""
-    return {shard for shard, status in state.settled.items() if status == ContributionStatus.ACCEPTED}
-
-
 class RoundCloser:
     """Ends an open round exactly once: its result and the event announcing it commit together."""
 
@@ -40,11 +35,8 @@ class RoundCloser:
         contribution taken in."""
         rows = await self._store.contributions(*state.key)
         accepted = [r for r in rows if r["status"] == ContributionStatus.ACCEPTED]
-        if _held(state) != {r["shard"] for r in accepted}:
-            # Another aggregator replica took some of the round's reports: this one's running state
-            # holds only its own, so the round is re-folded from the stored rows (in their order).
-            self._rounds.drop(state.key)
-            state = await self._rounds.load(state.agg)
+        # Another aggregator replica may have taken some of the round's reports: this one takes them in too.
+        state = await self._rounds.complete(state, accepted)
         agg = state.agg
         links = [link for r in accepted if (link := telemetry.link_from({"traceparent": r["traceparent"] or ""}))]
         attributes = {"apiary.job_id": agg["job_id"], "apiary.round": agg["round"], "apiary.attempt": agg["attempt"],
@@ -103,8 +95,8 @@ class RoundCloser:
             metrics=result.metrics, rejected=refused, trained_by={r["shard"]: r["worker_id"] for r in accepted},
         )
         async with self._store.db.transaction() as tx:
-            # Replicas closing at once fold the same stored rows in the same order: the same weights, and
-            # only the first to commit announces them.
+            # Replicas closing at once hold the same contributions, folded where their order changes no bit
+            # (OpenRounds.complete): the same weights, and only the first to commit announces them.
             if await self._store.close(tx, state.key, RoundStatus.AGGREGATED, result_key=ref.key,
                                        state_key=state_key):
                 await self._outbox.add(tx, done)

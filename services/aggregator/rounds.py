@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import contextlib
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +20,10 @@ from services.aggregator.decisions import strategy_of, update_format
 from services.aggregator.store import AggregatorStore
 
 SPEC_CACHE = 256  # global weights whose names, dtypes and shapes are remembered
+# Contributions downloading at once while a round is folded from storage (after a restart, or by the replica
+# closing a round another one took part of): latency overlaps, memory stays bounded.
+FETCH_AHEAD = 16
+FETCH_AHEAD_BYTES = 64 * 2**20
 
 RoundKey = tuple[str, int, int]  # (job, round, attempt)
 
@@ -95,16 +103,58 @@ class OpenRounds:
             spec = spec_of(await self._storage.get_bytes(base.key))
             self.remember_spec(base, spec)
         state = await self._fresh(agg, spec)
-        for row in await self._store.contributions(*state.key):
+        rows = await self._store.contributions(*state.key)
+        for row in rows:
             if ContributionStatus(row["status"]).settles:
                 state.settled[row["shard"]] = row["status"]
-            if row["status"] != ContributionStatus.ACCEPTED:
-                continue
-            ref = ObjectRef(key=row["result_key"], size=row["size"], sha256=row["sha256"])
-            weights = load_weights(await self._storage.verified_bytes(ref), copy=False)
-            state.strategy.accept(Contribution(weights, row["samples"], from_json(row["metrics"], {})))
+        await self._take_in(state, [row for row in rows if row["status"] == ContributionStatus.ACCEPTED])
         self._rounds[state.key] = state
         return state
+
+    async def complete(self, state: RoundState, accepted: list[dict[str, Any]]) -> RoundState:
+        """The round's state holding every accepted contribution (rows in stored order), when another
+        aggregator replica took some of them: those are folded in after this one's own where the strategy's
+        result does not depend on the order (FedAvg's wide sum, read-back strategies); else the round is
+        re-folded from storage in the stored order, so racing closers write the same bits."""
+        held = {shard for shard, status in state.settled.items() if status == ContributionStatus.ACCEPTED}
+        shards = {row["shard"] for row in accepted}
+        if held == shards:
+            return state
+        if held <= shards and state.strategy.order_free and not state.strategy.spoiled:
+            await self._take_in(state, [row for row in accepted if row["shard"] not in held])
+            return state
+        self.drop(state.key)
+        return await self.load(state.agg)
+
+    async def _take_in(self, state: RoundState, rows: list[dict[str, Any]]) -> None:
+        """Fold accepted contributions (their rows) into the round's strategy in the rows' order, the next
+        ones downloading meanwhile."""
+        async with contextlib.aclosing(self._fetched(rows)) as fetched:
+            async for row, data in fetched:
+                state.strategy.accept(Contribution(load_weights(data, copy=False), row["samples"],
+                                                   from_json(row["metrics"], {})))
+                state.settled[row["shard"]] = ContributionStatus.ACCEPTED
+
+    async def _fetched(self, rows: list[dict[str, Any]]) -> AsyncGenerator[tuple[dict[str, Any], bytes]]:
+        """Each row with its object's verified bytes, in order, up to FETCH_AHEAD objects (FETCH_AHEAD_BYTES in
+        all; a larger one alone) downloading at once."""
+        window: collections.deque[tuple[dict[str, Any], asyncio.Task[bytes]]] = collections.deque()
+        pending, queued = collections.deque(rows), 0
+        try:
+            while window or pending:
+                while pending and (not window or (len(window) < FETCH_AHEAD
+                                                  and queued + pending[0]["size"] <= FETCH_AHEAD_BYTES)):
+                    row = pending.popleft()
+                    ref = ObjectRef(key=row["result_key"], size=row["size"], sha256=row["sha256"])
+                    window.append((row, asyncio.ensure_future(self._storage.verified_bytes(ref))))
+                    queued += row["size"]
+                row, task = window.popleft()
+                queued -= row["size"]
+                yield row, await task
+        finally:
+            for _, task in window:
+                task.cancel()
+            await asyncio.gather(*(task for _, task in window), return_exceptions=True)
 
     async def _fresh(self, agg: dict[str, Any], spec: WeightSpec) -> RoundState:
         """A round's state with nothing taken in: the strategy its row names, begun on the round's spec,

@@ -83,24 +83,28 @@ class RoundCloser:
         except ValueError as e:
             return f"strategy {state.strategy.name} cannot aggregate this round: {e}"
         data = dump_weights(result.weights)
-        ref = await self._storage.put_bytes(keys.global_weights(job_id, round_index), data)
-        self._rounds.remember_spec(ref, spec_of(data))
         server_state = state.strategy.state()
-        # Stored before the round's row names it: a crash in between leaves an object the retry rewrites.
-        state_key = (await self._storage.put_bytes(keys.strategy_state(job_id, round_index),
-                                                   dump_weights(server_state))).key if server_state else None
-        done = RoundAggregated(
-            job_id=job_id, round=round_index, attempt=attempt, weights=ref,
-            contributors=sorted(r["shard"] for r in accepted), total_samples=result.total_samples,
-            metrics=result.metrics, rejected=refused, trained_by={r["shard"]: r["worker_id"] for r in accepted},
-        )
+        state_key = keys.strategy_state(job_id, round_index) if server_state else None
         async with self._store.db.transaction() as tx:
-            # Replicas closing at once hold the same contributions, folded where their order changes no bit
-            # (OpenRounds.complete): the same weights, and only the first to commit announces them.
-            if await self._store.close(tx, state.key, RoundStatus.AGGREGATED, result_key=ref.key,
-                                       state_key=state_key):
-                await self._outbox.add(tx, done)
-        self._rounds.drop(state.key)
+            # The round's row is claimed before anything is written: a replica closing the round at the same
+            # moment (a timeout racing the last report) waits for this commit, then writes nothing. The stored
+            # weights are those the row and the event name; a crash before the commit leaves the round open
+            # and objects the retry rewrites.
+            if not await self._store.close(tx, state.key, RoundStatus.AGGREGATED,
+                                           result_key=keys.global_weights(job_id, round_index), state_key=state_key):
+                log.info("job %s: round %d was closed by another aggregator replica", job_id, round_index)
+                return None
+            ref = await self._storage.put_bytes(keys.global_weights(job_id, round_index), data)
+            if state_key is not None:
+                await self._storage.put_bytes(state_key, dump_weights(server_state))
+            done = RoundAggregated(
+                job_id=job_id, round=round_index, attempt=attempt, weights=ref,
+                contributors=sorted(r["shard"] for r in accepted), total_samples=result.total_samples,
+                metrics=result.metrics, rejected=refused,
+                trained_by={r["shard"]: r["worker_id"] for r in accepted},
+            )
+            await self._outbox.add(tx, done)
+        self._rounds.remember_spec(ref, spec_of(data))
         self._rounds.remember_state(job_id, round_index, state_key)
         log.info("job %s: round %d aggregated from %d shards (%d samples)%s", job_id, round_index,
                  len(accepted), done.total_samples, " at timeout" if timed_out else "")

@@ -112,15 +112,14 @@ class OpenRounds:
         return state
 
     async def complete(self, state: RoundState, accepted: list[dict[str, Any]]) -> RoundState:
-        """The round's state holding every accepted contribution (rows in stored order), when another
-        aggregator replica took some of them: those are folded in after this one's own where the strategy's
-        result does not depend on the order (FedAvg's wide sum, read-back strategies); else the round is
-        re-folded from storage in the stored order, so racing closers write the same bits."""
+        """The round's state holding every accepted contribution (their rows, in stored order): those another
+        aggregator replica took are folded in after this one's own (only the replica that claims the round's
+        row writes its result: RoundCloser), or, if this state cannot take them, the round is re-folded."""
         held = {shard for shard, status in state.settled.items() if status == ContributionStatus.ACCEPTED}
         shards = {row["shard"] for row in accepted}
         if held == shards:
             return state
-        if held <= shards and state.strategy.order_free and not state.strategy.spoiled:
+        if held <= shards and not state.strategy.spoiled:
             await self._take_in(state, [row for row in accepted if row["shard"] not in held])
             return state
         self.drop(state.key)

@@ -1,25 +1,24 @@
 """Two aggregator replicas share a round's reports (SQLite and PostgreSQL): the one whose report settles the
-last shard closes the round holding every contribution. Where the strategy's result does not depend on the
-order (FedAvg's float64 sum) it folds only those the other replica took, each read once; where it does (a sum
-kept in float32), it re-folds the round in the stored order, so any replica closing gives the same bits."""
+last shard closes the round, folding in only the contributions the other replica took (each read once), with
+the bits one aggregator folding every report gives. Two replicas closing the same round at once (a timeout
+racing the last report) write one result: the one the round's row and its round.aggregated name."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from apiary import keys, proof
 from apiary.bus import Delivery
 from apiary.bus.identity import service_user
 from apiary.bus.memory import MemoryBus
-from apiary.contracts import ObjectRef, RoundAggregated, RoundStart, WorkerDone, decode
+from apiary.contracts import ObjectRef, RoundAggregated, RoundStart, RoundTimeout, WorkerDone, decode
 from apiary.db import Database
 from apiary.storage.local import LocalStorage
-from apiary.strategies import weighted_sum
 from apiary.strategies.weighted_sum import WeightedSum
 from apiary.weights import dumps, loads
 from services.aggregator import Aggregator
@@ -44,7 +43,7 @@ class CountingStorage(LocalStorage):
 
 
 def contributions() -> list[dict[str, torch.Tensor]]:
-    """Six workers' weights with values far apart in magnitude, where a float32 sum shows its order."""
+    """Six workers' weights, with values far apart in magnitude."""
     gen = torch.Generator().manual_seed(7)
     base = torch.randn(64, generator=gen)
     out = []
@@ -55,8 +54,8 @@ def contributions() -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def folded(order: list[int], wide: bool) -> bytes:
-    total = WeightedSum(wide=wide)
+def folded(order: list[int]) -> bytes:
+    total = WeightedSum()
     for i in order:
         total.fold(contributions()[i], SAMPLES[i])
     return total.finish()["w"].numpy().tobytes()
@@ -68,42 +67,57 @@ async def _stored(storage: LocalStorage, key: str, weights: dict[str, torch.Tens
     return ObjectRef(key=key, size=len(data), sha256=hashlib.sha256(data).hexdigest())
 
 
-async def _run_round(database: Database, tmp_path: Path) -> tuple[bytes, dict[str, CountingStorage], list[int]]:
-    """One round of six shards reported to two replicas; the new weights' bits, each replica's store and the
-    contributors of each round.aggregated published."""
-    bus = MemoryBus(service_user("aggregator"))
-    await bus.connect()
-    shared = LocalStorage(tmp_path / "store")
-    stores = {name: CountingStorage(tmp_path / "store") for name in "ab"}
-    replicas = {name: Aggregator(bus, database, store) for name, store in stores.items()}
-    for replica in replicas.values():
-        await replica.start()
-    announced: list[int] = []
+class SlowStorage(CountingStorage):
+    """A replica's store whose writes take their time (a large model, a far bucket)."""
 
-    async def tap(delivery: Delivery) -> None:
-        event = decode(delivery.routing_key, delivery.body)
-        assert isinstance(event, RoundAggregated)
-        announced.append(len(event.contributors))
+    async def put_bytes(self, key: str, data: bytes) -> ObjectRef:
+        await asyncio.sleep(0.3)
+        return await super().put_bytes(key, data)
 
-    await bus.declare_queue("tap", ["round.aggregated"])
-    await bus.consume("tap", tap)
-    secrets = {shard: proof.new_secret() for shard in range(len(SAMPLES))}
-    start = RoundStart(job_id=JOB, round=1, num_rounds=1, shards=list(secrets), min_workers=len(SAMPLES),
-                       weights=await _stored(shared, keys.global_weights(JOB, 0), {"w": torch.zeros(64)}),
-                       deadline=time.time() + 300,
-                       secret_digests={shard: proof.digest(s) for shard, s in secrets.items()})
-    await replicas["a"].on_round_start(start, Delivery("round.start", b""))
-    weights = contributions()
-    for name, shard in ARRIVALS:
-        result = await _stored(shared, keys.contribution(JOB, 1, 1, shard), weights[shard])
+
+class Replicas:
+    """Aggregator replicas a and b on one bus, database and folder, with round 1 of a six-shard job started
+    (round.start reached a) and what they announce tapped."""
+
+    def __init__(self, database: Database, tmp_path: Path, slow_b: bool = False) -> None:
+        self.bus = MemoryBus(service_user("aggregator"))
+        self.shared = LocalStorage(tmp_path / "store")
+        self.stores = {"a": CountingStorage(tmp_path / "store"),
+                       "b": (SlowStorage if slow_b else CountingStorage)(tmp_path / "store")}
+        self.replicas = {name: Aggregator(self.bus, database, store) for name, store in self.stores.items()}
+        self.announced: list[RoundAggregated] = []
+        self.secrets = {shard: proof.new_secret() for shard in range(len(SAMPLES))}
+
+    async def start(self, min_workers: int) -> None:
+        await self.bus.connect()
+        for replica in self.replicas.values():
+            await replica.start()
+
+        async def tap(delivery: Delivery) -> None:
+            event = decode(delivery.routing_key, delivery.body)
+            assert isinstance(event, RoundAggregated)
+            self.announced.append(event)
+
+        await self.bus.declare_queue("tap", ["round.aggregated"])
+        await self.bus.consume("tap", tap)
+        start = RoundStart(job_id=JOB, round=1, num_rounds=1, shards=list(self.secrets), min_workers=min_workers,
+                           weights=await _stored(self.shared, keys.global_weights(JOB, 0), {"w": torch.zeros(64)}),
+                           deadline=time.time() + 300,
+                           secret_digests={shard: proof.digest(s) for shard, s in self.secrets.items()})
+        await self.replicas["a"].on_round_start(start, Delivery("round.start", b""))
+
+    async def report(self, name: str, shard: int) -> None:
+        result = await _stored(self.shared, keys.contribution(JOB, 1, 1, shard), contributions()[shard])
         done = WorkerDone(job_id=JOB, round=1, worker_id=f"w{shard}", shard=shard, result=result,
-                          samples=SAMPLES[shard], secret=secrets[shard])
-        await replicas[name].on_worker_done(done, Delivery("worker.done", b""))
-    for replica in replicas.values():
-        await replica.stop()
-    await bus.close()
-    new = loads(await shared.get_bytes(keys.global_weights(JOB, 1)))
-    return new["w"].numpy().tobytes(), stores, announced
+                          samples=SAMPLES[shard], secret=self.secrets[shard])
+        await self.replicas[name].on_worker_done(done, Delivery("worker.done", b""))
+
+    async def stop(self) -> bytes:
+        """Stop both; the bytes of the round's stored result."""
+        for replica in self.replicas.values():
+            await replica.stop()
+        await self.bus.close()
+        return await self.shared.get_bytes(keys.global_weights(JOB, 1))
 
 
 def _contribution_reads(store: CountingStorage) -> dict[int, int]:
@@ -111,27 +125,37 @@ def _contribution_reads(store: CountingStorage) -> dict[int, int]:
 
 
 async def test_the_closing_replica_folds_only_what_the_other_took(database: Database, tmp_path: Path) -> None:
-    new, stores, announced = await _run_round(database, tmp_path)
+    cluster = Replicas(database, tmp_path)
+    await cluster.start(min_workers=len(SAMPLES))
+    for name, shard in ARRIVALS:
+        await cluster.report(name, shard)
+    new = loads(await cluster.stop())["w"].numpy().tobytes()
 
     # The same bits as one aggregator folding every report, in any order
-    assert new == folded(list(range(len(SAMPLES))), wide=True) == folded([5, 3, 1, 0, 4, 2], wide=True)
-    assert announced == [len(SAMPLES)]
+    assert new == folded(list(range(len(SAMPLES)))) == folded([5, 3, 1, 0, 4, 2])
+    assert [len(event.contributors) for event in cluster.announced] == [len(SAMPLES)]
     # Each replica read each contribution it took in once: b its own three, shard 0 when it first heard of
     # the round, and a's other two at the close; nothing twice
-    assert _contribution_reads(stores["a"]) == {0: 1, 1: 0, 2: 1, 3: 0, 4: 1, 5: 0}
-    assert _contribution_reads(stores["b"]) == dict.fromkeys(range(len(SAMPLES)), 1)
+    assert _contribution_reads(cluster.stores["a"]) == {0: 1, 1: 0, 2: 1, 3: 0, 4: 1, 5: 0}
+    assert _contribution_reads(cluster.stores["b"]) == dict.fromkeys(range(len(SAMPLES)), 1)
 
 
-async def test_an_order_dependent_sum_is_refolded_in_the_stored_order(
-        database: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A model too large for the float64 sum (here: any model) is summed in float32, where order shows
-    monkeypatch.setattr(weighted_sum, "WIDE_SUM_MAX_BYTES", 0)
-    stored_order, closers_own_order = list(range(len(SAMPLES))), [0, 1, 3, 5, 2, 4]
-    assert folded(stored_order, wide=False) != folded(closers_own_order, wide=False)
+async def test_a_timeout_racing_the_last_report_stores_the_result_it_announces(
+        database: Database, tmp_path: Path) -> None:
+    # b writes slowly: were both closers to write, b's result would land after a's was committed
+    cluster = Replicas(database, tmp_path, slow_b=True)
+    await cluster.start(min_workers=len(SAMPLES) - 1)
+    for name, shard in ARRIVALS[:-1]:
+        await cluster.report(name, shard)
 
-    new, stores, announced = await _run_round(database, tmp_path)
+    # a's timeout closes with five shards while b's last report closes with six
+    timeout = RoundTimeout(job_id=JOB, round=1)
+    await asyncio.gather(cluster.replicas["a"].on_round_timeout(timeout, Delivery("round.timeout", b"")),
+                         cluster.report(*ARRIVALS[-1]))
+    stored = await cluster.stop()
 
-    assert new == folded(stored_order, wide=False)
-    assert announced == [len(SAMPLES)]
-    # b dropped what it held and read the whole round back at the close
-    assert _contribution_reads(stores["b"]) == {0: 2, 1: 2, 2: 1, 3: 2, 4: 1, 5: 2}
+    [event] = cluster.announced
+    assert event.weights.sha256 == hashlib.sha256(stored).hexdigest()
+    assert loads(stored)["w"].numpy().tobytes() == folded(event.contributors)
+    row = await database.fetchrow("SELECT status, result_key FROM aggregations WHERE job_id = $1", JOB)
+    assert row == {"status": "aggregated", "result_key": keys.global_weights(JOB, 1)}

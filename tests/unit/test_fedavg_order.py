@@ -92,22 +92,3 @@ def test_fedavg_sums_wide_only_within_the_limit() -> None:
         strategy.accept(Contribution({name: torch.zeros(t.shape) for name, t in spec.items()}, 3))
         held = strategy._sum._sum  # the accumulator: what the memory bound is about
         assert {t.dtype for t in held.values()} == {accumulator}
-
-
-@pytest.mark.parametrize(("name", "params"), [("federated_averaging", {}), ("fedprox", {"proximal_mu": 0.1}),
-                                              ("fedavgm", {}), ("fedadam", {}), ("fedyogi", {}), ("fedadagrad", {})])
-def test_a_mean_is_order_free_only_while_its_sum_is_wide(name: str, params: dict[str, float]) -> None:
-    # What lets an aggregator replica fold another's contributions after its own (OpenRounds.complete)
-    small = spec_of_tensors(contributions(torch.float32)[0])
-    large = {"w": TensorSpec(torch.float32, (WIDE_SUM_MAX_BYTES // 8 + 1,))}
-    strategy = create(name, params)
-    strategy.begin(small, UpdateFormat.FULL)
-    assert strategy.order_free
-    strategy.begin(large, UpdateFormat.FULL)
-    assert not strategy.order_free
-
-
-@pytest.mark.parametrize("name", ["fedmedian", "fedtrimmedavg", "krum", "multikrum"])
-def test_strategies_reading_back_are_order_free(name: str) -> None:
-    # They read the contributions back in the stored order at the close, whoever accepted them
-    assert create(name).order_free

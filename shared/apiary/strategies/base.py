@@ -156,13 +156,6 @@ class Strategy(ABC):
         """Why the round's running state can no longer be used (rebuild it from the accepted ones)."""
         return None
 
-    @property
-    def order_free(self) -> bool:
-        """Whether the round's new weights are the same bits whatever order its contributions were accepted
-        in: an aggregator replica may then take the ones another replica took after its own. Else they
-        must be folded in one agreed order (the stored one)."""
-        return False
-
     def state(self) -> dict[str, torch.Tensor]:
         """The server state that outlives a round, as tensors (none by default); store it before the next
         round's `finish`, which may update these tensors in place."""

@@ -36,11 +36,6 @@ class FedAvg(Strategy):
         return self._sum.finish()
 
     @property
-    def order_free(self) -> bool:
-        """True while the sum is wide (float64): the same bits in any order of folds."""
-        return self._sum.wide
-
-    @property
     def spoiled(self) -> str | None:
         """Why the running sum can no longer be used, if a refused contribution was partly added."""
         return self._sum.spoiled

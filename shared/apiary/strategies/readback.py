@@ -24,11 +24,6 @@ class ReadBack(Strategy):
 
     streaming = False
 
-    @property
-    def order_free(self) -> bool:
-        """True: the values are read back at the close, in the stored order, whoever accepted them."""
-        return True
-
     def _begin(self) -> None:
         """Nothing to reset: the strategy keeps nothing but what the base counts."""
 

@@ -28,12 +28,11 @@ from services.aggregator.decisions import (
     judge_shard,
     past_deadline,
 )
-from services.aggregator.rounds import OpenRounds, RoundState
+from services.aggregator.rounds import PREFETCH_MAX_BYTES, OpenRounds, RoundState
 from services.aggregator.store import AggregatorStore, opened_row
 
 log = logging.getLogger("apiary.aggregator")
 
-PREFETCH_MAX_BYTES = 8 * 1024 * 1024
 
 
 class Aggregator(Component):

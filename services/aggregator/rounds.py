@@ -24,6 +24,7 @@ SPEC_CACHE = 256  # global weights whose names, dtypes and shapes are remembered
 # closing a round another one took part of): latency overlaps, memory stays bounded.
 FETCH_AHEAD = 16
 FETCH_AHEAD_BYTES = 64 * 2**20
+PREFETCH_MAX_BYTES = 8 * 1024 * 1024  # a larger contribution is fetched alone, here and as it arrives
 
 RoundKey = tuple[str, int, int]  # (job, round, attempt)
 
@@ -141,8 +142,11 @@ class OpenRounds:
         pending, queued = collections.deque(rows), 0
         try:
             while window or pending:
+                # A contribution over PREFETCH_MAX_BYTES downloads alone (memory: the sum plus one large one).
                 while pending and (not window or (len(window) < FETCH_AHEAD
-                                                  and queued + pending[0]["size"] <= FETCH_AHEAD_BYTES)):
+                                                  and queued + pending[0]["size"] <= FETCH_AHEAD_BYTES
+                                                  and window[0][0]["size"] <= PREFETCH_MAX_BYTES
+                                                  and pending[0]["size"] <= PREFETCH_MAX_BYTES)):
                     row = pending.popleft()
                     ref = ObjectRef(key=row["result_key"], size=row["size"], sha256=row["sha256"])
                     window.append((row, asyncio.ensure_future(self._storage.verified_bytes(ref))))

@@ -10,6 +10,7 @@ import hashlib
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from apiary import keys, proof
@@ -21,7 +22,7 @@ from apiary.db import Database
 from apiary.storage.local import LocalStorage
 from apiary.strategies.weighted_sum import WeightedSum
 from apiary.weights import dumps, loads
-from services.aggregator import Aggregator
+from services.aggregator import Aggregator, rounds
 
 JOB = "replicas"
 SAMPLES = [296, 637, 504, 75, 1, 33]
@@ -36,10 +37,17 @@ class CountingStorage(LocalStorage):
     def __init__(self, root: Path) -> None:
         super().__init__(root)
         self.reads: dict[str, int] = {}
+        self.reading = self.most_at_once = 0
 
     async def get_bytes(self, key: str) -> bytes:
         self.reads[key] = self.reads.get(key, 0) + 1
-        return await super().get_bytes(key)
+        self.reading += 1
+        self.most_at_once = max(self.most_at_once, self.reading)
+        try:
+            await asyncio.sleep(0.01)
+            return await super().get_bytes(key)
+        finally:
+            self.reading -= 1
 
 
 def contributions() -> list[dict[str, torch.Tensor]]:
@@ -159,3 +167,17 @@ async def test_a_timeout_racing_the_last_report_stores_the_result_it_announces(
     assert loads(stored)["w"].numpy().tobytes() == folded(event.contributors)
     row = await database.fetchrow("SELECT status, result_key FROM aggregations WHERE job_id = $1", JOB)
     assert row == {"status": "aggregated", "result_key": keys.global_weights(JOB, 1)}
+
+
+async def test_contributions_over_the_prefetch_limit_are_folded_one_at_a_time(
+        database: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every contribution counts as large here: the closing replica holds one at a time besides its sum
+    monkeypatch.setattr(rounds, "PREFETCH_MAX_BYTES", 100)
+    cluster = Replicas(database, tmp_path)
+    await cluster.start(min_workers=len(SAMPLES))
+    for name, shard in ARRIVALS:
+        await cluster.report(name, shard)
+    new = loads(await cluster.stop())["w"].numpy().tobytes()
+
+    assert new == folded(list(range(len(SAMPLES))))
+    assert cluster.stores["b"].most_at_once == 1

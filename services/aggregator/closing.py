@@ -33,6 +33,9 @@ class RoundCloser:
     async def close(self, state: RoundState, *, timed_out: bool) -> None:
         """Aggregate or fail the round, inside one span: a child of the round, linked to every
         contribution taken in."""
+        # Every contribution in the state's sum is stored first (a failed commit raises here: the round's reports
+        # are delivered again, and the round closes from its rows).
+        await self._rounds.recorder.drain(state.key)
         rows = await self._store.contributions(*state.key)
         accepted = [r for r in rows if r["status"] == ContributionStatus.ACCEPTED]
         # Another aggregator replica may have taken some of the round's reports: this one takes them in too.

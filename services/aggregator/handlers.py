@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -64,6 +65,7 @@ class Aggregator(Component):
     async def stop(self) -> None:
         """Stop consuming, then the outbox's background flush (its events stay stored)."""
         await super().stop()
+        await self._rounds.recorder.close()
         await self.outbox.close()
 
     def rounds_in_memory(self) -> list[tuple[str, int, int]]:
@@ -103,11 +105,24 @@ class Aggregator(Component):
                 state.strategy.accept(Contribution(weights, event.samples, event.metrics))
             except (ObjectNotFound, InvalidContribution, WeightsError, ValueError) as e:
                 state, settled = await self._reject(event, state, e)
-            else:
-                # Should recording fail, the strategy holds a contribution the database does not: the
-                # state is dropped (below) and rebuilt from the stored rows next time.
-                settled = await self._record(event, ContributionStatus.ACCEPTED, None, state)
-            await self._maybe_close(state, settled)
+                await self._maybe_close(state, settled)
+                return
+            # Recorded with the round's other reports taken in meanwhile (group commit), outside the lock; should
+            # that fail, the recorder drops the state, whose sum holds it, to be rebuilt from the stored rows.
+            committed = self._rounds.recorder.add(state.key, event)
+            state.settled[event.shard] = ContributionStatus.ACCEPTED
+        settled = await asyncio.shield(committed)  # shared by the group: one handler cancelled cancels no other
+        async with self._locks(event.job_id), self._dropping_state_on_error(event):
+            held = self._rounds.get(state.key) or await self._still_open(state.key)
+            if held is not None:
+                await self._maybe_close(held, settled)
+
+    async def _still_open(self, key: tuple[str, int, int]) -> RoundState | None:
+        """An open round's state, rebuilt from its rows (a failed handler dropped it); None once it is closed."""
+        agg = await self.store.aggregation(*key)
+        if agg is None or judge_round(agg) is not None:
+            return None
+        return await self._rounds.load(agg)
 
     async def _prefetch(self, event: contracts.WorkerDone) -> bytes | BaseException | None:
         """Small contributions are fetched before queueing for the job's lock, so many download at

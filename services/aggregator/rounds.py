@@ -17,6 +17,7 @@ from apiary.strategies.base import Contribution, Strategy, create
 from apiary.weights import WeightSpec, spec_of
 from apiary.weights import loads as load_weights
 from services.aggregator.decisions import strategy_of, update_format
+from services.aggregator.recording import GroupRecorder, RoundKey
 from services.aggregator.store import AggregatorStore
 
 SPEC_CACHE = 256  # global weights whose names, dtypes and shapes are remembered
@@ -25,8 +26,6 @@ SPEC_CACHE = 256  # global weights whose names, dtypes and shapes are remembered
 FETCH_AHEAD = 16
 FETCH_AHEAD_BYTES = 64 * 2**20
 PREFETCH_MAX_BYTES = 8 * 1024 * 1024  # a larger contribution is fetched alone, here and as it arrives
-
-RoundKey = tuple[str, int, int]  # (job, round, attempt)
 
 
 @dataclass
@@ -51,6 +50,8 @@ class OpenRounds:
 
     def __init__(self, store: AggregatorStore, storage: Storage) -> None:
         self._store, self._storage = store, storage
+        # Accepted contributions' rows, committed a group at a time; a failed commit drops the round's state.
+        self.recorder = GroupRecorder(store, self.drop)
         self._rounds: dict[RoundKey, RoundState] = {}
         self._specs: dict[tuple[str, str], WeightSpec] = {}
         self._states: dict[tuple[str, int], str | None] = {}  # (job, round) -> its strategy state's key
@@ -97,7 +98,10 @@ class OpenRounds:
 
     async def load(self, agg: dict[str, Any]) -> RoundState:
         """An open round's state from its rows: the shards settled so far, and the strategy's state
-        re-folded from the stored accepted contributions (after a restart, or after a handler failed)."""
+        re-folded from the stored accepted contributions (after a restart, or after a handler failed), once the
+        rows queued for it are committed (or failed: their contributions are delivered again)."""
+        with contextlib.suppress(Exception):
+            await self.recorder.drain((agg["job_id"], agg["round"], agg["attempt"]))
         base = ObjectRef(key=agg["weights_key"], size=agg["weights_size"], sha256=agg["weights_sha256"])
         spec = self.known_spec(base)
         if spec is None:

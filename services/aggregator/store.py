@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from apiary import telemetry
@@ -76,6 +77,18 @@ _INSERT_CONTRIBUTION = (
 )
 
 
+def contribution_row(event: WorkerDone | WorkerFailed, status: ContributionStatus,
+                     reason: str | None) -> tuple[Any, ...]:
+    """A report's contributions row (the values of _INSERT_CONTRIBUTION), received now, in the current span."""
+    if isinstance(event, WorkerFailed):
+        samples, result, metrics = 0, ObjectRef(key="", size=0, sha256=""), {}
+    else:
+        samples, result, metrics = event.samples, event.result, event.metrics
+    return (event.job_id, event.round, event.attempt, event.shard, event.worker_id, str(status), reason,
+            samples, result.key, result.size, result.sha256, to_json(metrics), time.time(),
+            telemetry.headers_for().get("traceparent"))
+
+
 class AggregatorStore:
     """The aggregations (one row per round attempt) and contributions (one per report) tables."""
 
@@ -114,13 +127,7 @@ class AggregatorStore:
                      reason: str | None) -> int | None:
         """Store one report with what became of it; for one that settles its shard, how many shards of the
         round attempt have settled now, by any aggregator replica (counted in the same transaction)."""
-        if isinstance(event, WorkerFailed):
-            samples, result, metrics = 0, ObjectRef(key="", size=0, sha256=""), {}
-        else:
-            samples, result, metrics = event.samples, event.result, event.metrics
-        row = (event.job_id, event.round, event.attempt, event.shard, event.worker_id, str(status), reason,
-               samples, result.key, result.size, result.sha256, to_json(metrics), time.time(),
-               telemetry.headers_for().get("traceparent"))
+        row = contribution_row(event, status, reason)
         if not status.settles:
             await self.db.execute(_INSERT_CONTRIBUTION, *row)
             return None
@@ -129,6 +136,17 @@ class AggregatorStore:
             settled = await tx.fetchval(
                 "UPDATE aggregations SET settled = settled + 1 WHERE job_id = $1 AND round = $2 AND attempt = $3"
                 " RETURNING settled", event.job_id, event.round, event.attempt)
+        return None if settled is None else int(settled)
+
+    async def record_settling(self, key: tuple[str, int, int], rows: Sequence[tuple[Any, ...]]) -> int | None:
+        """Store reports that settle their shards of one round attempt (`contribution_row`s) in one transaction
+        (services/aggregator/recording.py); how many of its shards have settled now, by any aggregator replica."""
+        async with self.db.transaction() as tx:
+            for row in rows:
+                await tx.execute(_INSERT_CONTRIBUTION, *row)
+            settled = await tx.fetchval(
+                "UPDATE aggregations SET settled = settled + $4 WHERE job_id = $1 AND round = $2 AND attempt = $3"
+                " RETURNING settled", *key, len(rows))
         return None if settled is None else int(settled)
 
     async def settled_shards(self, job_id: str, round_index: int, attempt: int) -> int:

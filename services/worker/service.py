@@ -81,6 +81,7 @@ class Worker:
         # first assignment); others are made when a job first needs them.
         self.runner = runner or make_trainer(USER_FUNCTION, self._setup)
         self._trainers: dict[str, Trainer] = {USER_FUNCTION: self.runner}
+        self._last_trainer = USER_FUNCTION  # the trainer of the latest assignment: its child holds the GPU memory
         self._subscriptions: list[Subscription] = []  # assignments: pinned, preferred, pool
         self._pool: Subscription | None = None
         self._dedicated = 0  # pinned or preferred shards training or waiting to, here
@@ -159,7 +160,11 @@ class Worker:
             await trainer.stop()
 
     def _trainer_pid(self) -> int | None:
-        """The training process whose GPU readings are this worker's, while one runs."""
+        """The training process whose GPU readings are this worker's: the one that ran the latest assignment (kept
+        warm, it holds its memory after), else any that runs (the user-function child, started with the worker)."""
+        latest = self._trainers[self._last_trainer].pid
+        if latest is not None:
+            return latest
         return next((t.pid for t in self._trainers.values() if t.pid is not None), None)
 
     async def _beat(self) -> None:
@@ -312,6 +317,7 @@ class Worker:
                 self._trainers[name] = make_trainer(name, self._setup)
             except ValueError as e:
                 raise TrainerError(str(e)) from None
+        self._last_trainer = name
         return self._trainers[name]
 
     async def failed(self, a: Assignment, error: str) -> None:

@@ -1,6 +1,7 @@
 """When a worker reads a job's end marker before training: only for assignments issued about when it
 started listening for job ends or earlier, and no longer for a job whose marker was still missing well
-after that (its end, if any, reaches the worker as an event)."""
+after that (its end, if any, reaches the worker as an event). And which training process a worker's GPU readings
+follow: the one of the trainer that ran its latest assignment."""
 
 from __future__ import annotations
 
@@ -59,3 +60,24 @@ async def test_a_marker_missing_well_after_listening_started_is_not_read_again(t
     # Another job is still read.
     other = worker._end_probe(_assignment("k", tmp_path / "ended.json", time.time() - 5))
     assert other is not None and not await other
+
+
+class _Child:
+    """A trainer seen only through its training process's pid."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.pid = pid
+
+
+def test_gpu_readings_follow_the_trainer_of_the_latest_assignment(tmp_path: Path) -> None:
+    # Prepare: the user-function child runs from the worker's start; the built-in trainer's starts with a job of it
+    worker = _worker(tmp_path, listening_for=0)
+    worker._trainers = {"user_function": _Child(11), "causal_lm": _Child(22)}  # type: ignore[dict-item]
+    assert worker._trainer_pid() == 11
+
+    # Execute / Assert: a built-in job's assignment: its child, which holds the GPU memory now, is the one read
+    worker.trainer_for(_assignment("j", tmp_path / "m", time.time()).model_copy(update={"entrypoint": None}))
+    assert worker._trainer_pid() == 22
+    # then a user-function job's again
+    worker.trainer_for(_assignment("j", tmp_path / "m", time.time()))
+    assert worker._trainer_pid() == 11

@@ -34,6 +34,9 @@ from services.aggregator.store import AggregatorStore, opened_row
 
 log = logging.getLogger("apiary.aggregator")
 
+# How long a report for a round not stored yet waits for its round.start before it is recorded as an orphan.
+ROUND_START_WAIT = 10.0
+
 
 
 class Aggregator(Component):
@@ -84,6 +87,7 @@ class Aggregator(Component):
 
     async def on_worker_failed(self, event: contracts.WorkerFailed, delivery: Delivery) -> None:
         """The user's code failed on a shard: that shard settles without weights."""
+        await self._round_started(event)
         async with self._locks(event.job_id), self._dropping_state_on_error(event):
             state = await self._admit(event, delivery)
             if state is None:
@@ -92,7 +96,7 @@ class Aggregator(Component):
 
     async def on_worker_done(self, event: contracts.WorkerDone, delivery: Delivery) -> None:
         """Validate a contribution and take it in, once; close the round when every shard reported."""
-        early = await self._prefetch(event)
+        early, _ = await asyncio.gather(self._prefetch(event), self._round_started(event))
         async with self._locks(event.job_id), self._dropping_state_on_error(event):
             state = await self._admit(event, delivery)
             if state is None:
@@ -123,6 +127,19 @@ class Aggregator(Component):
         if agg is None or judge_round(agg) is not None:
             return None
         return await self._rounds.load(agg)
+
+    async def _round_started(self, event: Report) -> None:
+        """Wait, outside the job's lock, until the report's round is stored (at most ROUND_START_WAIT s): with
+        aggregator replicas a report can overtake its round's round.start, which another replica is still handling
+        (it waits for that job's lock there, say, behind the close of the round before). A round still missing
+        then never started: `_admit` records the report as an orphan."""
+        key = (event.job_id, event.round, event.attempt)
+        if self._rounds.get(key) is not None:
+            return
+        deadline, pause = time.monotonic() + ROUND_START_WAIT, 0.02
+        while await self.store.aggregation(*key) is None and time.monotonic() < deadline:
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 0.5)
 
     async def _prefetch(self, event: contracts.WorkerDone) -> bytes | BaseException | None:
         """Small contributions are fetched before queueing for the job's lock, so many download at

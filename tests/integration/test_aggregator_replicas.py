@@ -1,7 +1,8 @@
 """Two aggregator replicas share a round's reports (SQLite and PostgreSQL): the one whose report settles the
 last shard closes the round, folding in only the contributions the other replica took (each read once), with
 the bits one aggregator folding every report gives. Two replicas closing the same round at once (a timeout
-racing the last report) write one result: the one the round's row and its round.aggregated name."""
+racing the last report) write one result: the one the round's row and its round.aggregated name. A report that
+reaches one replica before the round's round.start is handled by the other waits for it: it is no orphan."""
 
 from __future__ import annotations
 
@@ -96,7 +97,8 @@ class Replicas:
         self.announced: list[RoundAggregated] = []
         self.secrets = {shard: proof.new_secret() for shard in range(len(SAMPLES))}
 
-    async def start(self, min_workers: int) -> None:
+    async def start(self, min_workers: int, *, announce: bool = True) -> None:
+        """Start both replicas and, if `announce`, hand round 1's round.start to a (else `announce_round` does)."""
         await self.bus.connect()
         for replica in self.replicas.values():
             await replica.start()
@@ -108,7 +110,13 @@ class Replicas:
 
         await self.bus.declare_queue("tap", ["round.aggregated"])
         await self.bus.consume("tap", tap)
-        start = RoundStart(job_id=JOB, round=1, num_rounds=1, shards=list(self.secrets), min_workers=min_workers,
+        self.min_workers = min_workers
+        if announce:
+            await self.announce_round()
+
+    async def announce_round(self) -> None:
+        """Round 1's round.start, handled by replica a."""
+        start = RoundStart(job_id=JOB, round=1, num_rounds=1, shards=list(self.secrets), min_workers=self.min_workers,
                            weights=await _stored(self.shared, keys.global_weights(JOB, 0), {"w": torch.zeros(64)}),
                            deadline=time.time() + 300,
                            secret_digests={shard: proof.digest(s) for shard, s in self.secrets.items()})
@@ -181,3 +189,28 @@ async def test_contributions_over_the_prefetch_limit_are_folded_one_at_a_time(
 
     assert new == folded(list(range(len(SAMPLES))))
     assert cluster.stores["b"].most_at_once == 1
+
+
+async def test_a_report_overtaking_its_round_start_on_another_replica_still_counts(
+        database: Database, tmp_path: Path) -> None:
+    # Prepare: b takes shard 1's report while a has not handled round.start yet (it waited for the job's lock)
+    cluster = Replicas(database, tmp_path)
+    await cluster.start(min_workers=len(SAMPLES), announce=False)
+    early = asyncio.create_task(cluster.report("b", 1))
+    await asyncio.sleep(0.3)
+    assert not early.done()
+
+    # Execute: round.start reaches a, then the other reports arrive
+    await cluster.announce_round()
+    await asyncio.wait_for(early, 10)
+    for name, shard in ARRIVALS:
+        if shard != 1:
+            await cluster.report(name, shard)
+    new = loads(await cluster.stop())["w"].numpy().tobytes()
+
+    # Assert: shard 1 counted, once; the round closed with every shard
+    assert new == folded(list(range(len(SAMPLES))))
+    [event] = cluster.announced
+    assert event.contributors == list(range(len(SAMPLES)))
+    statuses = await database.fetch("SELECT shard, status FROM contributions WHERE job_id = $1 ORDER BY shard", JOB)
+    assert [(r["shard"], r["status"]) for r in statuses] == [(shard, "accepted") for shard in range(len(SAMPLES))]

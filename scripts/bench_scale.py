@@ -84,6 +84,33 @@ def _cpu_spent(before: dict[str, dict[int, float]], after: dict[str, dict[int, f
             for kind, pids in after.items()}
 
 
+def broker_open_files() -> int | None:
+    """The open-file limit of the local RabbitMQ (its beam.smp process), or None if none is found here."""
+    for limits in Path("/proc").glob("[0-9]*/limits"):
+        try:
+            if (limits.parent / "comm").read_text().strip() != "beam.smp":
+                continue
+            line = next(x for x in limits.read_text().splitlines() if x.startswith("Max open files"))
+        except (OSError, StopIteration):
+            continue
+        return int(line.split()[3])
+    return None
+
+
+def check_broker(ks: list[int]) -> int | None:
+    """Warn when the local broker cannot hold a file handle for every worker queue (3 a worker): past that,
+    RabbitMQ 3.x closes and reopens queue index files and each persistent message costs it more, which a
+    deployment sized as RabbitMQ's production checklist says (50,000 open files; deploy/docker-compose.yml)
+    does not pay. The limit is recorded with the figures."""
+    limit = broker_open_files()
+    if limit is not None and limit < 3 * max(ks) + 1000:
+        print(f"warning: the local RabbitMQ may open {limit} files, fewer than K = {max(ks)} workers' queues need "
+              "(3 a worker); restart it with a higher limit to measure a broker sized as deployed, e.g. "
+              "rabbitmqctl stop; su rabbitmq -s /bin/sh -c 'ulimit -n 20000; /usr/lib/rabbitmq/bin/rabbitmq-server"
+              " -detached'", flush=True)
+    return limit
+
+
 def busy_time(intervals: list[tuple[float, float]]) -> float:
     """The length of the union of these (start, end) intervals."""
     total, end = 0.0, float("-inf")
@@ -468,6 +495,7 @@ def main() -> None:
     if args.flower_python:
         flower.update(measure_flower(args.flower_python, args.k, args.rounds))
         print("Flower 1.42 simulation: " + ", ".join(f"K={k} {v:.2f} s" for k, v in sorted(flower.items())), flush=True)
+    open_files = check_broker(args.k)
     runs: dict[tuple[int, int], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="apiary-scale-") as tmp:
         # Each repeat measures every K in turn, so that a ratio compares runs taken minutes apart, not a
@@ -486,6 +514,7 @@ def main() -> None:
                     figures["heartbeat_s"] = args.heartbeat
                     figures["presence_rate"] = args.presence_rate
                     figures["repeat"] = repeat
+                    figures["broker_open_files"] = open_files
                     print(f"replicas={replicas} K={k}: {json.dumps(figures)}", flush=True)
                     runs.setdefault((replicas, k), []).append(figures)
                     results.setdefault(replicas, {})[k] = median_run(runs[(replicas, k)])

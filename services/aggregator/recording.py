@@ -9,7 +9,9 @@ The delivery is acked only once its row is committed, as before.
 Should a commit fail, the contributions of that group and of every group queued behind it are in the strategy's
 running sum but not in the database: their handlers fail (the broker delivers them again) and the round's state is
 dropped, to be re-folded from the stored rows. Reading a round's rows (`drain` first) waits for what is queued, so
-a state re-folded from them never misses a contribution that commits later.
+a state re-folded from them never misses a contribution that commits later. A report whose shard another aggregator
+replica settled meanwhile (it was delivered to both) is stored as a duplicate and not counted again, rather than
+failing its group.
 """
 
 from __future__ import annotations

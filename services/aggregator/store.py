@@ -76,6 +76,10 @@ _INSERT_CONTRIBUTION = (
     " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)"
 )
 
+# A settling report whose shard has settled already (contributions_once) is kept as a duplicate instead.
+_INSERT_SETTLING = (_INSERT_CONTRIBUTION + " ON CONFLICT (job_id, round, attempt, shard)"
+                    " WHERE status IN ('accepted', 'rejected', 'failed') DO NOTHING")
+
 
 def contribution_row(event: WorkerDone | WorkerFailed, status: ContributionStatus,
                      reason: str | None) -> tuple[Any, ...]:
@@ -142,11 +146,16 @@ class AggregatorStore:
         """Store reports that settle their shards of one round attempt (`contribution_row`s) in one transaction
         (services/aggregator/recording.py); how many of its shards have settled now, by any aggregator replica."""
         async with self.db.transaction() as tx:
+            stored = 0
             for row in rows:
-                await tx.execute(_INSERT_CONTRIBUTION, *row)
+                if await tx.execute(_INSERT_SETTLING, *row):
+                    stored += 1
+                else:  # another aggregator replica settled the shard meanwhile (the report came to both)
+                    status, reason = str(ContributionStatus.DUPLICATE), "shard already settled by another replica"
+                    await tx.execute(_INSERT_CONTRIBUTION, *row[:5], status, reason, *row[7:])
             settled = await tx.fetchval(
                 "UPDATE aggregations SET settled = settled + $4 WHERE job_id = $1 AND round = $2 AND attempt = $3"
-                " RETURNING settled", *key, len(rows))
+                " RETURNING settled", *key, stored)
         return None if settled is None else int(settled)
 
     async def settled_shards(self, job_id: str, round_index: int, attempt: int) -> int:

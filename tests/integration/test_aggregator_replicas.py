@@ -2,7 +2,8 @@
 last shard closes the round, folding in only the contributions the other replica took (each read once), with
 the bits one aggregator folding every report gives. Two replicas closing the same round at once (a timeout
 racing the last report) write one result: the one the round's row and its round.aggregated name. A report that
-reaches one replica before the round's round.start is handled by the other waits for it: it is no orphan."""
+reaches one replica before the round's round.start is handled by the other waits for it: it is no orphan. A report
+taken by both replicas at once is counted once."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import asyncio
 import hashlib
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -214,3 +216,32 @@ async def test_a_report_overtaking_its_round_start_on_another_replica_still_coun
     assert event.contributors == list(range(len(SAMPLES)))
     statuses = await database.fetch("SELECT shard, status FROM contributions WHERE job_id = $1 ORDER BY shard", JOB)
     assert [(r["shard"], r["status"]) for r in statuses] == [(shard, "accepted") for shard in range(len(SAMPLES))]
+
+
+async def test_a_report_taken_by_both_replicas_at_once_counts_once(database: Database, tmp_path: Path) -> None:
+    # Prepare: commits take a while, so both replicas take shard 0's report (delivered twice) in before either stores it
+    cluster = Replicas(database, tmp_path)
+    for replica in cluster.replicas.values():
+        record = replica.store.record_settling
+
+        async def slow(key: tuple[str, int, int], rows: Any, record: Any = record) -> int | None:
+            await asyncio.sleep(0.1)
+            return await record(key, rows)
+
+        replica.store.record_settling = slow  # type: ignore[method-assign]
+    await cluster.start(min_workers=len(SAMPLES))
+
+    # Execute: both handle it at once (neither fails), then the other shards come
+    await asyncio.wait_for(asyncio.gather(cluster.report("a", 0), cluster.report("b", 0)), 10)
+    for name, shard in ARRIVALS[1:]:
+        await cluster.report(name, shard)
+    new = loads(await cluster.stop())["w"].numpy().tobytes()
+
+    # Assert: shard 0 accepted once, its second report kept as a duplicate, the round's bits those of one aggregator
+    rows = await database.fetch("SELECT status FROM contributions WHERE job_id = $1 AND shard = 0 ORDER BY seq", JOB)
+    assert sorted(r["status"] for r in rows) == ["accepted", "duplicate"]
+    assert new == folded(list(range(len(SAMPLES))))
+    [event] = cluster.announced
+    assert event.contributors == list(range(len(SAMPLES)))
+    settled = await database.fetchval("SELECT settled FROM aggregations WHERE job_id = $1", JOB)
+    assert settled == len(SAMPLES)

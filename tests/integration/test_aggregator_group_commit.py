@@ -18,13 +18,14 @@ from apiary import keys, proof
 from apiary.bus import Delivery
 from apiary.bus.identity import service_user
 from apiary.bus.memory import MemoryBus
-from apiary.contracts import ObjectRef, RoundAggregated, RoundStart, WorkerDone, decode
+from apiary.contracts import ObjectRef, RoundAggregated, RoundStart, WorkerDone
 from apiary.db import Database
 from apiary.db.base import DatabaseUnavailable
 from apiary.storage.local import LocalStorage
 from apiary.strategies.weighted_sum import WeightedSum
 from apiary.weights import dumps, loads
 from services.aggregator import Aggregator
+from tests.fixtures.services import tap_aggregated
 
 JOB = "grouped"
 SHARDS = 12
@@ -78,14 +79,7 @@ class Round:
     async def start(self) -> None:
         await self.bus.connect()
         await self.aggregator.start()
-
-        async def tap(delivery: Delivery) -> None:
-            event = decode(delivery.routing_key, delivery.body)
-            assert isinstance(event, RoundAggregated)
-            self.announced.append(event)
-
-        await self.bus.declare_queue("tap", ["round.aggregated"])
-        await self.bus.consume("tap", tap)
+        self.announced = await tap_aggregated(self.bus)
         start = RoundStart(job_id=JOB, round=1, num_rounds=1, shards=list(self.secrets), min_workers=SHARDS,
                            weights=await self._stored(keys.global_weights(JOB, 0), {"w": torch.zeros(32)}),
                            deadline=time.time() + 300,

@@ -20,12 +20,13 @@ from apiary import keys, proof
 from apiary.bus import Delivery
 from apiary.bus.identity import service_user
 from apiary.bus.memory import MemoryBus
-from apiary.contracts import ObjectRef, RoundAggregated, RoundStart, RoundTimeout, WorkerDone, decode
+from apiary.contracts import ObjectRef, RoundAggregated, RoundStart, RoundTimeout, WorkerDone
 from apiary.db import Database
 from apiary.storage.local import LocalStorage
 from apiary.strategies.weighted_sum import WeightedSum
 from apiary.weights import dumps, loads
 from services.aggregator import Aggregator, rounds
+from tests.fixtures.services import tap_aggregated
 
 JOB = "replicas"
 SAMPLES = [296, 637, 504, 75, 1, 33]
@@ -104,14 +105,7 @@ class Replicas:
         await self.bus.connect()
         for replica in self.replicas.values():
             await replica.start()
-
-        async def tap(delivery: Delivery) -> None:
-            event = decode(delivery.routing_key, delivery.body)
-            assert isinstance(event, RoundAggregated)
-            self.announced.append(event)
-
-        await self.bus.declare_queue("tap", ["round.aggregated"])
-        await self.bus.consume("tap", tap)
+        self.announced = await tap_aggregated(self.bus)
         self.min_workers = min_workers
         if announce:
             await self.announce_round()

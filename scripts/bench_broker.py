@@ -28,6 +28,7 @@ import aio_pika
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
+from bench_round import _cpu_by_command  # noqa: E402
 from bench_scale import broker_open_files  # noqa: E402
 
 AMQP = os.environ.get("APIARY_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
@@ -37,16 +38,7 @@ BODY = b"x" * 600  # about an assignment's size
 
 def broker_cpu() -> float:
     """CPU seconds the local broker (beam.smp) has used."""
-    total = 0.0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            head, tail = stat.read_text().rsplit(")", 1)
-        except OSError:
-            continue
-        if head.split("(", 1)[1] == "beam.smp":
-            fields = tail.split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+    return sum(_cpu_by_command(("beam.smp",))["beam.smp"].values())
 
 
 async def measure(n: int, rounds: int, gap: float) -> float:

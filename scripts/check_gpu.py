@@ -15,7 +15,7 @@
    completes with val_loss lower at the last round than at the first, and each worker's training child holds
    memory on its GPU (NVML, by the child's pid) while no worker says it fell back to the CPU; with `fp16`
    (which the trainer refuses on a CPU) it completes too. Each says whether the heartbeats' per-process GPU
-   reading (the dashboard's) followed that child (`heartbeat_reads_training_child`; not part of `ok`).
+   reading (the dashboard's) followed that child (`heartbeat_reads_training_child`, part of `ok` on a GPU).
 7. A real GPU out of memory in that trainer (a 512 x 1024-token batch through a 2^19-word vocabulary: the
    logits alone need about 550 GB) fails the job in one line naming batch_size and max_seq_length.
 
@@ -337,8 +337,10 @@ async def run_llm(home: Path, gpus: list[int], cpu: bool) -> dict[str, dict[str,
         oom["ok"] = oom["status"] == "failed" and "\n" not in reason
         return out
     said = f"out of GPU memory on cuda:0 (batch_size {batch}, max_seq_length {seq}): lower them or use a larger GPU"
-    bf16["ok"] = bf16["status"] == "completed" and bf16["val_loss_decreased"] and bf16["device"] == "cuda:0"
-    fp16["ok"] = fp16["status"] == "completed" and fp16["device"] == "cuda:0"  # on a CPU it would be refused
+    bf16["ok"] = (bf16["status"] == "completed" and bf16["val_loss_decreased"] and bf16["device"] == "cuda:0"
+                  and bf16["heartbeat_reads_training_child"])
+    fp16["ok"] = (fp16["status"] == "completed" and fp16["device"] == "cuda:0"  # on a CPU it would be refused
+                  and fp16["heartbeat_reads_training_child"])
     oom["ok"] = oom["status"] == "failed" and "\n" not in reason and said in reason
     return out
 

@@ -29,14 +29,13 @@ from services.aggregator.decisions import (
     judge_shard,
     past_deadline,
 )
-from services.aggregator.rounds import PREFETCH_MAX_BYTES, OpenRounds, RoundState
+from services.aggregator.rounds import PREFETCH_MAX_BYTES, OpenRounds, RoundKey, RoundState
 from services.aggregator.store import AggregatorStore, opened_row
 
 log = logging.getLogger("apiary.aggregator")
 
 # How long a report for a round not stored yet waits for its round.start before it is recorded as an orphan.
 ROUND_START_WAIT = 10.0
-
 
 
 class Aggregator(Component):
@@ -121,7 +120,7 @@ class Aggregator(Component):
             if held is not None:
                 await self._maybe_close(held, settled)
 
-    async def _still_open(self, key: tuple[str, int, int]) -> RoundState | None:
+    async def _still_open(self, key: RoundKey) -> RoundState | None:
         """An open round's state, rebuilt from its rows (a failed handler dropped it); None once it is closed."""
         agg = await self.store.aggregation(*key)
         if agg is None or judge_round(agg) is not None:

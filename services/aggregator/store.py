@@ -79,6 +79,9 @@ _INSERT_CONTRIBUTION = (
 # A settling report whose shard has settled already (contributions_once) is kept as a duplicate instead.
 _INSERT_SETTLING = (_INSERT_CONTRIBUTION + " ON CONFLICT (job_id, round, attempt, shard)"
                     " WHERE status IN ('accepted', 'rejected', 'failed') DO NOTHING")
+# Raises a round attempt's settled-shard count by $4 in the transaction that stores those reports; the new count.
+_COUNT_SETTLED = ("UPDATE aggregations SET settled = settled + $4 WHERE job_id = $1 AND round = $2 AND attempt = $3"
+                  " RETURNING settled")
 
 
 def contribution_row(event: WorkerDone | WorkerFailed, status: ContributionStatus,
@@ -137,9 +140,7 @@ class AggregatorStore:
             return None
         async with self.db.transaction() as tx:
             await tx.execute(_INSERT_CONTRIBUTION, *row)
-            settled = await tx.fetchval(
-                "UPDATE aggregations SET settled = settled + 1 WHERE job_id = $1 AND round = $2 AND attempt = $3"
-                " RETURNING settled", event.job_id, event.round, event.attempt)
+            settled = await tx.fetchval(_COUNT_SETTLED, event.job_id, event.round, event.attempt, 1)
         return None if settled is None else int(settled)
 
     async def record_settling(self, key: tuple[str, int, int], rows: Sequence[tuple[Any, ...]]) -> int | None:
@@ -153,9 +154,7 @@ class AggregatorStore:
                 else:  # another aggregator replica settled the shard meanwhile (the report came to both)
                     status, reason = str(ContributionStatus.DUPLICATE), "shard already settled by another replica"
                     await tx.execute(_INSERT_CONTRIBUTION, *row[:5], status, reason, *row[7:])
-            settled = await tx.fetchval(
-                "UPDATE aggregations SET settled = settled + $4 WHERE job_id = $1 AND round = $2 AND attempt = $3"
-                " RETURNING settled", *key, stored)
+            settled = await tx.fetchval(_COUNT_SETTLED, *key, stored)
         return None if settled is None else int(settled)
 
     async def settled_shards(self, job_id: str, round_index: int, attempt: int) -> int:

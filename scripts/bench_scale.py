@@ -7,7 +7,9 @@ local RabbitMQ and PostgreSQL and a local-folder store. The workers are simulate
 pool queues, presigned downloads of the shard and the global weights, presigned upload of the result,
 worker.done echoing the assignment's secret), each with an in-process trainer that returns the weights it
 got (`NoOpTrainer`: no child process, no user code). A job of R rounds with K shards (min_workers =
-max_workers = K) is submitted; rounds 2..R are measured (round 1 pays the shard downloads).
+max_workers = K) is submitted; rounds 2..R are measured (round 1 pays the shard downloads). R is --rounds, or more
+for a small K, so that every K measures at least --contributions contributions: two rounds of half a second
+(K = 100) say little on a shared machine.
 
 Figures, for each K and replica count:
 - round time: from a round's `started_at` to the next round's (the last round: to the job's end), the
@@ -29,7 +31,8 @@ Reference in the same run, measured first: Flower 1.42's single-process simulati
 time is the median time between consecutive rounds' ends), in a Python that has `flwr[simulation]`
 (--flower-python; e.g. a venv with ray and flwr's own dependencies).
 
-Usage: python scripts/bench_scale.py [--k 10 100 1000] [--replicas 1 2] [--rounds 3] [--params 100000]
+Usage: python scripts/bench_scale.py [--k 10 100 1000] [--replicas 1 2] [--rounds 3] [--contributions 2000]
+                                     [--params 100000]
                                      [--repeat N] [--flower-python PY] [--plot docs/scale.png]
 """
 
@@ -458,7 +461,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--k", type=int, nargs="+", default=[10, 100, 1000])
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each job, at least (round 1 not measured)")
+    parser.add_argument("--contributions", type=int, default=2000,
+                        help="contributions each K measures at least: a small K runs more rounds than --rounds")
     parser.add_argument("--params", type=int, default=100_000,
                         help="parameters of the toy model's weights (scripts/bench_flower.py's model has 100k)")
     parser.add_argument("--flower-python", help="a Python with flwr[simulation]: measure Flower's reference now")
@@ -504,9 +509,9 @@ def main() -> None:
             for replicas in args.replicas:
                 for k in args.k:
                     try:
-                        figures = run(k, replicas, args.rounds, args.params, Path(tmp), args.profile,
-                                      1 if args.one_aggregator else None, args.heartbeat, args.idle,
-                                      args.presence_rate)
+                        figures = run(k, replicas, rounds_for(k, args.rounds, args.contributions), args.params,
+                                      Path(tmp), args.profile, 1 if args.one_aggregator else None, args.heartbeat,
+                                      args.idle, args.presence_rate)
                     except RuntimeError as e:
                         print(f"replicas={replicas} K={k}: {e}", flush=True)
                         continue
@@ -522,6 +527,11 @@ def main() -> None:
     save(args.results, results, flower)
     report(results, flower)
     plot(results, flower, args.plot)
+
+
+def rounds_for(k: int, rounds: int, contributions: int) -> int:
+    """The rounds of a job of K shards: `rounds`, or enough that rounds 2.. hold `contributions` contributions."""
+    return max(rounds, -(-contributions // k) + 1)
 
 
 def median_run(figures: list[dict[str, Any]]) -> dict[str, Any]:

@@ -31,8 +31,13 @@ Reference in the same run, measured first: Flower 1.42's single-process simulati
 time is the median time between consecutive rounds' ends), in a Python that has `flwr[simulation]`
 (--flower-python; e.g. a venv with ray and flwr's own dependencies).
 
+The broker is configured as `apiary broker setup` configures it: the exchange's queue policy (classic queues on
+RabbitMQ's second storage, `queue-version` 2, the default from RabbitMQ 3.13) is set for the run and cleared after;
+`--queue-version 1` measures classic queues as a RabbitMQ 3.12 or older makes them without it, `--queue-type
+quorum` a deployment on quorum queues.
+
 Usage: python scripts/bench_scale.py [--k 10 100 1000] [--replicas 1 2] [--rounds 3] [--contributions 2000]
-                                     [--params 100000]
+                                     [--params 100000] [--queue-version 2] [--queue-type classic]
                                      [--repeat N] [--flower-python PY] [--plot docs/scale.png]
 """
 
@@ -62,6 +67,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 from bench_round import _cpu_by_command, _cpu_seconds, admin, measure_flower  # noqa: E402
 
 from apiary.status import TERMINAL  # noqa: E402
+from services.app.broker_plan import queue_policy  # noqa: E402
+from services.app.broker_setup import rabbitmqctl  # noqa: E402
 from tests.fixtures.cluster import SERVICES, Cluster  # noqa: E402
 from tests.toyjobs.toy import make_dataset  # noqa: E402
 
@@ -164,15 +171,20 @@ def wait_rounds(cluster: Cluster, job_id: str, k: int, until: Callable[[], Any],
 
 def run(k: int, replicas: int, rounds: int, params: int, tmp: Path, profile_to: Path | None = None,
         aggregators: int | None = None, heartbeat: float = 5.0, idle: float = 0.0,
-        presence_rate: float | None = None) -> dict[str, Any]:
+        presence_rate: float | None = None, queue_type: str = "classic", queue_version: int = 2) -> dict[str, Any]:
     """One deployment (`replicas` of each service; `aggregators` of the aggregator if given), one job of
     `rounds` rounds and K contributions each; its figures (with `idle` seconds, the CPU per second of the K
     workers online before the job, too)."""
     db = f"apiary_bench_{uuid.uuid4().hex[:8]}"
     admin(f'CREATE DATABASE "{db}"')
     exchange = f"apiary_bench_{uuid.uuid4().hex[:8]}"
+    policy = queue_policy(exchange, "/") if queue_version == 2 else None
+    if policy is not None:  # the broker as `apiary broker setup` configures it
+        rabbitmqctl("set_policy", "-p", policy["vhost"], "--apply-to", policy["apply-to"], "--priority",
+                    str(policy["priority"]), policy["name"], policy["pattern"], json.dumps(policy["definition"]))
     base = tmp / f"k{k}-r{replicas}"
-    cluster = Cluster(base, AMQP, exchange, POSTGRES.rsplit("/", 1)[0] + f"/{db}", f"file://{base / 'store'}", "")
+    cluster = Cluster(base, AMQP, exchange, POSTGRES.rsplit("/", 1)[0] + f"/{db}", f"file://{base / 'store'}", "",
+                      queue_type=queue_type)
     # The deployed defaults (heartbeats every 5 s, offline after 20 s), or heartbeats every `heartbeat` s.
     deployed = {"APIARY_HEARTBEAT_INTERVAL": str(heartbeat), "APIARY_WORKER_OFFLINE_AFTER": str(4 * heartbeat),
                 "APIARY_PROGRESS_INTERVAL": "1"}
@@ -216,6 +228,8 @@ def run(k: int, replicas: int, rounds: int, params: int, tmp: Path, profile_to: 
         from tests.fixtures.services import delete_rabbit_namespace
 
         delete_rabbit_namespace(AMQP, exchange)
+        if policy is not None:
+            rabbitmqctl("clear_policy", "-p", policy["vhost"], policy["name"])
         admin(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
         shutil.rmtree(base, ignore_errors=True)
 
@@ -475,6 +489,11 @@ def main() -> None:
                              "1e9 beats at --heartbeat whatever the fleet, as before apiary.pace)")
     parser.add_argument("--idle", type=float, default=0.0,
                         help="seconds to measure each process's CPU with the K workers online before the job")
+    parser.add_argument("--queue-type", choices=("classic", "quorum"), default="classic",
+                        help="APIARY_QUEUE_TYPE of the deployment (every queue a quorum queue with quorum)")
+    parser.add_argument("--queue-version", type=int, choices=(1, 2), default=2,
+                        help="classic queues' storage: 2 as `apiary broker setup` configures the broker (the "
+                             "exchange's queue policy), 1 as a RabbitMQ 3.12 or older makes them without it")
     parser.add_argument("--one-aggregator", action="store_true",
                         help="one aggregator whatever --replicas says (the others replicated)")
     parser.add_argument("--results", type=Path, default=REPO / "docs" / "scale.json",
@@ -511,13 +530,15 @@ def main() -> None:
                     try:
                         figures = run(k, replicas, rounds_for(k, args.rounds, args.contributions), args.params,
                                       Path(tmp), args.profile, 1 if args.one_aggregator else None, args.heartbeat,
-                                      args.idle, args.presence_rate)
+                                      args.idle, args.presence_rate, args.queue_type, args.queue_version)
                     except RuntimeError as e:
                         print(f"replicas={replicas} K={k}: {e}", flush=True)
                         continue
                     figures["aggregators"] = 1 if args.one_aggregator else replicas
                     figures["heartbeat_s"] = args.heartbeat
                     figures["presence_rate"] = args.presence_rate
+                    figures["queue_type"] = args.queue_type
+                    figures["queue_version"] = args.queue_version
                     figures["repeat"] = repeat
                     figures["broker_open_files"] = open_files
                     print(f"replicas={replicas} K={k}: {json.dumps(figures)}", flush=True)

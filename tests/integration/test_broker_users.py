@@ -62,7 +62,7 @@ class Deployment:
 def _listing(vhost: str) -> tuple[str, ...]:
     ctl = broker_setup.rabbitmqctl
     return (ctl("list_users", "-q"), ctl("list_permissions", "-p", vhost, "-q"),
-            ctl("list_topic_permissions", "-p", vhost, "-q"))
+            ctl("list_topic_permissions", "-p", vhost, "-q"), ctl("list_policies", "-p", vhost, "-q"))
 
 
 @pytest.fixture
@@ -213,6 +213,17 @@ async def test_a_worker_cannot_read_another_workers_queue_nor_bind_its_own_to_ot
 
     # Assert: the aggregator's queue is still there
     assert await services_up.queue_size("aggregator") == 0
+
+
+async def test_the_deployments_queues_get_the_queue_policy(deployment: Deployment, services_up: RabbitBus) -> None:
+    # Execute: the services' bus declared the whole topology as it connected (services_up)
+    listed = broker_setup.rabbitmqctl("list_queues", "-p", deployment.vhost, "-q", "--no-table-headers", "name",
+                                      "policy")
+
+    # Assert
+    rows = dict(line.split("\t") for line in listed.strip().splitlines())
+    assert "apiary.aggregator" in rows and "apiary.assign.pool" in rows
+    assert set(rows.values()) == {"apiary-queues"}, rows
 
 
 def test_setting_up_again_changes_nothing(deployment: Deployment) -> None:

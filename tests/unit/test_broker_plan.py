@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from services.app.broker_plan import definitions, password_hash, plan, service, worker
+from services.app.broker_plan import definitions, password_hash, plan, queue_policy, service, worker
 
 
 def test_a_worker_may_read_only_its_own_queues_and_the_pool() -> None:
@@ -83,6 +83,19 @@ def test_definitions_hold_users_with_a_password_and_every_users_permissions() ->
     assert {p["user"] for p in made["permissions"]} == {u.name for u in users} == \
         {p["user"] for p in made["topic_permissions"]}
     assert [u.name for u in users][:4] == ["apiary-scheduler", "apiary-sharder", "apiary-aggregator", "apiary-tracker"]
+
+
+def test_the_queue_policy_gives_the_exchanges_classic_queues_the_second_storage_and_no_others() -> None:
+    # Execute
+    made = definitions(plan("apiary", []), "/", "apiary", {})
+    policy = queue_policy("apiary", "/")
+
+    # Assert
+    assert made["policies"] == [policy]
+    assert (policy["apply-to"], policy["definition"]) == ("queues", {"queue-version": 2})
+    pattern = re.compile(policy["pattern"])
+    assert all(pattern.match(q) for q in ("apiary.aggregator", "apiary.assign.prefer.w1", "apiary.dead"))
+    assert not any(pattern.match(q) for q in ("apiaryx.aggregator", "other.apiary.aggregator", "apiary"))
 
 
 def test_a_worker_id_that_could_widen_its_permissions_is_refused() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from apiary.bus.identity import DEFAULT_PREFIX
-from services.app.broker_plan import BrokerUser, definitions, plan
+from services.app.broker_plan import BrokerUser, definitions, plan, queue_policy
 
 CREDENTIALS_FILE = "broker-credentials.json"  # under APIARY_HOME, mode 0600: user -> password
 
@@ -127,5 +127,12 @@ def remove(users: Sequence[BrokerUser]) -> None:
             rabbitmqctl("delete_user", user.name)
 
 
+def remove_policy(exchange: str, vhost: str) -> None:
+    """Clear the exchange's queue policy (tests; retiring a deployment that shares its vhost)."""
+    policy = queue_policy(exchange, vhost)
+    with contextlib.suppress(BrokerSetupError):
+        rabbitmqctl("clear_policy", "-p", policy["vhost"], policy["name"])
+
+
 __all__ = ["CREDENTIALS_FILE", "BrokerSetupError", "SetupResult", "existing_users", "full_definitions",
-           "load_credentials", "remove", "setup"]
+           "load_credentials", "remove", "remove_policy", "setup"]

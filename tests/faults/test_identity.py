@@ -83,6 +83,7 @@ def test_a_worker_cannot_pass_for_another_worker_nor_publish_a_services_event(
         asyncio.run(_publish(url, cluster.exchange, "worker.heartbeat", f"{prefix}worker.w1"))  # its own: taken
     finally:
         broker_setup.remove(made.users)
+        broker_setup.remove_policy(cluster.exchange, "/")
 
     # Assert
     assert "user_id property set to" in refused[0] and "PRECONDITION_FAILED" in refused[0]

@@ -272,6 +272,7 @@ def test_a_job_runs_with_every_process_on_its_own_broker_user(cluster: Cluster, 
     finally:
         cluster.stop_all()
         broker_setup.remove(result.users)
+        broker_setup.remove_policy(cluster.exchange, "/")
 
     # Assert
     assert {u.name for u in result.users} <= connected

@@ -67,8 +67,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from bench_round import _cpu_by_command, _cpu_seconds, admin, measure_flower  # noqa: E402
 
 from apiary.status import TERMINAL  # noqa: E402
-from services.app.broker_plan import queue_policy  # noqa: E402
-from services.app.broker_setup import rabbitmqctl  # noqa: E402
+from services.app.broker_setup import apply_policy, remove_policy  # noqa: E402
 from tests.fixtures.cluster import SERVICES, Cluster  # noqa: E402
 from tests.toyjobs.toy import make_dataset  # noqa: E402
 
@@ -178,10 +177,8 @@ def run(k: int, replicas: int, rounds: int, params: int, tmp: Path, profile_to: 
     db = f"apiary_bench_{uuid.uuid4().hex[:8]}"
     admin(f'CREATE DATABASE "{db}"')
     exchange = f"apiary_bench_{uuid.uuid4().hex[:8]}"
-    policy = queue_policy(exchange, "/") if queue_version == 2 else None
-    if policy is not None:  # the broker as `apiary broker setup` configures it
-        rabbitmqctl("set_policy", "-p", policy["vhost"], "--apply-to", policy["apply-to"], "--priority",
-                    str(policy["priority"]), policy["name"], policy["pattern"], json.dumps(policy["definition"]))
+    if queue_version == 2:  # the broker as `apiary broker setup` configures it
+        apply_policy(exchange, "/")
     base = tmp / f"k{k}-r{replicas}"
     cluster = Cluster(base, AMQP, exchange, POSTGRES.rsplit("/", 1)[0] + f"/{db}", f"file://{base / 'store'}", "",
                       queue_type=queue_type)
@@ -228,8 +225,8 @@ def run(k: int, replicas: int, rounds: int, params: int, tmp: Path, profile_to: 
         from tests.fixtures.services import delete_rabbit_namespace
 
         delete_rabbit_namespace(AMQP, exchange)
-        if policy is not None:
-            rabbitmqctl("clear_policy", "-p", policy["vhost"], policy["name"])
+        if queue_version == 2:
+            remove_policy(exchange, "/")
         admin(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
         shutil.rmtree(base, ignore_errors=True)
 

@@ -127,6 +127,13 @@ def remove(users: Sequence[BrokerUser]) -> None:
             rabbitmqctl("delete_user", user.name)
 
 
+def apply_policy(exchange: str, vhost: str) -> None:
+    """Set the exchange's queue policy alone, as `setup` does with the users (a deployment whose users exist)."""
+    policy = queue_policy(exchange, vhost)
+    rabbitmqctl("set_policy", "-p", policy["vhost"], "--apply-to", policy["apply-to"], "--priority",
+                str(policy["priority"]), policy["name"], policy["pattern"], json.dumps(policy["definition"]))
+
+
 def remove_policy(exchange: str, vhost: str) -> None:
     """Clear the exchange's queue policy (tests; retiring a deployment that shares its vhost)."""
     policy = queue_policy(exchange, vhost)
@@ -134,5 +141,5 @@ def remove_policy(exchange: str, vhost: str) -> None:
         rabbitmqctl("clear_policy", "-p", policy["vhost"], policy["name"])
 
 
-__all__ = ["CREDENTIALS_FILE", "BrokerSetupError", "SetupResult", "existing_users", "full_definitions",
-           "load_credentials", "remove", "remove_policy", "setup"]
+__all__ = ["CREDENTIALS_FILE", "BrokerSetupError", "SetupResult", "apply_policy", "existing_users",
+           "full_definitions", "load_credentials", "remove", "remove_policy", "setup"]

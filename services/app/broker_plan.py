@@ -33,7 +33,8 @@ WORKER_PUBLISHES = (r"worker\..+",)
 # What each service publishes on the exchange (delayed events go through the default exchange, and the
 # broker, not the service, dead-letters them into the exchange, so topic permissions do not apply there).
 SERVICE_PUBLISHES: dict[str, tuple[str, ...]] = {
-    "scheduler": (r"job\..+", r"shard\..+", r"round\..+", r"assign\..+", r"task\..+", r"report\..+", r"presence\.pace"),
+    "scheduler": (r"job\..+", r"shard\..+", r"round\..+", r"assign\..+", r"task\..+", r"report\..+", r"presence\.pace",
+                  r"presence\.pace\.[\w.@\-]+"),
     "sharder": (r"job\.sharded",),
     "aggregator": (r"round\..+", r"job\..+"),
     "tracker": (r"job\.requested", r"job\.cancel"),
@@ -75,6 +76,7 @@ def worker(worker_id: str | None, exchange: str, prefix: str = DEFAULT_PREFIX) -
         raise ValueError(f"worker id {worker_id!r} is invalid: expected 1 to 100 letters, digits, '.', '_', '@', '-'")
     e, w = re.escape(exchange), re.escape(worker_id) if worker_id is not None else r"[\w.@\-]+"
     own = [rf"assign\.worker\.{w}", rf"assign\.prefer\.{w}", rf"control\.worker\.{w}"]
+    paced = [r"presence\.pace", rf"presence\.pace\.{w}"]  # the fleet's pace, and the pace told to it alone
     names = "|".join([*own, r"assign\.pool", r"hold\.[0-9a-f]+"])
     queues = [rf"{e}\.({names})"]
     # The exchange and the dead-letter queue are declared by every process as it connects (configure).
@@ -83,7 +85,7 @@ def worker(worker_id: str | None, exchange: str, prefix: str = DEFAULT_PREFIX) -
     return BrokerUser(name, "worker", configure=configure,
                       write=_any([e, r"amq\.default", *queues]), read=_any([e, *queues]),
                       topic_write=_any(WORKER_PUBLISHES),
-                      topic_read=_any([*own, r"assign\.pool", r"job\.failed", r"job\.completed", r"presence\.pace"]),
+                      topic_read=_any([*own, r"assign\.pool", r"job\.failed", r"job\.completed", *paced]),
                       worker_id=worker_id)
 
 

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeAlias, TypeVar
 
 from apiary import telemetry
-from apiary.bus import Bus, Delivery, publish_event
+from apiary.bus import Bus, Delivery, Unroutable, publish_event
 from apiary.bus.identity import worker_of
 from apiary.component import from_json
 from apiary.contracts import (
@@ -33,6 +33,7 @@ from apiary.contracts import (
     WorkerHeartbeat,
     WorkerOffline,
     WorkerOnline,
+    pace_key,
 )
 from apiary.db import Database, Executor
 from apiary.jobspec import JobSpec
@@ -47,7 +48,7 @@ from services.scheduler.commands import JobCommands
 from services.scheduler.evaluation import DONE, FAILED, NONE, PENDING, evaluation_due, task_timeout
 from services.scheduler.finishing import JobFinisher
 from services.scheduler.models import checked_initial_weights, initial_weights, no_initial_weights
-from services.scheduler.presence import FleetPace, PresenceFilter
+from services.scheduler.presence import FleetPace, PaceReminders, PresenceFilter
 from services.scheduler.rounds import (
     NO_WEIGHTS,
     RoundTarget,
@@ -80,6 +81,7 @@ class SchedulerHandlers:
         self._router = AssignmentRouter(bus, storage)
         self._tasks = TaskQueue(storage, self._router, settings.presign_ttl)
         self._pace = FleetPace.of(settings)
+        self._reminders = PaceReminders()
         self._finisher = JobFinisher(db, storage, outbox, endings=self, tasks=self._tasks,
                                      offline_after=self._pace.offline_after)
         self._locks = KeyedLocks()
@@ -150,6 +152,7 @@ class SchedulerHandlers:
         online = not isinstance(event, WorkerOffline)
         kind = None if isinstance(event, WorkerOffline) else event.kind
         now = time.time()
+        beats_every = event.interval if isinstance(event, WorkerHeartbeat) else None
         if isinstance(event, WorkerHeartbeat):
             self._pace.heard_beat(event.interval, now)
         self._presence.offline_after = self._pace.offline_after(now)
@@ -162,6 +165,19 @@ class SchedulerHandlers:
         except BaseException:
             self._presence.forget(event.worker_id)  # the retry writes and joins again
             raise
+        if online and self._reminders.due(event.worker_id, beats_every, self._pace, now,
+                                          announced=isinstance(event, WorkerOnline)):
+            await self._remind_pace(event.worker_id)
+
+    async def _remind_pace(self, worker_id: str) -> None:
+        """Tell one worker the fleet's pace (it joined after the announcement, or beats faster than it says)."""
+        announcement = self._pace.announcement
+        if announcement is None:
+            return
+        try:
+            await publish_event(self._bus, announcement, routing_key=pace_key(worker_id), persistent=False)
+        except Unroutable:  # its control queue is gone: it left, and beats at its own pace when it comes back
+            log.debug("pace not told to worker %s: no control queue", worker_id)
 
     async def _start_waiting_jobs(self) -> None:
         """A worker joined: start the rounds of the jobs waiting for workers, where they can start now."""

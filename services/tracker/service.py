@@ -11,7 +11,7 @@ from typing import Any
 
 from apiary.bus import Delivery, Poison, Raw
 from apiary.component import Component
-from apiary.contracts import DecodeError, decode_body
+from apiary.contracts import DecodeError, PresencePace, decode_body
 from apiary.db import Executor
 from apiary.db.group import GroupCommit
 from apiary.pace import PaceWindow
@@ -99,8 +99,11 @@ class Tracker(Component):
         key, now = delivery.routing_key, time.time()
         if key == "worker.heartbeat":
             self._pace.hear_interval(body.get("interval"), self.settings.heartbeat_interval, now)
-        elif key == "presence.pace" and isinstance(body.get("factor"), int | float):
+        elif (key == PresencePace.routing_key or key.startswith(f"{PresencePace.routing_key}.")) and isinstance(
+                body.get("factor"), int | float):
             self._pace.hear(float(body["factor"]), now)
+            if key != PresencePace.routing_key:
+                return  # the pace told to one worker: the fleet's, recorded when it was announced
         if key == "worker.heartbeat" and not forgery.names_a_shard(key, body) and (
                 forgery.judge(key, body, None, delivery.user_id) is None):
             # A beat naming no shard changes only its worker's row: kept for the next batched write.

@@ -37,6 +37,7 @@ from apiary.contracts import (
     WorkerHeartbeat,
     WorkerOffline,
     WorkerOnline,
+    pace_key,
 )
 from apiary.pace import MAX_FACTOR
 from apiary.settings import Settings
@@ -112,6 +113,13 @@ class Worker:
         """Announce the worker and start taking assignments."""
         self.cache.mkdir(parents=True, exist_ok=True)
         await self.runner.start()
+        # Listening before announcing: the scheduler answers a worker that joins a stretched fleet with its pace.
+        self._control = await subscribe(self.bus, self.control_queue, {"job.failed": self.on_job_ended,
+                                                                       "job.completed": self.on_job_ended,
+                                                                       PresencePace.routing_key: self.on_pace,
+                                                                       pace_key(self.worker_id): self.on_pace},
+                                        prefetch=1, expires=CONTROL_QUEUE_EXPIRES)
+        self._listening_since = time.time()
         try:
             await publish_event(self.bus, WorkerOnline(worker_id=self.worker_id, hostname=socket.gethostname(),
                                                        gpu=gpu_stats(self.gpu, self._trainer_pid()),
@@ -120,11 +128,6 @@ class Worker:
             log.warning("worker %s: no service listens for worker.online yet; heartbeats will announce it",
                         self.worker_id)
         prefetch = self.settings.worker_prefetch
-        self._control = await subscribe(self.bus, self.control_queue, {"job.failed": self.on_job_ended,
-                                                                       "job.completed": self.on_job_ended,
-                                                                       PresencePace.routing_key: self.on_pace},
-                                        prefetch=1, expires=CONTROL_QUEUE_EXPIRES)
-        self._listening_since = time.time()
         # Each queue has its own turn-taking; past it, a stale or ended job's assignment is skipped, and
         # what is trained is traced as the message's processing.
         then = [self._skip_stale_or_ended, consumer_span(self.settings.exchange, self.span_attributes)]
@@ -191,7 +194,7 @@ class Worker:
         self.beat_every = min(max(base, interval), base * MAX_FACTOR)
 
     async def on_pace(self, event: PresencePace, delivery: Delivery) -> None:
-        """The fleet's heartbeat pace changed."""
+        """The fleet's heartbeat pace changed (or, sent to this worker alone, is not the one it beats at)."""
         self.pace(event.interval)
 
     def _end_probe(self, a: Assignment) -> asyncio.Task[bool] | None:

@@ -396,6 +396,12 @@ class PresencePace(Message):
     workers: int = Field(ge=0)
 
 
+def pace_key(worker_id: str) -> str:
+    """The routing key of the pace told to one worker that beats faster than the fleet's pace (it joined after the
+    announcement, or missed it): `presence.pace.<worker id>`, bound by that worker's control queue alone."""
+    return f"{PresencePace.routing_key}.{worker_id}"
+
+
 AnyEvent = Event | WorkerPresence | JobRequested
 E = TypeVar("E", bound=BaseModel)
 
@@ -412,9 +418,11 @@ EVENT_TYPES: dict[str, type[BaseModel]] = {
 
 
 def model_for(routing_key: str) -> type[BaseModel]:
-    """The model for a routing key (`assign.*` keys all carry an Assignment)."""
+    """The model for a routing key (`assign.*` keys all carry an Assignment, `presence.pace.*` a PresencePace)."""
     if routing_key.startswith("assign."):
         return Assignment
+    if routing_key.startswith(f"{PresencePace.routing_key}."):
+        return PresencePace
     try:
         return EVENT_TYPES[routing_key]
     except KeyError:

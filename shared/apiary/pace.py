@@ -6,7 +6,8 @@ pays that traffic for all of its length: the one cost that grew faster than K (R
 fleet would send more than `presence_rate` beats a second, its interval is stretched by a factor, a power of
 sqrt(2) (a fleet that grows one worker at a time changes it a few times, not at every join), and a worker is
 offline after `worker_offline_after` times the same factor. The scheduler announces the factor (`presence.pace`
-to every worker's control queue, and in each training assignment), each heartbeat says its worker's interval, and
+to every worker's control queue, and in each training assignment; `presence.pace.<worker id>` to one that joins
+later or beats faster than the pace), each heartbeat says its worker's interval, and
 services that judge presence go by the slowest pace heard within its own offline time.
 """
 

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from apiary.bus.identity import worker_user
 from services.app.runtime import Embedded
+from services.worker import Worker
 from tests.fixtures.embedded import StackFactory, toy_request
 
 
@@ -60,3 +62,28 @@ async def test_workers_beat_at_the_pace_the_fleet_calls_for_and_stay_online(
     # Assert: no view lost a worker between beats 2 s apart, and the job found its three workers.
     assert all(tracker == ids and scheduler == ids for tracker, scheduler in seen), seen
     assert done["status"] == "completed", done.get("reason")
+
+
+async def test_a_worker_that_joins_a_stretched_fleet_or_missed_its_pace_is_told_it(
+    embedded: StackFactory,
+) -> None:
+    # Prepare: 3 workers beating every 0.5 s within 2.05 beats a second are stretched 4x (every 2 s), and so are
+    # 4: the fourth joining changes no pace, so no announcement tells it (it beat every 0.5 s before).
+    async with embedded(workers=3, presence_rate=2.05, worker_offline_after=1.5) as stack:
+        await _until(lambda: all(w.beat_every == pytest.approx(2.0) for w in stack.workers), 15,
+                     "every worker to beat every 2 s")
+        late = Worker(stack.ports.bus.as_user(worker_user("late")), stack.settings, worker_id="late")
+
+        # Execute: the fourth joins; then one of the first three forgets the pace (a lost announcement).
+        await late.start()
+        try:
+            await _until(lambda: late.beat_every == pytest.approx(2.0), 15, "the late worker to beat every 2 s")
+            stack.workers[0].beat_every = 0.5
+            await _until(lambda: stack.workers[0].beat_every == pytest.approx(2.0), 15,
+                         "the forgetful worker to be told the pace again")
+            paces = await stack.ports.db.fetch("SELECT routing_key FROM events WHERE routing_key LIKE 'presence.%'")
+        finally:
+            await late.stop()
+
+    # Assert: both were told by the scheduler alone; the tracker recorded only the fleet's announcements.
+    assert {r["routing_key"] for r in paces} == {"presence.pace"}

@@ -206,6 +206,11 @@ async def test_a_worker_cannot_read_another_workers_queue_nor_bind_its_own_to_ot
         with pytest.raises(AMQPError, match=r"ACCESS_REFUSED.*worker.done"):
             await own.bind(EXCHANGE, "worker.done")
         channel = await connection.channel()
+        own = await channel.declare_queue(f"{EXCHANGE}.control.worker.w1", durable=True)
+        await own.bind(EXCHANGE, "presence.pace.w1")  # the pace told to it alone; not another worker's
+        with pytest.raises(AMQPError, match=r"ACCESS_REFUSED.*presence.pace.w2"):
+            await own.bind(EXCHANGE, "presence.pace.w2")
+        channel = await connection.channel()
         with pytest.raises(AMQPError, match="ACCESS_REFUSED"):
             await channel.queue_delete(f"{EXCHANGE}.aggregator")
     finally:

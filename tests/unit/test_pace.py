@@ -7,7 +7,7 @@ import math
 import pytest
 
 from apiary.pace import MAX_FACTOR, PaceWindow, pace_factor
-from services.scheduler.presence import FleetPace
+from services.scheduler.presence import FleetPace, PaceReminders
 
 
 def test_a_fleet_within_the_rate_beats_at_its_own_interval() -> None:
@@ -85,3 +85,23 @@ def test_a_scheduler_that_never_counted_looks_as_far_back_as_any_pace_reaches() 
     assert pace.counting_since(1000.0) == 1000.0 - 20.0 * MAX_FACTOR
     pace.decide(10, now=1000.0)
     assert pace.counting_since(1001.0) == 981.0
+
+
+def test_a_worker_that_joins_or_beats_faster_than_a_stretched_pace_is_told_it_once_an_interval() -> None:
+    pace = FleetPace(5.0, 20.0, 50.0, PaceWindow(20.0))
+    reminders = PaceReminders()
+    pace.decide(10, now=0.0)
+    unstretched = reminders.due("w1", None, pace, 1.0, announced=True)
+    pace.decide(1000, now=2.0)  # every 20 s
+
+    joined = reminders.due("w1", None, pace, 3.0, announced=True)
+    fast_again = reminders.due("w1", 5.0, pace, 8.0)  # it has not heard yet: told again after one interval
+    fast_later = reminders.due("w1", 5.0, pace, 23.5)
+    heard = reminders.due("w1", 20.0, pace, 43.5)
+    silent = reminders.due("w2", None, pace, 44.0)  # a beat that says no interval
+    other_fast = reminders.due("w2", 5.0, pace, 44.0)
+
+    assert not unstretched
+    assert joined and not fast_again and fast_later
+    assert not heard and "w1" not in reminders.told
+    assert not silent and other_fast

@@ -7,13 +7,16 @@ local RabbitMQ and PostgreSQL and a local-folder store. The workers are simulate
 pool queues, presigned downloads of the shard and the global weights, presigned upload of the result,
 worker.done echoing the assignment's secret), each with an in-process trainer that returns the weights it
 got (`NoOpTrainer`: no child process, no user code). A job of R rounds with K shards (min_workers =
-max_workers = K) is submitted; rounds 2..R are measured (round 1 pays the shard downloads). R is --rounds, or more
-for a small K, so that every K measures at least --contributions contributions: two rounds of half a second
-(K = 100) say little on a shared machine.
+max_workers = K) is submitted; rounds 2..R are measured (round 1 pays the shard downloads). R is --rounds (7: the
+median of 6 rounds), or more for a small K, so that every K measures at least --contributions contributions: two
+rounds of half a second (K = 100) say little on a shared machine. Round 2 is often the slowest (0.93-1.64x the
+median of rounds 2-7 in nine runs at K = 1,000, 1.16x in the median one; docs/scale.md): with R = 3 the median of
+rounds 2 and 3 was their mean, which a slow round 2 moved at K = 1,000 only (K = 100 measured 20 rounds).
 
 Figures, for each K and replica count:
 - round time: from a round's `started_at` to the next round's (the last round: to the job's end), the
-  median over rounds 2..R;
+  median over rounds 2..R (each round's in `round_s_each`; how many workers trained in each of rounds 1..R in
+  `workers_each`);
 - time per contribution: round time / K;
 - busy time: the length of the union of the intervals in which at least one simulated worker was handling
   an assignment of that round (from taking its delivery to worker.done being confirmed by the broker),
@@ -36,7 +39,7 @@ RabbitMQ's second storage, `queue-version` 2, the default from RabbitMQ 3.13) is
 `--queue-version 1` measures classic queues as a RabbitMQ 3.12 or older makes them without it, `--queue-type
 quorum` a deployment on quorum queues.
 
-Usage: python scripts/bench_scale.py [--k 10 100 1000] [--replicas 1 2] [--rounds 3] [--contributions 2000]
+Usage: python scripts/bench_scale.py [--k 10 100 1000] [--replicas 1 2] [--rounds 7] [--contributions 2000]
                                      [--params 100000] [--queue-version 2] [--queue-type classic]
                                      [--repeat N] [--flower-python PY] [--plot docs/scale.png]
 """
@@ -250,11 +253,13 @@ def _figures(cluster: Cluster, job_id: str, k: int, rounds: int, times: Path,
         "SELECT round, started_at FROM rounds WHERE job_id = $1 AND attempt = 1", job_id)}
     end = cluster.query("SELECT updated_at FROM jobs WHERE job_id = $1", job_id)[0]["updated_at"]
     intervals: dict[int, list[tuple[float, float]]] = {}
+    trainers: dict[int, set[str]] = {}  # the workers that trained in each round
     gc_seen: list[tuple[float, float, int]] = []  # (done, gc seconds so far, full collections so far)
     for line in times.read_text().splitlines():
         row = json.loads(line)
         if row["job_id"] == job_id:
             intervals.setdefault(row["round"], []).append((row["taken"], row["done"]))
+            trainers.setdefault(row["round"], set()).add(row["worker"])
             if row["round"] >= 2:
                 gc_seen.append((row["done"], row["gc_s"], row["gc_full"]))
     measured = range(2, rounds + 1)
@@ -270,7 +275,8 @@ def _figures(cluster: Cluster, job_id: str, k: int, rounds: int, times: Path,
             "phases_s": _phases(cluster, job_id, starts, measured),
             "cpu_s_per_round": {n: round(v / len(round_s), 2) for n, v in sorted(cpu.items(), key=lambda i: -i[1])},
             "simulated_gc_per_round": _gc_per_round(gc_seen, len(round_s)),
-            "rounds": len(round_s)}
+            "rounds": len(round_s), "round_s_each": [round(t, 3) for t in round_s],
+            "workers_each": [len(trainers.get(r, ())) for r in range(1, rounds + 1)]}
 
 
 def _phases(cluster: Cluster, job_id: str, starts: Mapping[int, float], measured: range) -> dict[str, float]:
@@ -396,7 +402,7 @@ GC = GcClock()
 
 
 def _record_assignments(worker: Any, times: Path) -> None:
-    """Append (job, round, taken, done) of each training assignment the worker handles to `times`."""
+    """Append (job, round, worker, taken, done) of each training assignment the worker handles to `times`."""
     handle = worker.on_assignment
 
     async def timed(assignment: Any, delivery: Any) -> None:
@@ -405,8 +411,8 @@ def _record_assignments(worker: Any, times: Path) -> None:
         if assignment.task == "train":
             with times.open("a") as out:
                 out.write(json.dumps({"job_id": assignment.job_id, "round": assignment.round,
-                                      "taken": taken, "done": time.time(), "gc_s": GC.seconds,
-                                      "gc_full": GC.full}) + "\n")
+                                      "worker": worker.worker_id, "taken": taken, "done": time.time(),
+                                      "gc_s": GC.seconds, "gc_full": GC.full}) + "\n")
 
     worker.on_assignment = timed
 
@@ -472,7 +478,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--k", type=int, nargs="+", default=[10, 100, 1000])
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of each job, at least (round 1 not measured)")
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="rounds of each job, at least (round 1 not measured): the median of 6 by default, since "
+                             "round 2 is often the slowest")
     parser.add_argument("--contributions", type=int, default=2000,
                         help="contributions each K measures at least: a small K runs more rounds than --rounds")
     parser.add_argument("--params", type=int, default=100_000,

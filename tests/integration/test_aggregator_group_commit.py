@@ -1,11 +1,16 @@
 """Reports arriving together are recorded a group per transaction (SQLite and PostgreSQL): a round of twelve costs a
 few commits, not twelve, with the bits of one report at a time. A commit that fails fails its group and the groups
 queued behind it: those reports are delivered again, and the round still closes with each contribution counted
-once."""
+once.
+
+How reports group depends on when each handler reaches the recorder, so the tests set that timing themselves: a
+commit may be held until a given number of reports are queued (`hold_commit`), and each commit's start is an event
+the test can wait on; nothing waits on a sleep."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import time
 from collections.abc import Sequence
@@ -51,10 +56,13 @@ def expected() -> bytes:
 
 class Round:
     """One aggregator on a memory bus, a database and a folder, with round 1 of a twelve-shard job started, its
-    commits of accepted contributions counted (each takes `commit_delay` s) and the first `failing` of them
-    failing as if the database went away."""
+    commits of accepted contributions counted and the first `failing` of them failing as if the database went away.
 
-    def __init__(self, database: Database, tmp_path: Path, *, commit_delay: float, failing: int = 0) -> None:
+    `hold_commit(n, until_queued=q)` keeps the n-th commit (from 0) from starting its transaction until q reports in
+    all have been queued for recording; `release(n)` lets a held commit go; `commit_started(n)` waits until the n-th
+    commit has been called."""
+
+    def __init__(self, database: Database, tmp_path: Path, *, failing: int = 0) -> None:
         self.bus = MemoryBus(service_user("aggregator"))
         self.storage = LocalStorage(tmp_path / "store")
         self.aggregator = Aggregator(self.bus, database, self.storage)
@@ -62,11 +70,30 @@ class Round:
         self.secrets = {shard: proof.new_secret() for shard in range(SHARDS)}
         self.announced: list[RoundAggregated] = []
         self.groups: list[int] = []  # the size of each group committed, in order
+        self.queued = 0  # reports handed to the recorder so far
+        self._queued_changed = asyncio.Event()
+        self._holds: dict[int, tuple[int | None, asyncio.Event]] = {}
+        self._started: collections.defaultdict[int, asyncio.Event] = collections.defaultdict(asyncio.Event)
         store, record = self.aggregator.store, self.aggregator.store.record_settling
+        recorder = self.aggregator._rounds.recorder
+        add = recorder.add
+        calls = [0]
         left = [failing]
 
+        def counting_add(key: tuple[str, int, int], report: WorkerDone) -> asyncio.Future[int | None]:
+            committed = add(key, report)
+            self.queued += 1
+            self._queued_changed.set()
+            return committed
+
         async def counted(key: tuple[str, int, int], rows: Sequence[tuple[Any, ...]]) -> int | None:
-            await asyncio.sleep(commit_delay)
+            n, calls[0] = calls[0], calls[0] + 1
+            self._started[n].set()
+            if n in self._holds:
+                until_queued, released = self._holds[n]
+                if until_queued is not None:
+                    await self.wait_queued(until_queued)
+                await asyncio.wait_for(released.wait(), WAIT)
             if left[0] > 0:
                 left[0] -= 1
                 raise DatabaseUnavailable("the database went away", dependency="the test's database")
@@ -74,7 +101,30 @@ class Round:
             self.groups.append(len(rows))
             return settled
 
+        recorder.add = counting_add  # type: ignore[method-assign]
         store.record_settling = counted  # type: ignore[method-assign]
+
+    def hold_commit(self, n: int, *, until_queued: int | None = None) -> None:
+        """Hold the n-th commit: until `until_queued` reports are queued if given, else until `release(n)`."""
+        released = asyncio.Event()
+        if until_queued is not None:
+            released.set()
+        self._holds[n] = (until_queued, released)
+
+    def release(self, n: int) -> None:
+        """Let the n-th commit, held by `hold_commit(n)`, start its transaction."""
+        self._holds[n][1].set()
+
+    async def commit_started(self, n: int) -> None:
+        """Wait until the n-th commit has been called (and is held, or under way)."""
+        await asyncio.wait_for(self._started[n].wait(), WAIT)
+
+    async def wait_queued(self, count: int) -> None:
+        """Wait until `count` reports in all have been handed to the recorder."""
+        async with asyncio.timeout(WAIT):
+            while self.queued < count:
+                self._queued_changed.clear()
+                await self._queued_changed.wait()
 
     async def start(self) -> None:
         await self.bus.connect()
@@ -119,7 +169,8 @@ class Round:
 
 
 async def test_reports_arriving_together_share_a_commit(database: Database, tmp_path: Path) -> None:
-    round_ = Round(database, tmp_path, commit_delay=0.05)
+    round_ = Round(database, tmp_path)
+    round_.hold_commit(0, until_queued=SHARDS)  # the first report commits once every other one is queued
     await round_.start()
 
     assert await round_.report_all(range(SHARDS)) == []
@@ -136,7 +187,8 @@ async def test_reports_arriving_together_share_a_commit(database: Database, tmp_
 
 
 async def test_a_failed_commit_fails_its_group_and_those_queued_behind_it(database: Database, tmp_path: Path) -> None:
-    round_ = Round(database, tmp_path, commit_delay=0.05, failing=1)
+    round_ = Round(database, tmp_path, failing=1)
+    round_.hold_commit(0, until_queued=SHARDS // 2)
     await round_.start()
 
     # Prepare: the first half arrives; the first commit fails while the rest of that half is queued behind it
@@ -157,12 +209,15 @@ async def test_a_failed_commit_fails_its_group_and_those_queued_behind_it(databa
 
 
 async def test_a_report_folded_while_a_commit_fails_is_not_lost(database: Database, tmp_path: Path) -> None:
-    round_ = Round(database, tmp_path, commit_delay=0.05, failing=1)
+    round_ = Round(database, tmp_path, failing=1)
+    round_.hold_commit(0)
     await round_.start()
     # One report's commit is under way (and will fail) when the others arrive one by one
     first = asyncio.create_task(round_.report(0))
-    await asyncio.sleep(0.01)
+    await round_.commit_started(0)
     later = asyncio.gather(*(round_.report(shard) for shard in range(1, SHARDS)), return_exceptions=True)
+    await round_.wait_queued(2)  # another report is folded and queued before the commit fails
+    round_.release(0)
     outcomes = [await asyncio.wait_for(asyncio.gather(first, return_exceptions=True), WAIT),
                 await asyncio.wait_for(later, WAIT)]
     failed = [0] if outcomes[0][0] is not None else []
@@ -178,14 +233,17 @@ async def test_a_report_folded_while_a_commit_fails_is_not_lost(database: Databa
 
 async def test_a_handler_cancelled_while_its_group_commits_cancels_no_other(database: Database,
                                                                             tmp_path: Path) -> None:
-    round_ = Round(database, tmp_path, commit_delay=0.1)
+    round_ = Round(database, tmp_path)
+    round_.hold_commit(0, until_queued=SHARDS)  # shard 0 commits alone; shards 1-11 queue behind it as one group
+    round_.hold_commit(1)
     await round_.start()
-    # Prepare: shard 0 commits alone; shards 1-11 queue behind it as one group
     tasks = [asyncio.create_task(round_.report(shard)) for shard in range(SHARDS)]
-    await asyncio.sleep(0.05)
 
-    # Execute: the aggregator stops waiting on shard 5's delivery (its consumer was cancelled)
+    # Execute: while that group commits, the aggregator stops waiting on shard 5's delivery (its consumer was
+    # cancelled)
+    await round_.commit_started(1)
     tasks[5].cancel()
+    round_.release(1)
     outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), WAIT)
 
     # Assert: only that handler saw the cancellation; its row was committed with its group all the same, so its

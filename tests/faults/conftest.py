@@ -1,7 +1,7 @@
 """Fixtures of the fault suite: a deployment to break, toy datasets, and the outcome table that is
 printed at the end of the run (case | expected | observed | contributions double-counted).
 
-The cases whose outcome rests on what RabbitMQ's queues do (ON_BOTH_QUEUE_TYPES: an unacknowledged message
+The cases whose outcome rests on what RabbitMQ's queues do (marked `queue_types`: an unacknowledged message
 given back when its consumer dies, a worker's own queue holding its shard while it is away, dead-lettering,
 competing replicas) run twice, on classic and on quorum queues (`APIARY_QUEUE_TYPE`); the others, whose
 outcome the queue type cannot change (validation, identity, the services' own state), on classic queues.
@@ -21,27 +21,11 @@ from tests.ports.test_bus_quorum import queue_types
 from tests.toyjobs.toy import make_dataset
 
 QUEUE_TYPES = ("classic", "quorum")
-ON_BOTH_QUEUE_TYPES = {
-    # redelivery of an assignment whose worker was killed, to another worker of the pool
-    "test_crashes.py::test_pool_assignment_of_a_killed_worker_is_trained_by_another",
-    # a pinned shard's assignment waits in its killed worker's own queue until it is back
-    "test_crashes.py::test_pinned_shard_waits_for_its_killed_worker_to_come_back",
-    # the reports a killed aggregator had not acknowledged, redelivered to the restarted one
-    "test_crashes.py::test_aggregator_killed_after_contributions_were_recorded_resumes_without_double_counting",
-    # the scheduler's messages redelivered after a kill -9 between rounds and mid-round
-    "test_crashes.py::test_scheduler_killed_between_rounds_and_mid_round_resumes_the_job",
-    # undecodable and malformed messages dead-lettered with their reason
-    "test_bad_input.py::test_poison_messages_are_dead_lettered_with_their_reason_and_services_keep_running",
-    # two replicas of each service on the same queues; one of two killed mid-round
-    "test_replicas.py::test_two_replicas_of_each_service_run_two_jobs_exactly_once",
-    "test_replicas.py::test_one_replica_killed_mid_round_while_the_other_goes_on",
-}
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Run each case of ON_BOTH_QUEUE_TYPES on both queue types (its deployment's `queue_type`)."""
-    case = metafunc.definition.nodeid.rpartition("/")[2]
-    if case in ON_BOTH_QUEUE_TYPES and "queue_type" in metafunc.fixturenames:
+    """Run each case marked `queue_types` on both queue types (its deployment's `queue_type`)."""
+    if metafunc.definition.get_closest_marker("queue_types") and "queue_type" in metafunc.fixturenames:
         metafunc.parametrize("queue_type", QUEUE_TYPES)
 
 

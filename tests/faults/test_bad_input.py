@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
+import pytest
 import torch
 
 from apiary import keys
@@ -27,6 +28,7 @@ Record = Callable[[str, str, str, int], None]
 Data = Callable[[int], Path]
 
 
+@pytest.mark.queue_types
 def test_poison_messages_are_dead_lettered_with_their_reason_and_services_keep_running(
         faults: Faults, toy_data: Data, outcome: Record) -> None:
     cluster = faults.cluster

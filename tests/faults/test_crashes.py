@@ -7,6 +7,7 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.faults.support import (
@@ -23,6 +24,7 @@ Record = Callable[[str, str, str, int], None]
 Data = Callable[[int], Path]
 
 
+@pytest.mark.queue_types
 def test_pool_assignment_of_a_killed_worker_is_trained_by_another(
         faults: Faults, toy_data: Data, outcome: Record) -> None:
     cluster = faults.cluster
@@ -53,6 +55,7 @@ def test_pool_assignment_of_a_killed_worker_is_trained_by_another(
             double)
 
 
+@pytest.mark.queue_types
 def test_pinned_shard_waits_for_its_killed_worker_to_come_back(
         faults: Faults, toy_data: Data, outcome: Record) -> None:
     cluster = faults.cluster
@@ -88,6 +91,7 @@ def test_pinned_shard_waits_for_its_killed_worker_to_come_back(
             f" {weights}", double)
 
 
+@pytest.mark.queue_types
 def test_aggregator_killed_after_contributions_were_recorded_resumes_without_double_counting(
         faults: Faults, toy_data: Data, outcome: Record) -> None:
     cluster = faults.cluster
@@ -151,6 +155,7 @@ def test_aggregator_killed_mid_fedadam_job_ends_with_the_weights_of_an_undisturb
             f" moments stored each round; final weights equal to an undisturbed run's", double)
 
 
+@pytest.mark.queue_types
 def test_scheduler_killed_between_rounds_and_mid_round_resumes_the_job(
         faults: Faults, toy_data: Data, outcome: Record) -> None:
     cluster = faults.cluster

@@ -9,6 +9,8 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from tests.faults.support import Faults, new_id, toy_job
 from tests.fixtures.cluster import SERVICES
 
@@ -30,6 +32,7 @@ def _assert_once_each(faults: Faults, job_id: str, rounds: int) -> dict[int, int
     return sizes
 
 
+@pytest.mark.queue_types
 def test_two_replicas_of_each_service_run_two_jobs_exactly_once(
         faults: Faults, toy_data: Data, outcome: Record) -> None:
     # Six shards per round: each aggregator replica takes some of every round's reports
@@ -60,6 +63,7 @@ def test_two_replicas_of_each_service_run_two_jobs_exactly_once(
             f"both completed; 3 rounds each, one attempt each; {lines[0]}", 0)
 
 
+@pytest.mark.queue_types
 def test_one_replica_killed_mid_round_while_the_other_goes_on(
         faults: Faults, toy_data: Data, outcome: Record) -> None:
     cluster = faults.cluster

@@ -2,6 +2,9 @@
 
 The last section holds RabbitMQ-only behaviour: surviving the broker's consumer acknowledgement
 timeout, returning a dead consumer's held message, and recovering from a dropped connection.
+
+Tests marked `queue_types` rest on what a RabbitMQ queue does with a message (expiry, redelivery, dead-lettering,
+delays, returning a consumer's held messages): tests/ports/test_bus_quorum.py runs those again on quorum queues.
 """
 
 from __future__ import annotations
@@ -140,6 +143,7 @@ async def test_publish_matching_no_queue_raises_unroutable(bus: Bus) -> None:
     assert await bus.queue_size("jobs") == 0
 
 
+@pytest.mark.queue_types
 async def test_a_queue_that_expires_goes_once_it_has_had_no_consumer_that_long(bus: Bus) -> None:
     # Prepare: a process's own queue, consumed for longer than its expiry, then left.
     await bus.declare_queue("mine", ["worker.control"], expires=0.5)
@@ -164,6 +168,7 @@ async def test_a_queue_that_expires_goes_once_it_has_had_no_consumer_that_long(b
     assert recorder.bodies == [b"while consumed"]
 
 
+@pytest.mark.queue_types
 async def test_a_message_not_taken_in_time_is_rerouted_and_one_taken_is_not(bus: Bus) -> None:
     # Prepare: a worker's preferred queue that falls back to the pool, with nobody consuming it yet.
     fallback = Reroute(after=0.5, to="assign.pool")
@@ -187,6 +192,7 @@ async def test_a_message_not_taken_in_time_is_rerouted_and_one_taken_is_not(bus:
     assert preferred.bodies == [b"taken"]
 
 
+@pytest.mark.queue_types
 async def test_a_message_passed_on_goes_where_its_queue_reroutes_at_once_as_a_fresh_delivery(bus: Bus) -> None:
     # Prepare: a preferred queue that falls back to the pool after a minute; its consumer declines the first
     # message once (a requeue, on quorum queues a copy of its own), then passes every message on.
@@ -253,6 +259,7 @@ async def test_a_paused_subscription_takes_nothing_new_until_resumed(bus: Bus) -
     assert await observed(lambda: bus.queue_size("jobs"), 0) == 0
 
 
+@pytest.mark.queue_types
 async def test_a_declined_message_goes_to_another_consumer_and_is_never_dead_lettered(bus: Bus) -> None:
     # Prepare: two consumers of one queue; the first pauses itself and declines what it gets.
     await bus.declare_queue("pool", ["assign.pool"])
@@ -341,6 +348,7 @@ async def test_consuming_an_undeclared_queue_is_refused(bus: Bus) -> None:
 # --- Acks, retries and dead letters ----------------------------------------------------------------
 
 
+@pytest.mark.queue_types
 async def test_a_handler_failing_once_gets_a_redelivery_that_is_acked(bus: Bus) -> None:
     # Prepare
     await bus.declare_queue("q", ["worker.done"])
@@ -359,6 +367,7 @@ async def test_a_handler_failing_once_gets_a_redelivery_that_is_acked(bus: Bus) 
     assert await bus.queue_size("dead") == 0
 
 
+@pytest.mark.queue_types
 async def test_a_handler_failing_twice_sends_the_message_to_the_dead_letter_queue(bus: Bus) -> None:
     # Prepare
     await bus.declare_queue("q", ["worker.done"])
@@ -380,6 +389,7 @@ async def test_a_handler_failing_twice_sends_the_message_to_the_dead_letter_queu
     assert letter.headers["job_id"] == "j1"
 
 
+@pytest.mark.queue_types
 async def test_poison_is_dead_lettered_at_once(bus: Bus) -> None:
     # Prepare
     await bus.declare_queue("q", ["worker.done"])
@@ -396,6 +406,7 @@ async def test_poison_is_dead_lettered_at_once(bus: Bus) -> None:
     assert dead.seen[0].headers[REASON_HEADER] == "contribution for an unknown job"
 
 
+@pytest.mark.queue_types
 async def test_an_undecodable_event_is_dead_lettered_at_once(bus: Bus) -> None:
     # Prepare
     handled: list[object] = []
@@ -419,6 +430,7 @@ async def test_an_undecodable_event_is_dead_lettered_at_once(bus: Bus) -> None:
     assert await bus.queue_size("scheduler") == 0
 
 
+@pytest.mark.queue_types
 async def test_retryable_is_requeued_until_it_succeeds(bus: Bus) -> None:
     # Prepare
     await bus.declare_queue("q", ["worker.done"])
@@ -439,6 +451,7 @@ async def test_retryable_is_requeued_until_it_succeeds(bus: Bus) -> None:
 # --- Consumers -------------------------------------------------------------------------------------
 
 
+@pytest.mark.queue_types
 async def test_cancelling_a_subscription_returns_its_in_flight_message(bus: Bus) -> None:
     # Prepare
     await bus.declare_queue("assign.pool", ["assign.pool"])
@@ -463,6 +476,7 @@ async def test_cancelling_a_subscription_returns_its_in_flight_message(bus: Bus)
     assert second.seen[0].redelivered
 
 
+@pytest.mark.queue_types
 async def test_a_handler_failing_while_cancelled_leaves_its_message_for_the_next_consumer(bus: Bus) -> None:
     # Prepare: the message is already a redelivery, so a counted failure would dead-letter it.
     await bus.declare_queue("q", ["worker.done"])
@@ -557,6 +571,7 @@ async def test_prefetch_bounds_how_many_handlers_run_at_once(bus: Bus) -> None:
 # --- Delays ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.queue_types
 async def test_delayed_publish_arrives_after_its_delay_and_a_short_one_is_not_held_back(bus: Bus) -> None:
     # Prepare
     await bus.declare_queue("aggregator", ["round.timeout"])
@@ -579,6 +594,7 @@ async def test_delayed_publish_arrives_after_its_delay_and_a_short_one_is_not_he
     assert long_at - sent_long >= 2.0 - 0.01
 
 
+@pytest.mark.queue_types
 async def test_a_message_published_not_persistent_arrives_saying_so(bus: Bus) -> None:
     # Prepare
     await bus.declare_queue("q", ["worker.heartbeat", "worker.done"])
@@ -638,6 +654,7 @@ TIMEOUT_MS = 3000  # the broker's consumer_timeout during these tests
 TRAINING_S = 8.0  # longer than the timeout plus several broker checks
 
 
+@pytest.mark.queue_types
 async def test_a_long_handler_outlives_the_consumer_timeout_without_loss_or_duplicate(
     rabbit_url: str, bus_namespace: str
 ) -> None:
@@ -705,6 +722,7 @@ async def test_without_re_holding_the_broker_closes_the_channel_and_the_consumer
         assert await bus.queue_size("assign.pool") == 0
 
 
+@pytest.mark.queue_types
 async def test_a_held_message_of_a_consumer_that_dies_goes_back_to_the_pool(
     rabbit_url: str, bus_namespace: str
 ) -> None:

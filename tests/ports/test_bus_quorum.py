@@ -1,7 +1,9 @@
 """The bus port suite again on RabbitMQ quorum queues (`APIARY_QUEUE_TYPE=quorum`), and what only they do.
 
-Every test of tests/ports/test_bus.py runs here once more (its RabbitMQ-only section too), on a bus that
-declares quorum queues; the memory bus has no queue types, so it is not repeated.
+The tests of tests/ports/test_bus.py marked `queue_types` (what a queue does with a message: expiry, redelivery,
+dead-lettering, delays, returning a consumer's held messages) run here once more, on a bus that declares quorum
+queues; routing, headers and the client's own behaviour do not depend on the queue type and run once. The memory
+bus has no queue types, so it is not repeated.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from tests.fixtures.services import rabbitmqctl
 from tests.ports import test_bus
 from tests.ports.test_bus import Recorder, consuming, eventually
 
-# The suite's tests, collected here as this module's own (pytest collects every test_* name of a module);
-# but the control case of re-holding (the broker's consumer timeout with re-holding off), which is no adapter
-# code's behaviour.
-CONTROL = "test_without_re_holding_the_broker_closes_the_channel_and_the_consumer_recovers"
-globals().update({name: test for name, test in vars(test_bus).items() if name.startswith("test_") and name != CONTROL})
+
+def _depends_on_queue_type(test: object) -> bool:
+    return any(mark.name == "queue_types" for mark in getattr(test, "pytestmark", []))
+
+
+# The suite's queue-type tests, collected here as this module's own (pytest collects every test_* name of a module).
+globals().update({name: test for name, test in vars(test_bus).items()
+                  if name.startswith("test_") and _depends_on_queue_type(test)})
 
 QuorumBus = functools.partial(RabbitBus, queue_type="quorum")
 

@@ -12,7 +12,6 @@ from apiary.bus.identity import worker_of
 from apiary.component import from_json
 from apiary.contracts import WorkerDone, WorkerFailed
 from apiary.status import ContributionStatus, RoundStatus
-from apiary.strategies import DEFAULT_STRATEGY
 from apiary.strategies.format import UpdateFormat
 
 Report = WorkerDone | WorkerFailed
@@ -48,15 +47,14 @@ def judge_shard(shard: int, shards: Collection[int], settled: Mapping[int, str])
 def judge_sender(report: Report, aggregation: Mapping[str, Any], user_id: str | None) -> Verdict | None:
     """A report that does not come from the worker its shard was assigned to is forged: it names another
     object than the shard's upload, lacks the assignment's secret, or the broker says another user sent
-    it. Else None. Rounds stored before secrets existed (no digests) are judged on the object alone."""
+    it. Else None."""
     if isinstance(report, WorkerDone):
         expected = keys.contribution(report.job_id, report.round, report.attempt, report.shard)
         if report.result.key != expected:
             # Only the object the assignment's upload URL wrote counts: never any other in the bucket.
             return Verdict(ContributionStatus.FORGED,
                            f"result {report.result.key!r} is not this shard's upload ({expected!r})")
-    digests = secret_digests(aggregation.get("secret_digests"))
-    if digests is not None and not proof.proves(report.secret, digests.get(str(report.shard))):
+    if not proof.proves(report.secret, secret_digests(aggregation["secret_digests"]).get(str(report.shard))):
         why = "no" if not report.secret else "a wrong"
         return Verdict(ContributionStatus.FORGED, f"{why} assignment secret for shard {report.shard}")
     sender = worker_of(user_id)
@@ -69,7 +67,7 @@ def judge_sender(report: Report, aggregation: Mapping[str, Any], user_id: str | 
 
 
 @functools.lru_cache(maxsize=64)
-def secret_digests(stored: str | None) -> Mapping[str, str] | None:
+def secret_digests(stored: str) -> Mapping[str, str]:
     """A round's shard -> secret digest, from its row's JSON: parsed once per round, not once per report (the
     JSON holds every shard's digest, so parsing it for each report cost O(K) a report, O(K^2) a round). The same
     row text is one string object for the round's reports, whose hash Python computes once."""
@@ -81,9 +79,9 @@ def all_settled(settled: Collection[int], shards: Collection[int]) -> bool:
     return len(settled) >= len(shards)
 
 
-def past_deadline(deadline: float | None, now: float) -> bool:
+def past_deadline(deadline: float, now: float) -> bool:
     """Whether a round closing now closes as a timeout would (a straggler stopped at the deadline)."""
-    return deadline is not None and now >= deadline
+    return now >= deadline
 
 
 def refusals(rows: list[dict[str, Any]]) -> dict[str, str]:
@@ -105,14 +103,13 @@ def failure_reason(accepted: int, expected: int, min_workers: int, refused: Mapp
 
 
 def update_format(aggregation: Mapping[str, Any]) -> UpdateFormat:
-    """A round's update format; rows stored before the column existed say it with use_peft."""
-    stored = aggregation.get("update_format")
-    return UpdateFormat(stored) if stored else UpdateFormat.of(adapter_only=bool(aggregation["use_peft"]))
+    """A round's update format."""
+    return UpdateFormat(aggregation["update_format"])
 
 
 def strategy_of(aggregation: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """A round's strategy name and parameters; rows stored before the columns existed used FedAvg."""
-    return aggregation.get("strategy") or DEFAULT_STRATEGY, from_json(aggregation.get("strategy_params"), {})
+    """A round's strategy name and parameters."""
+    return aggregation["strategy"], from_json(aggregation["strategy_params"])
 
 
 def ended_status(cancelled: bool) -> RoundStatus:

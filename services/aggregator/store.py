@@ -1,4 +1,4 @@
-"""The aggregator's tables: its migrations (append-only) and every SQL statement it runs."""
+"""The aggregator's tables: their migrations and every SQL statement it runs."""
 
 from __future__ import annotations
 
@@ -13,46 +13,45 @@ from apiary.db import Database, Executor
 from apiary.outbox import outbox_migration
 from apiary.status import ContributionStatus, RoundStatus
 
+# Version 1 is the schema as 0.1.0 ships it; append a step for each later change (a database records how many
+# of these it has applied).
 MIGRATIONS = [
     """
     CREATE TABLE IF NOT EXISTS aggregations (
       job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL, shards TEXT NOT NULL,
       min_workers BIGINT NOT NULL, weights_key TEXT NOT NULL, weights_size BIGINT NOT NULL,
-      weights_sha256 TEXT NOT NULL, use_peft BIGINT NOT NULL, status TEXT NOT NULL,
+      weights_sha256 TEXT NOT NULL, status TEXT NOT NULL,
       result_key TEXT, reason TEXT, opened_at DOUBLE PRECISION NOT NULL, closed_at DOUBLE PRECISION,
+      -- The round's trace context (the parent of the aggregation span, NULL where none was current).
+      traceparent TEXT,
+      -- The round's deadline: a last shard settling after it ends the round as a timeout would.
+      deadline DOUBLE PRECISION NOT NULL,
+      -- The round's update format, strategy and the strategy's parameters (JSON).
+      update_format TEXT NOT NULL, strategy TEXT NOT NULL, strategy_params TEXT NOT NULL,
+      -- Where the strategy's server state after the round is stored (NULL: it keeps none).
+      state_key TEXT,
+      -- Each shard's assignment-secret digest (JSON, shard -> digest).
+      secret_digests TEXT NOT NULL,
+      -- How many shards have settled (by any replica), kept with each settling report in the same transaction:
+      -- closing a round reads one row rather than counting its contributions after each one (K^2 a round).
+      settled BIGINT NOT NULL DEFAULT 0,
       PRIMARY KEY (job_id, round, attempt));
     CREATE TABLE IF NOT EXISTS contributions (
       seq {autoid}, job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL,
       shard BIGINT NOT NULL, worker_id TEXT NOT NULL, status TEXT NOT NULL, reason TEXT,
       samples BIGINT NOT NULL, result_key TEXT NOT NULL, size BIGINT NOT NULL, sha256 TEXT NOT NULL,
-      metrics TEXT NOT NULL, received_at DOUBLE PRECISION NOT NULL);
+      metrics TEXT NOT NULL, received_at DOUBLE PRECISION NOT NULL,
+      -- The report's trace context (a link of the aggregation span, NULL where none was current).
+      traceparent TEXT);
     CREATE UNIQUE INDEX IF NOT EXISTS contributions_once
       ON contributions (job_id, round, attempt, shard) WHERE status IN ('accepted', 'rejected', 'failed');
-    CREATE INDEX IF NOT EXISTS contributions_round ON contributions (job_id, round, attempt)
-    """,
-    outbox_migration("aggregator_outbox"),
-    # Trace context: the round's (parent of the aggregation span) and each contribution's (its links).
-    "ALTER TABLE aggregations ADD COLUMN traceparent TEXT; ALTER TABLE contributions ADD COLUMN traceparent TEXT",
-    # The round's deadline: a last shard settling after it ends the round as a timeout would.
-    "ALTER TABLE aggregations ADD COLUMN deadline DOUBLE PRECISION",
-    # The round's update format and strategy; NULL in rows from before (use_peft, FedAvg) and still written.
-    "ALTER TABLE aggregations ADD COLUMN update_format TEXT; ALTER TABLE aggregations ADD COLUMN strategy TEXT;"
-    " ALTER TABLE aggregations ADD COLUMN strategy_params TEXT",
-    # Where the strategy's server state after the round is stored (NULL: it keeps none).
-    "ALTER TABLE aggregations ADD COLUMN state_key TEXT",
-    # Each shard's assignment-secret digest (JSON; NULL in rows from before: reports judged on the object alone).
-    "ALTER TABLE aggregations ADD COLUMN secret_digests TEXT",
-    # How many shards have settled (by any replica), kept with each settling report in the same transaction:
-    # closing a round reads one row rather than counting its contributions after each one (K^2 a round).
-    "ALTER TABLE aggregations ADD COLUMN settled BIGINT NOT NULL DEFAULT 0;"
-    " UPDATE aggregations SET settled = (SELECT COUNT(*) FROM contributions c WHERE c.job_id = aggregations.job_id"
-    " AND c.round = aggregations.round AND c.attempt = aggregations.attempt"
-    " AND c.status IN ('accepted', 'rejected', 'failed'))",
+    CREATE INDEX IF NOT EXISTS contributions_round ON contributions (job_id, round, attempt);
+    """ + outbox_migration("aggregator_outbox"),
 ]
 
 COLUMNS = ("job_id", "round", "attempt", "shards", "min_workers", "weights_key", "weights_size", "weights_sha256",
-           "use_peft", "status", "opened_at", "traceparent", "deadline", "update_format", "strategy",
-           "strategy_params", "secret_digests")
+           "status", "opened_at", "traceparent", "deadline", "update_format", "strategy", "strategy_params",
+           "secret_digests")
 
 
 def opened_row(event: RoundStart) -> dict[str, Any]:
@@ -60,8 +59,7 @@ def opened_row(event: RoundStart) -> dict[str, Any]:
     return {
         "job_id": event.job_id, "round": event.round, "attempt": event.attempt, "shards": to_json(event.shards),
         "min_workers": event.min_workers, "weights_key": event.weights.key, "weights_size": event.weights.size,
-        "weights_sha256": event.weights.sha256, "use_peft": int(event.update_format == "adapter"),
-        "status": str(RoundStatus.OPEN), "opened_at": time.time(),
+        "weights_sha256": event.weights.sha256, "status": str(RoundStatus.OPEN), "opened_at": time.time(),
         "traceparent": telemetry.headers_for().get("traceparent"), "deadline": event.deadline,
         "update_format": str(event.update_format), "strategy": event.strategy,
         "strategy_params": to_json(event.strategy_params),

@@ -410,7 +410,7 @@ class SchedulerHandlers:
                            metrics: dict[str, float] | None = None) -> None:
         """End a round with `status`, recording its span (the root of the round's trace)."""
         row = await store.running_round(tx, job_id, round_index, attempt)
-        if row is not None and row["trace_id"]:
+        if row is not None:
             attributes = {"apiary.job_id": job_id, "apiary.round": round_index, "apiary.attempt": attempt,
                           "apiary.shards": len(from_json(row["shards"], [])), "apiary.round.status": str(status)}
             telemetry.recorded_span(f"round {round_index}", int(row["trace_id"], 16), int(row["span_id"], 16),

@@ -13,7 +13,8 @@ from apiary.jobspec import JobSpec
 from apiary.outbox import outbox_migration
 from apiary.status import JobStatus
 
-# Append only: a database records how many of these it has applied.
+# Version 1 is the schema as 0.1.0 ships it; append a step for each later change (a database records how many
+# of these it has applied).
 MIGRATIONS = [
     """
     CREATE TABLE IF NOT EXISTS jobs (
@@ -22,39 +23,34 @@ MIGRATIONS = [
       failures BIGINT NOT NULL DEFAULT 0, shards TEXT, dataset_id TEXT,
       weights_key TEXT, weights_size BIGINT, weights_sha256 TEXT,
       reason TEXT, final_model TEXT, metrics TEXT,
+      -- Whether its module evaluates (NULL: not known yet), and its last round once that aggregated (the job
+      -- completes when its evaluations are in).
+      evaluates BIGINT, last_round BIGINT,
+      -- A built-in job whose final adapter a worker merges into the base model (merge_adapter): the round whose
+      -- adapter it is, from when the merge is queued (the job completes once the merged model is stored).
+      merging BIGINT,
       created_at DOUBLE PRECISION NOT NULL, updated_at DOUBLE PRECISION NOT NULL);
     CREATE TABLE IF NOT EXISTS worker_presence (
-      worker_id TEXT PRIMARY KEY, online BIGINT NOT NULL, last_seen DOUBLE PRECISION NOT NULL);
+      worker_id TEXT PRIMARY KEY, online BIGINT NOT NULL, last_seen DOUBLE PRECISION NOT NULL,
+      -- The kind the worker declared (own or platform, NULL: none): a mixed job's listed workers must have theirs.
+      kind TEXT);
     CREATE TABLE IF NOT EXISTS rounds (
       job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL, status TEXT NOT NULL,
       shards TEXT NOT NULL, started_at DOUBLE PRECISION NOT NULL, deadline DOUBLE PRECISION NOT NULL,
       ended_at DOUBLE PRECISION, reason TEXT, weights_key TEXT, metrics TEXT,
+      -- The round span's ids, chosen when the round starts and recorded when it ends.
+      trace_id TEXT NOT NULL, span_id TEXT NOT NULL,
       PRIMARY KEY (job_id, round, attempt));
-    """,
-    outbox_migration("scheduler_outbox"),
-    # The round span's ids, chosen when the round starts and recorded when it ends.
-    "ALTER TABLE rounds ADD COLUMN trace_id TEXT; ALTER TABLE rounds ADD COLUMN span_id TEXT",
-    # Cancels that arrived before their job's request (the two travel separately): the request, when it
-    # comes, ends the job at once instead of starting it.
-    """
+    -- Cancels that arrived before their job's request (the two travel separately): the request, when it
+    -- comes, ends the job at once instead of starting it.
     CREATE TABLE IF NOT EXISTS early_cancels (
       job_id TEXT PRIMARY KEY, reason TEXT NOT NULL, received_at DOUBLE PRECISION NOT NULL);
-    """,
-    # The kind each worker declared (own | platform): a mixed job's listed workers must have theirs.
-    "ALTER TABLE worker_presence ADD COLUMN kind TEXT",
-    # Each evaluated round's evaluation (on a worker), and per job: whether its module evaluates (NULL: not
-    # known yet) and the last round once it aggregated (the job completes when its evaluations are in).
-    """
+    -- Each evaluated round's evaluation (on a worker).
     CREATE TABLE IF NOT EXISTS evaluations (
       job_id TEXT NOT NULL, round BIGINT NOT NULL, status TEXT NOT NULL, weights_key TEXT,
       metrics TEXT, error TEXT, worker_id TEXT, queued_at DOUBLE PRECISION NOT NULL, ended_at DOUBLE PRECISION,
       PRIMARY KEY (job_id, round));
-    ALTER TABLE jobs ADD COLUMN evaluates BIGINT;
-    ALTER TABLE jobs ADD COLUMN last_round BIGINT
-    """,
-    # A built-in job whose final adapter a worker merges into the base model (merge_adapter): the round whose
-    # adapter it is, from when the merge is queued (the job completes once the merged model is stored).
-    "ALTER TABLE jobs ADD COLUMN merging BIGINT",
+    """ + outbox_migration("scheduler_outbox"),
 ]
 
 OUTBOX = "scheduler_outbox"

@@ -7,17 +7,18 @@ from apiary.contracts import ShardInfo
 from apiary.db import Executor
 from apiary.outbox import outbox_migration
 
-# Append only: a database records how many of these it has applied.
+# Version 1 is the schema as 0.1.0 ships it; append a step for each later change (a database records how many
+# of these it has applied).
 MIGRATIONS = [
     """
     CREATE TABLE IF NOT EXISTS shards (
       job_id TEXT NOT NULL, shard BIGINT NOT NULL, storage_key TEXT NOT NULL, size BIGINT NOT NULL,
       sha256 TEXT NOT NULL, num_samples BIGINT NOT NULL, dataset_id TEXT,
+      -- Each shard's label histogram (JSON, NULL where its file has none), so that a redelivered request
+      -- announces the same shards.
+      labels TEXT,
       created_at DOUBLE PRECISION NOT NULL, PRIMARY KEY (job_id, shard));
-    """,
-    outbox_migration("sharder_outbox"),
-    # Each shard's label histogram (JSON), so a redelivered request announces the same shards.
-    "ALTER TABLE shards ADD COLUMN labels TEXT",
+    """ + outbox_migration("sharder_outbox"),
 ]
 
 OUTBOX = "sharder_outbox"

@@ -24,16 +24,15 @@ PROOFS: dict[str, tuple[str, str, str]] = {
 
 def judge(key: str, body: Mapping[str, Any], digests: Mapping[str, Any] | None, user_id: str | None) -> str | None:
     """Why a worker report is forged, or None: `digests` is its shard's row (None: the shard is unknown here,
-    or the round predates secrets, and only the broker user is judged)."""
+    and only the broker user is judged)."""
     sender = worker_of(user_id)
     if sender is not None and sender != body.get("worker_id"):
         return f"sent by worker {sender!r}'s broker user, not by worker {body.get('worker_id')!r}"
-    field, column, what = PROOFS[key]
-    digest = (digests or {}).get(column)
-    if digest is None:
+    if digests is None:
         return None
+    field, column, what = PROOFS[key]
     presented = body.get(field)
-    if proof.proves(presented if isinstance(presented, str) else None, digest):
+    if proof.proves(presented if isinstance(presented, str) else None, digests[column]):
         return None
     return f"{'a wrong' if presented else 'no'} {what} for shard {body.get('shard')}"
 

@@ -60,11 +60,9 @@ async def _job_rejected(tx: Executor, b: dict[str, Any], ts: float) -> None:
 async def _round_start(tx: Executor, b: dict[str, Any], ts: float) -> None:
     await store.ensure_job(tx, b["job_id"], ts)
     await store.job_running(tx, b["job_id"], b["round"], b["attempt"], b["num_rounds"], ts)
-    await store.round_started(tx, b["job_id"], b["round"], b["attempt"], [int(s) for s in b["shards"]], ts)
     secrets, progress = b.get("secret_digests") or {}, b.get("progress_digests") or {}
-    digests = {int(s): (secrets.get(str(s)), progress.get(str(s))) for s in b["shards"]}
-    if secrets or progress:
-        await store.shard_digests(tx, b["job_id"], b["round"], b["attempt"], digests)
+    digests = {int(s): (secrets.get(str(s), ""), progress.get(str(s), "")) for s in b["shards"]}
+    await store.round_started(tx, b["job_id"], b["round"], b["attempt"], digests, ts)
     await store.job_strategy(tx, b["job_id"], b.get("strategy", DEFAULT_STRATEGY), b.get("strategy_params", {}))
 
 

@@ -8,7 +8,8 @@ from typing import Any
 from apiary.component import to_json
 from apiary.db import Executor
 
-# Append only: a database records how many of these it has applied.
+# Version 1 is the schema as 0.1.0 ships it; append a step for each later change (a database records how many
+# of these it has applied).
 MIGRATIONS = [
     """
     CREATE TABLE IF NOT EXISTS events (
@@ -18,47 +19,51 @@ MIGRATIONS = [
     CREATE TABLE IF NOT EXISTS job_views (
       job_id TEXT PRIMARY KEY, name TEXT, status TEXT NOT NULL, round BIGINT NOT NULL DEFAULT 0,
       attempt BIGINT NOT NULL DEFAULT 0, num_rounds BIGINT, num_shards BIGINT, reason TEXT,
-      errors TEXT, final_model TEXT, metrics TEXT, created_at DOUBLE PRECISION NOT NULL,
-      updated_at DOUBLE PRECISION NOT NULL);
+      errors TEXT, final_model TEXT, metrics TEXT,
+      -- The aggregation strategy and its parameters, from the request and then the rounds.
+      strategy TEXT, strategy_params TEXT,
+      -- How the dataset was split (the request's `split`) and what each shard holds (from job.sharded).
+      split TEXT, data_shards TEXT,
+      -- The code bundle (key, sha256, size, entrypoint), from the request.
+      code TEXT,
+      created_at DOUBLE PRECISION NOT NULL, updated_at DOUBLE PRECISION NOT NULL);
     CREATE TABLE IF NOT EXISTS round_views (
       job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL, status TEXT NOT NULL,
       metrics TEXT, reason TEXT, started_at DOUBLE PRECISION, ended_at DOUBLE PRECISION,
+      -- The round's evaluation metrics (round.evaluated, on a worker) or why its evaluation failed.
+      evaluation TEXT, evaluation_error TEXT,
       PRIMARY KEY (job_id, round, attempt));
     CREATE TABLE IF NOT EXISTS shard_views (
       job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL, shard BIGINT NOT NULL,
-      worker_id TEXT, state TEXT NOT NULL, metrics TEXT, error TEXT, updated_at DOUBLE PRECISION NOT NULL,
+      worker_id TEXT, state TEXT NOT NULL, metrics TEXT, error TEXT,
+      -- The step the shard's training reached, for the per-worker progress table.
+      step BIGINT,
+      -- The digests of the shard's assignment secret and progress token, as round.start announced them
+      -- ('' where it announced none, which nothing proves).
+      secret_digest TEXT NOT NULL, progress_digest TEXT NOT NULL,
+      updated_at DOUBLE PRECISION NOT NULL,
       PRIMARY KEY (job_id, round, attempt, shard));
     CREATE TABLE IF NOT EXISTS workers (
       worker_id TEXT PRIMARY KEY, hostname TEXT, status TEXT NOT NULL, state TEXT,
       job_id TEXT, round BIGINT, shard BIGINT, gpu TEXT, samples_per_s DOUBLE PRECISION,
+      -- The kind the worker declared when it started (own: the user's machine, platform: ours), for mixed jobs.
+      kind TEXT,
       first_seen DOUBLE PRECISION NOT NULL, last_seen DOUBLE PRECISION NOT NULL);
     CREATE TABLE IF NOT EXISTS metrics (
       seq {autoid}, job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL,
       worker_id TEXT NOT NULL, shard BIGINT NOT NULL, step BIGINT, name TEXT NOT NULL,
       value DOUBLE PRECISION NOT NULL, ts DOUBLE PRECISION NOT NULL);
-    CREATE INDEX IF NOT EXISTS metrics_job ON metrics (job_id, seq)
+    CREATE INDEX IF NOT EXISTS metrics_job ON metrics (job_id, seq);
+    -- The worker reports that presented neither the assignment's secret nor its progress token (or came from
+    -- another worker's broker user): recorded as forged, never applied to the views.
+    CREATE TABLE IF NOT EXISTS forged_reports (
+      seq {autoid}, job_id TEXT NOT NULL, round BIGINT, attempt BIGINT, shard BIGINT, worker_id TEXT,
+      routing_key TEXT NOT NULL, reason TEXT NOT NULL, ts DOUBLE PRECISION NOT NULL);
+    CREATE INDEX IF NOT EXISTS forged_reports_job ON forged_reports (job_id, seq)
     """,
-    # The step a shard's training reached, for the per-worker progress table.
-    "ALTER TABLE shard_views ADD COLUMN step BIGINT",
-    # The job's aggregation strategy and its parameters, from its request and then its rounds.
-    "ALTER TABLE job_views ADD COLUMN strategy TEXT; ALTER TABLE job_views ADD COLUMN strategy_params TEXT",
-    # The kind a worker declared when it started (own: the user's machine; platform: ours), for mixed jobs.
-    "ALTER TABLE workers ADD COLUMN kind TEXT",
-    # How the job's dataset was split (its request's `split`) and what each shard holds (from job.sharded).
-    "ALTER TABLE job_views ADD COLUMN split TEXT; ALTER TABLE job_views ADD COLUMN data_shards TEXT",
-    # Each shard's assignment-secret and progress-token digests (from round.start), and the reports that
-    # presented neither: recorded as forged, never applied to the views.
-    "ALTER TABLE shard_views ADD COLUMN secret_digest TEXT; ALTER TABLE shard_views ADD COLUMN progress_digest TEXT;"
-    " CREATE TABLE IF NOT EXISTS forged_reports (seq {autoid}, job_id TEXT NOT NULL, round BIGINT,"
-    " attempt BIGINT, shard BIGINT, worker_id TEXT, routing_key TEXT NOT NULL, reason TEXT NOT NULL,"
-    " ts DOUBLE PRECISION NOT NULL); CREATE INDEX IF NOT EXISTS forged_reports_job ON forged_reports (job_id, seq)",
-    # The job's code bundle (key, sha256, size, entrypoint), from its request.
-    "ALTER TABLE job_views ADD COLUMN code TEXT",
-    # Each evaluated round's evaluation metrics (round.evaluated, on a worker) or why its evaluation failed.
-    "ALTER TABLE round_views ADD COLUMN evaluation TEXT; ALTER TABLE round_views ADD COLUMN evaluation_error TEXT",
 ]
 
-SHARD_ROWS_PER_INSERT = 500  # well under SQLite's and PostgreSQL's limits on parameters per statement
+SHARD_ROWS_PER_INSERT = 300  # three parameters a row: under SQLite's (999 before 3.32) and PostgreSQL's limits
 
 
 
@@ -152,32 +157,24 @@ async def running_round_ended(tx: Executor, job_id: str, status: str, reason: st
     )
 
 
-async def round_started(tx: Executor, job_id: str, round_index: int, attempt: int, shards: list[int],
-                        ts: float) -> None:
-    """A round started on these shards (recorded once)."""
+async def round_started(tx: Executor, job_id: str, round_index: int, attempt: int,
+                        shards: dict[int, tuple[str, str]], ts: float) -> None:
+    """A round started on these shards, each with its (secret digest, progress-token digest) as round.start
+    announced them (recorded once)."""
     await tx.execute(
         "INSERT INTO round_views (job_id, round, attempt, status, started_at) VALUES ($1, $2, $3, 'running', $4)"
         " ON CONFLICT DO NOTHING",
         job_id, round_index, attempt, ts,
     )
-    for start in range(0, len(shards), SHARD_ROWS_PER_INSERT):
-        chunk = shards[start : start + SHARD_ROWS_PER_INSERT]
-        rows = ", ".join(f"($1, $2, $3, ${i}, 'assigned', $4)" for i in range(5, 5 + len(chunk)))
+    rows = list(shards.items())
+    for start in range(0, len(rows), SHARD_ROWS_PER_INSERT):
+        chunk = rows[start : start + SHARD_ROWS_PER_INSERT]
+        values = ", ".join(f"($1, $2, $3, ${i}, ${i + 1}, ${i + 2}, 'assigned', $4)"
+                           for i in range(5, 5 + 3 * len(chunk), 3))
         await tx.execute(
-            f"INSERT INTO shard_views (job_id, round, attempt, shard, state, updated_at) VALUES {rows}"
-            " ON CONFLICT DO NOTHING",
-            job_id, round_index, attempt, ts, *chunk,
-        )
-
-
-async def shard_digests(tx: Executor, job_id: str, round_index: int, attempt: int,
-                        digests: dict[int, tuple[str | None, str | None]]) -> None:
-    """Each shard's (secret digest, progress-token digest), as round.start announced them."""
-    for shard, (secret, progress) in digests.items():
-        await tx.execute(
-            "UPDATE shard_views SET secret_digest = $5, progress_digest = $6"
-            " WHERE job_id = $1 AND round = $2 AND attempt = $3 AND shard = $4",
-            job_id, round_index, attempt, shard, secret, progress,
+            "INSERT INTO shard_views (job_id, round, attempt, shard, secret_digest, progress_digest, state,"
+            f" updated_at) VALUES {values} ON CONFLICT DO NOTHING",
+            job_id, round_index, attempt, ts, *(value for shard, digests in chunk for value in (shard, *digests)),
         )
 
 

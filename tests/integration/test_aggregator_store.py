@@ -1,7 +1,7 @@
 """The aggregator's count of a round's settled shards (on SQLite and on PostgreSQL): kept with each settling
 report in the same transaction, so closing a round reads one row instead of counting its contributions after
-each report; exact when replicas record at once, unchanged by a refused duplicate, and filled in for rounds
-stored before the column existed."""
+each report; exact when replicas record at once and unchanged by a refused duplicate. Its schema refuses a round
+without the secret digests, and a later migration step applies on top of it."""
 
 from __future__ import annotations
 
@@ -77,21 +77,28 @@ async def test_replicas_recording_at_once_count_every_shard_once(database: Datab
     assert await store.settled_shards("j", 1, 1) == 40
 
 
-async def test_rounds_stored_before_the_count_get_it_from_their_contributions(database: Database) -> None:
-    # Prepare: the tables as the migrations before the count left them, with a round half settled
-    await database.migrate("aggregator", MIGRATIONS[:-1])
-    old = AggregatorStore(database)
-    row = opened_row(_start(3))
-    del row["settled"]
-    assert await old.open_round(row)
-    for shard, status in ((0, "accepted"), (1, "late"), (2, "failed")):
-        await database.execute(
-            "INSERT INTO contributions (job_id, round, attempt, shard, worker_id, status, samples, result_key,"
-            " size, sha256, metrics, received_at) VALUES ('j', 1, 1, $1, 'w', $2, 1, 'k', 1, 's', '{}', 0)",
-            shard, status)
+async def test_a_later_migration_step_applies_once_on_top_of_the_schema_and_its_rows(database: Database) -> None:
+    # Prepare: the schema as released, with a round stored in it
+    store = await _store(database, 2)
+    await store.record(_done(0), ContributionStatus.ACCEPTED, None)
+    later = "ALTER TABLE aggregations ADD COLUMN note TEXT; UPDATE aggregations SET note = 'kept'"
 
     # Execute
-    await AggregatorStore(database).migrate("aggregator")
+    applied = [await database.migrate("aggregator", [*MIGRATIONS, later]) for _ in range(2)]
 
     # Assert
-    assert await old.settled_shards("j", 1, 1) == 2
+    assert applied == [1, 0]
+    assert await database.fetchval("SELECT note FROM aggregations WHERE job_id = 'j'") == "kept"
+    assert await store.settled_shards("j", 1, 1) == 1
+
+
+async def test_a_round_without_its_secret_digests_is_refused_by_the_schema(database: Database) -> None:
+    # Prepare
+    store = AggregatorStore(database)
+    await store.migrate("aggregator")
+    row = {**opened_row(_start(1)), "secret_digests": None}
+
+    # Execute, Assert
+    with pytest.raises(Exception):  # noqa: B017 - each engine names its NOT NULL violation its own way
+        await store.open_round(row)
+    assert await store.aggregation("j", 1, 1) is None

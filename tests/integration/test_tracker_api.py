@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
+from apiary import proof
 from apiary.bus.memory import MemoryBus
 from apiary.bus.typed import publish_event
 from apiary.contracts import (
@@ -283,10 +284,14 @@ async def test_a_gpu_reading_in_a_heartbeat_reaches_the_workers_endpoint(api: Ap
 async def test_a_shard_whose_worker_went_offline_shows_as_offline(api: Api) -> None:
     # Events only the tracker consumes, for a job no other service knows.
     weights = ObjectRef(key="k", size=1, sha256="0" * 64)
-    await publish_event(api.stack.ports.bus, RoundStart(job_id="ghost", round=1, num_rounds=2, shards=[0, 1],
-                                                        min_workers=1, weights=weights, deadline=time.time() + 60))
+    secrets = {shard: proof.new_secret() for shard in (0, 1)}
+    await publish_event(api.stack.ports.bus, RoundStart(
+        job_id="ghost", round=1, num_rounds=2, shards=[0, 1], min_workers=1, weights=weights,
+        deadline=time.time() + 60, secret_digests={s: proof.digest(secret) for s, secret in secrets.items()},
+        progress_digests={s: proof.digest(proof.progress_token(secret)) for s, secret in secrets.items()}))
     await publish_event(api.stack.ports.bus, WorkerProgress(job_id="ghost", round=1, worker_id="w-gone", shard=0,
-                                                            metrics={"loss": 0.5}, step=3))
+                                                            metrics={"loss": 0.5}, step=3,
+                                                            token=proof.progress_token(secrets[0])))
     await api.wait_for("ghost", lambda v: v["progress"]["training"] == 1)
     await publish_event(api.stack.ports.bus, WorkerOffline(worker_id="w-gone"))
     await api.wait_for("ghost", lambda v: v["progress"]["offline"] == 1)

@@ -38,7 +38,7 @@ def test_a_report_for_an_unassigned_or_settled_shard_settles_nothing() -> None:
 def test_a_round_closes_when_every_shard_settled_and_counts_as_timed_out_past_its_deadline() -> None:
     assert not all_settled({0}, {0, 1})
     assert all_settled({0, 1}, {0, 1})
-    assert past_deadline(100.0, 100.0) and not past_deadline(100.0, 99.9) and not past_deadline(None, 1e12)
+    assert past_deadline(100.0, 100.0) and not past_deadline(100.0, 99.9)
 
 
 def test_a_round_fails_below_min_workers_naming_each_refused_shard() -> None:
@@ -54,12 +54,12 @@ def test_a_round_fails_below_min_workers_naming_each_refused_shard() -> None:
         "too few valid contributions: 0 of 2 shards contributed valid weights, min_workers is 1")
 
 
-def test_rows_from_before_the_format_and_strategy_columns_read_as_use_peft_and_fedavg() -> None:
-    assert update_format({"use_peft": 1}) is UpdateFormat.ADAPTER
-    assert update_format({"use_peft": 0, "update_format": None}) is UpdateFormat.FULL
-    assert update_format({"use_peft": 0, "update_format": "adapter"}) is UpdateFormat.ADAPTER
-    assert strategy_of({"strategy": None, "strategy_params": None}) == ("federated_averaging", {})
+def test_a_round_s_format_and_strategy_are_read_from_its_row() -> None:
+    assert update_format({"update_format": "adapter"}) is UpdateFormat.ADAPTER
+    assert update_format({"update_format": "full"}) is UpdateFormat.FULL
     assert strategy_of({"strategy": "fedavg", "strategy_params": "{}"}) == ("fedavg", {})
+    assert strategy_of({"strategy": "fedprox", "strategy_params": '{"proximal_mu": 0.1}'}) == (
+        "fedprox", {"proximal_mu": 0.1})
 
 
 def test_a_job_that_ends_closes_its_rounds_as_cancelled_or_failed() -> None:

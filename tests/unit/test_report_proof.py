@@ -15,8 +15,8 @@ from services.tracker import forgery
 SECRET = proof.new_secret()
 
 
-def _round(digests: dict[int, str] | None) -> dict[str, Any]:
-    return {"secret_digests": None if digests is None else to_json({str(k): v for k, v in digests.items()})}
+def _round(digests: dict[int, str]) -> dict[str, Any]:
+    return {"secret_digests": to_json({str(k): v for k, v in digests.items()})}
 
 
 def _done(*, secret: str = SECRET, key: str | None = None, worker: str = "w1") -> WorkerDone:
@@ -69,9 +69,11 @@ def test_another_object_or_another_broker_user_is_forged() -> None:
     assert own_user is None and shared_user is None
 
 
-def test_a_round_stored_before_secrets_is_judged_on_its_object_alone() -> None:
-    assert judge_sender(_done(secret=""), _round(None), None) is None
-    assert judge_sender(_done(key="elsewhere"), _round(None), None) is not None
+def test_a_round_that_announced_no_digest_for_the_shard_believes_no_secret() -> None:
+    assert judge_sender(_done(), _round({}), None) == Verdict(
+        ContributionStatus.FORGED, "a wrong assignment secret for shard 0")
+    assert judge_sender(_done(secret=""), _round({}), None) == Verdict(
+        ContributionStatus.FORGED, "no assignment secret for shard 0")
 
 
 def test_the_tracker_believes_a_progress_report_or_heartbeat_only_with_the_shards_token() -> None:
@@ -89,5 +91,7 @@ def test_the_tracker_believes_a_progress_report_or_heartbeat_only_with_the_shard
     assert forgery.judge("worker.done", {**progress, "secret": SECRET}, row, None) is None
     assert forgery.judge("worker.heartbeat", {"worker_id": "w1", "state": "idle"}, None, worker_user("w2")) == \
         "sent by worker 'w2''s broker user, not by worker 'w1'"
-    assert forgery.judge("worker.progress", progress, None, None) is None  # a round from before secrets
+    assert forgery.judge("worker.progress", progress, None, None) is None  # a shard unknown here
+    unannounced = {"secret_digest": "", "progress_digest": ""}  # a round.start that announced no digests
+    assert forgery.judge("worker.progress", progress, unannounced, None) == "a wrong progress token for shard 0"
     assert not forgery.names_a_shard("worker.heartbeat", {**heartbeat, "state": "idle"})

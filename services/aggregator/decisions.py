@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from apiary import keys, proof
-from apiary.bus.identity import worker_of
 from apiary.component import from_json
 from apiary.contracts import WorkerDone, WorkerFailed
 from apiary.status import ContributionStatus, RoundStatus
@@ -47,8 +46,9 @@ def judge_shard(shard: int, shards: Collection[int], settled: Mapping[int, str])
 
 def judge_sender(report: Report, aggregation: Mapping[str, Any], user_id: str | None) -> Verdict | None:
     """A report that does not come from the worker its shard was assigned to is forged: it names another
-    object than the shard's upload, lacks the assignment's secret, or the broker says another user sent
-    it. Else None. Rounds stored before secrets existed (no digests) are judged on the object alone."""
+    object than the shard's upload, another worker's broker user sent it or it lacks the assignment's secret
+    (apiary.proof.judge). Else None. Rounds stored before secrets existed (no digests) are judged on the object
+    and the broker user alone."""
     if isinstance(report, WorkerDone):
         expected = keys.contribution(report.job_id, report.round, report.attempt, report.shard)
         if report.result.key != expected:
@@ -56,15 +56,10 @@ def judge_sender(report: Report, aggregation: Mapping[str, Any], user_id: str | 
             return Verdict(ContributionStatus.FORGED,
                            f"result {report.result.key!r} is not this shard's upload ({expected!r})")
     digests = secret_digests(aggregation.get("secret_digests"))
-    if digests is not None and not proof.proves(report.secret, digests.get(str(report.shard))):
-        why = "no" if not report.secret else "a wrong"
-        return Verdict(ContributionStatus.FORGED, f"{why} assignment secret for shard {report.shard}")
-    sender = worker_of(user_id)
-    if sender is not None and sender != report.worker_id:
-        # A worker's broker user speaking for another worker (a service's or a shared user is not judged here:
-        # the broker's topic permissions keep services from publishing worker.* at all).
-        return Verdict(ContributionStatus.FORGED,
-                       f"sent by worker {sender!r}'s broker user, not by worker {report.worker_id!r}")
+    digest = None if digests is None else digests.get(str(report.shard), proof.UNMATCHABLE)
+    reason = proof.judge(report.worker_id, user_id, report.secret, digest, about=f"shard {report.shard}")
+    if reason is not None:
+        return Verdict(ContributionStatus.FORGED, reason)
     return None
 
 

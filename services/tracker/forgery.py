@@ -9,33 +9,25 @@ from collections.abc import Mapping
 from typing import Any
 
 from apiary import proof
-from apiary.bus.identity import worker_of
 from apiary.db import Executor
 from services.tracker import store
 
 # Routing key -> (the body's field that proves it, the shard_views column holding its digest, what it is).
 PROOFS: dict[str, tuple[str, str, str]] = {
-    "worker.done": ("secret", "secret_digest", "assignment secret"),
-    "worker.failed": ("secret", "secret_digest", "assignment secret"),
-    "worker.progress": ("token", "progress_digest", "progress token"),
-    "worker.heartbeat": ("token", "progress_digest", "progress token"),
+    "worker.done": ("secret", "secret_digest", proof.SECRET),
+    "worker.failed": ("secret", "secret_digest", proof.SECRET),
+    "worker.progress": ("token", "progress_digest", proof.TOKEN),
+    "worker.heartbeat": ("token", "progress_digest", proof.TOKEN),
 }
 
 
 def judge(key: str, body: Mapping[str, Any], digests: Mapping[str, Any] | None, user_id: str | None) -> str | None:
     """Why a worker report is forged, or None: `digests` is its shard's row (None: the shard is unknown here,
     or the round predates secrets, and only the broker user is judged)."""
-    sender = worker_of(user_id)
-    if sender is not None and sender != body.get("worker_id"):
-        return f"sent by worker {sender!r}'s broker user, not by worker {body.get('worker_id')!r}"
     field, column, what = PROOFS[key]
-    digest = (digests or {}).get(column)
-    if digest is None:
-        return None
-    presented = body.get(field)
-    if proof.proves(presented if isinstance(presented, str) else None, digest):
-        return None
-    return f"{'a wrong' if presented else 'no'} {what} for shard {body.get('shard')}"
+    presented, worker_id = body.get(field), body.get("worker_id", "")
+    return proof.judge(worker_id, user_id, presented if isinstance(presented, str) else None,
+                       (digests or {}).get(column), what=what, about=f"shard {body.get('shard')}")
 
 
 def names_a_shard(key: str, body: Mapping[str, Any]) -> bool:

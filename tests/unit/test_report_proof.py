@@ -37,6 +37,23 @@ def test_a_secret_proves_only_itself_and_a_missing_one_proves_nothing() -> None:
     assert not proof.proves(proof.progress_token(SECRET), proof.digest(SECRET))
 
 
+def test_one_rule_judges_every_report_the_broker_user_first_then_the_secret() -> None:
+    expected = proof.digest(SECRET)
+
+    genuine = proof.judge("w1", worker_user("w1"), SECRET, expected, about="shard 0")
+    wrong = proof.judge("w1", None, "guess", expected, about="shard 0")
+    missing = proof.judge("w1", "guest", None, expected, what=proof.TOKEN, about="the task")
+    other_user = proof.judge("w1", worker_user("w2"), "guess", expected, about="shard 0")
+    before_secrets = proof.judge("w1", None, None, None, about="shard 0")
+    unmatchable = proof.judge("w1", None, SECRET, proof.UNMATCHABLE, about="shard 0")
+
+    assert genuine is None and before_secrets is None
+    assert wrong == "a wrong assignment secret for shard 0"
+    assert missing == "no progress token for the task"
+    assert other_user == "sent by worker 'w2''s broker user, not by worker 'w1'"
+    assert unmatchable == "a wrong assignment secret for shard 0"
+
+
 def test_the_genuine_report_passes() -> None:
     assert judge_sender(_done(), _round({0: proof.digest(SECRET)}), None) is None
     assert judge_sender(_done(), _round({0: proof.digest(SECRET)}), worker_user("w1")) is None

@@ -7,7 +7,7 @@ from typing import Any
 from apiary import keys, proof
 from apiary.bus.identity import worker_user
 from apiary.component import to_json
-from apiary.contracts import ObjectRef, WorkerDone, WorkerFailed
+from apiary.contracts import ObjectRef, WorkerDone, WorkerFailed, WorkerHeartbeat, WorkerProgress
 from apiary.status import ContributionStatus
 from services.aggregator.decisions import Verdict, judge_sender
 from services.tracker import forgery
@@ -94,17 +94,18 @@ def test_a_round_stored_before_secrets_is_judged_on_its_object_alone() -> None:
 def test_the_tracker_believes_a_progress_report_or_heartbeat_only_with_the_shards_token() -> None:
     token = proof.progress_token(SECRET)
     row = {"secret_digest": proof.digest(SECRET), "progress_digest": proof.digest(token)}
-    progress = {"job_id": "j", "round": 1, "attempt": 1, "shard": 0, "worker_id": "w1", "token": token}
-    heartbeat = {"worker_id": "w1", "state": "training", "job_id": "j", "round": 1, "shard": 0, "token": "guess"}
+    progress = WorkerProgress(job_id="j", round=1, attempt=1, shard=0, worker_id="w1", token=token)
+    heartbeat = WorkerHeartbeat(worker_id="w1", state="training", job_id="j", round=1, shard=0, token="guess")
+    failed = WorkerFailed(job_id="j", round=1, attempt=1, shard=0, worker_id="w1", error="x", secret="")
 
-    assert forgery.judge("worker.progress", progress, row, worker_user("w1")) is None
-    assert forgery.judge("worker.progress", {**progress, "token": SECRET}, row, None) == \
+    assert forgery.judge(progress, row, worker_user("w1")) is None
+    assert forgery.judge(progress.model_copy(update={"token": SECRET}), row, None) == \
         "a wrong progress token for shard 0"
-    assert forgery.judge("worker.heartbeat", heartbeat, row, None) == "a wrong progress token for shard 0"
-    assert forgery.judge("worker.failed", {**progress, "secret": ""}, row, None) == \
+    assert forgery.judge(heartbeat, row, None) == "a wrong progress token for shard 0"
+    assert forgery.judge(failed, row, None) == \
         "no assignment secret for shard 0"
-    assert forgery.judge("worker.done", {**progress, "secret": SECRET}, row, None) is None
-    assert forgery.judge("worker.heartbeat", {"worker_id": "w1", "state": "idle"}, None, worker_user("w2")) == \
+    assert forgery.judge(_done(), row, None) is None
+    assert forgery.judge(WorkerHeartbeat(worker_id="w1", state="idle"), None, worker_user("w2")) == \
         "sent by worker 'w2''s broker user, not by worker 'w1'"
-    assert forgery.judge("worker.progress", progress, None, None) is None  # a round from before secrets
-    assert not forgery.names_a_shard("worker.heartbeat", {**heartbeat, "state": "idle"})
+    assert forgery.judge(progress, None, None) is None  # a round from before secrets
+    assert forgery.shard_of(heartbeat.model_copy(update={"state": "idle"})) is None

@@ -38,7 +38,8 @@ def heartbeat_of(body: Mapping[str, Any]) -> WorkerHeartbeat:
     if not isinstance(worker_id, str) or not worker_id:
         raise Poison("worker.heartbeat message lacks what the tracker needs: a worker_id string")
     fields: dict[str, type | tuple[type, ...]] = {"state": str, "job_id": str, "round": int, "shard": int,
-                                                  "gpu": dict, "samples_per_s": (int, float), "kind": str}
+                                                  "gpu": dict, "samples_per_s": (int, float), "kind": str,
+                                                  "token": str, "interval": (int, float)}
     for name, kind in fields.items():
         value = body.get(name)
         if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):

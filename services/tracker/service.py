@@ -112,19 +112,17 @@ class Tracker(Component):
         except DecodeError as e:
             raise Poison(str(e)) from e
         key, now = delivery.routing_key, time.time()
-        if key == "worker.heartbeat":
-            self._pace.hear_interval(body.get("interval"), self.settings.heartbeat_interval, now)
-        elif (key == PresencePace.routing_key or key.startswith(f"{PresencePace.routing_key}.")) and isinstance(
-                body.get("factor"), int | float):
-            self._pace.hear(float(body["factor"]), now)
+        event = decoded(key, body)
+        if isinstance(event, PresencePace):
+            self._pace.hear(event.factor, now)
             if key != PresencePace.routing_key:
                 return  # the pace told to one worker: the fleet's, recorded when it was announced
-        event = decoded(key, body)
-        if isinstance(event, WorkerHeartbeat) and forgery.shard_of(event) is None and (
-                forgery.judge(event, None, delivery.user_id) is None):
-            # A beat naming no shard changes only its worker's row: kept for the next batched write.
-            self._beats.keep(beat_of(event, now))
-            return
+        elif isinstance(event, WorkerHeartbeat):
+            self._pace.hear_interval(event.interval, self.settings.heartbeat_interval, now)
+            if forgery.shard_of(event) is None and forgery.judge(event, None, delivery.user_id) is None:
+                # A beat naming no shard changes only its worker's row: kept for the next batched write.
+                self._beats.keep(beat_of(event, now))
+                return
         await self._commits.submit(Arrival(key, body, event, now, delivery.user_id))
 
     async def _apply(self, tx: Executor, arrival: Arrival) -> None:

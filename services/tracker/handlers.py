@@ -208,4 +208,4 @@ def decoded(key: str, body: dict[str, Any]) -> Any:
     try:
         return validate(key, body)
     except DecodeError as e:
-        raise Poison(f"{key} message lacks what the tracker needs: {e}") from e
+        raise Poison(str(e)) from e

@@ -46,7 +46,7 @@ def judge_shard(shard: int, shards: Collection[int], settled: Mapping[int, str])
 
 def judge_sender(report: Report, aggregation: Mapping[str, Any], user_id: str | None) -> Verdict | None:
     """A report that does not come from the worker its shard was assigned to is forged: it names another
-    object than the shard's upload, another worker's broker user sent it or it lacks the assignment's secret
+    object than the shard's upload, lacks the assignment's secret or another worker's broker user sent it
     (apiary.proof.judge). Else None. Rounds stored before secrets existed (no digests) are judged on the object
     and the broker user alone."""
     if isinstance(report, WorkerDone):

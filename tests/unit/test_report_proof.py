@@ -37,13 +37,14 @@ def test_a_secret_proves_only_itself_and_a_missing_one_proves_nothing() -> None:
     assert not proof.proves(proof.progress_token(SECRET), proof.digest(SECRET))
 
 
-def test_one_rule_judges_every_report_the_broker_user_first_then_the_secret() -> None:
+def test_one_rule_judges_every_report_the_secret_first_then_the_broker_user() -> None:
     expected = proof.digest(SECRET)
 
     genuine = proof.judge("w1", worker_user("w1"), SECRET, expected, about="shard 0")
     wrong = proof.judge("w1", None, "guess", expected, about="shard 0")
     missing = proof.judge("w1", "guest", None, expected, what=proof.TOKEN, about="the task")
-    other_user = proof.judge("w1", worker_user("w2"), "guess", expected, about="shard 0")
+    other_user = proof.judge("w1", worker_user("w2"), SECRET, expected, about="shard 0")
+    both = proof.judge("w1", worker_user("w2"), None, expected, about="shard 0")
     before_secrets = proof.judge("w1", None, None, None, about="shard 0")
     unmatchable = proof.judge("w1", None, SECRET, proof.UNMATCHABLE, about="shard 0")
 
@@ -51,7 +52,9 @@ def test_one_rule_judges_every_report_the_broker_user_first_then_the_secret() ->
     assert wrong == "a wrong assignment secret for shard 0"
     assert missing == "no progress token for the task"
     assert other_user == "sent by worker 'w2''s broker user, not by worker 'w1'"
+    assert both == "no assignment secret for shard 0"
     assert unmatchable == "a wrong assignment secret for shard 0"
+    assert proof.judge("w1", worker_user("w2"), None, None, about="shard 0") == other_user
 
 
 def test_the_genuine_report_passes() -> None:

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from apiary import keys, proof
-from apiary.bus.identity import worker_of
 from apiary.component import from_json
 from apiary.contracts import WorkerDone, WorkerFailed
 from apiary.status import ContributionStatus, RoundStatus
@@ -46,23 +45,18 @@ def judge_shard(shard: int, shards: Collection[int], settled: Mapping[int, str])
 
 def judge_sender(report: Report, aggregation: Mapping[str, Any], user_id: str | None) -> Verdict | None:
     """A report that does not come from the worker its shard was assigned to is forged: it names another
-    object than the shard's upload, lacks the assignment's secret, or the broker says another user sent
-    it. Else None."""
+    object than the shard's upload, lacks the assignment's secret or another worker's broker user sent it
+    (apiary.proof.judge). Else None."""
     if isinstance(report, WorkerDone):
         expected = keys.contribution(report.job_id, report.round, report.attempt, report.shard)
         if report.result.key != expected:
             # Only the object the assignment's upload URL wrote counts: never any other in the bucket.
             return Verdict(ContributionStatus.FORGED,
                            f"result {report.result.key!r} is not this shard's upload ({expected!r})")
-    if not proof.proves(report.secret, secret_digests(aggregation["secret_digests"]).get(str(report.shard))):
-        why = "no" if not report.secret else "a wrong"
-        return Verdict(ContributionStatus.FORGED, f"{why} assignment secret for shard {report.shard}")
-    sender = worker_of(user_id)
-    if sender is not None and sender != report.worker_id:
-        # A worker's broker user speaking for another worker (a service's or a shared user is not judged here:
-        # the broker's topic permissions keep services from publishing worker.* at all).
-        return Verdict(ContributionStatus.FORGED,
-                       f"sent by worker {sender!r}'s broker user, not by worker {report.worker_id!r}")
+    digest = secret_digests(aggregation["secret_digests"]).get(str(report.shard), proof.UNMATCHABLE)
+    reason = proof.judge(report.worker_id, user_id, report.secret, digest, about=f"shard {report.shard}")
+    if reason is not None:
+        return Verdict(ContributionStatus.FORGED, reason)
     return None
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from apiary import proof
-from apiary.bus.identity import worker_of
 from apiary.contracts import AdapterMerged, Assignment, ReportForged, TaskKind, WeightsInitialized, WorkerEvaluated
 from apiary.db import Executor
 from apiary.outbox import Pending
@@ -39,28 +38,17 @@ async def remember(tx: Executor, queued: Sequence[Pending]) -> None:
                 a.job_id, a.task, a.round, a.attempt, proof.digest(a.secret))
 
 
-def judge(report: TaskReport, digest: str | None, user_id: str | None) -> str | None:
-    """Why a task report is forged, or None: another worker's broker user sent it, or it lacks the secret whose
-    digest is `digest` (None: the task predates secrets)."""
-    sender = worker_of(user_id)
-    if sender is not None and sender != report.worker_id:
-        return f"sent by worker {sender!r}'s broker user, not by worker {report.worker_id!r}"
-    if digest is not None and not proof.proves(report.secret, digest):
-        return f"{'a wrong' if report.secret else 'no'} assignment secret for the task"
-    return None
-
-
 async def forged(tx: Executor, task: TaskKind, report: TaskReport, user_id: str | None) -> ReportForged | None:
     """The `report.forged` event for a task report not from its assignment's worker, or None if it is."""
     round_index = 0 if isinstance(report, WeightsInitialized) else report.round
     digest = await tx.fetchval(
         "SELECT secret_digest FROM task_proofs WHERE job_id = $1 AND task = $2 AND round = $3 AND attempt = $4",
         report.job_id, task, round_index, report.attempt)
-    reason = judge(report, digest, user_id)
+    reason = proof.judge(report.worker_id, user_id, report.secret, digest, about="the task")
     if reason is None:
         return None
     return ReportForged(job_id=report.job_id, round=round_index, attempt=report.attempt, worker_id=report.worker_id,
                         report=report.routing_key, reason=reason)
 
 
-__all__ = ["COMPONENT", "MIGRATIONS", "TaskReport", "forged", "judge", "remember"]
+__all__ = ["COMPONENT", "MIGRATIONS", "TaskReport", "forged", "remember"]

@@ -14,13 +14,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
+
+from pydantic import ValidationError
 
 from apiary.bus import Poison
 from apiary.component import to_json
+from apiary.contracts import WorkerHeartbeat
 from apiary.db import Database
 from services.tracker import store
+from services.tracker.store import WorkerSeen
 
 log = logging.getLogger("apiary.tracker")
 
@@ -28,42 +31,33 @@ WRITE_EVERY = 1.0  # seconds between two writes of the beats kept meanwhile
 ROWS_PER_STATEMENT = 500  # beats written by one statement (11 parameters each: under every database's limit)
 
 
-@dataclass(frozen=True)
-class Beat:
-    """One heartbeat as the workers table stores it."""
-
-    worker_id: str
-    ts: float  # when the tracker received it: the row's last_seen
-    state: str | None
-    job_id: str | None
-    round: int | None
-    shard: int | None
-    gpu: str | None  # JSON
-    samples_per_s: float | None
-    kind: str | None
-
-    def row(self) -> tuple[Any, ...]:
-        """The values of store.beats' row, in its order."""
-        return (self.worker_id, self.state, self.job_id, self.round, self.shard, self.gpu, self.samples_per_s,
-                self.kind, self.ts)
-
-
-def beat_of(body: Mapping[str, Any], ts: float) -> Beat:
-    """A heartbeat message's beat; Poison, naming the field, if a field has the wrong type."""
+def heartbeat_of(body: Mapping[str, Any]) -> WorkerHeartbeat:
+    """A heartbeat message's event; Poison, naming the field, if a field has the wrong type (stricter than the
+    contract, which would take a bool or a number's text for a number)."""
     worker_id = body.get("worker_id")
     if not isinstance(worker_id, str) or not worker_id:
         raise Poison("worker.heartbeat message lacks what the tracker needs: a worker_id string")
-    gpu, rate = body.get("gpu"), body.get("samples_per_s")
     fields: dict[str, type | tuple[type, ...]] = {"state": str, "job_id": str, "round": int, "shard": int,
-                                                  "gpu": dict, "samples_per_s": (int, float), "kind": str}
+                                                  "gpu": dict, "samples_per_s": (int, float), "kind": str,
+                                                  "token": str, "interval": (int, float)}
     for name, kind in fields.items():
         value = body.get(name)
         if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
             raise Poison(f"worker.heartbeat message from {worker_id}: {name} has the wrong type "
                          f"({type(value).__name__})")
-    return Beat(worker_id=worker_id, ts=ts, state=body.get("state"), job_id=body.get("job_id"),
-                round=body.get("round"), shard=body.get("shard"), gpu=to_json(gpu) if gpu else None,
-                samples_per_s=float(rate) if rate is not None else None, kind=body.get("kind"))
+    try:
+        return WorkerHeartbeat.model_validate(body)
+    except ValidationError as e:
+        raise Poison(f"worker.heartbeat message from {worker_id} is malformed: {e.errors()[0]['msg']} "
+                     f"at {'.'.join(map(str, e.errors()[0]['loc']))}") from e
+
+
+def beat_of(heartbeat: WorkerHeartbeat, ts: float) -> WorkerSeen:
+    """What a heartbeat received at `ts` says of its worker's row."""
+    return WorkerSeen(worker_id=heartbeat.worker_id, ts=ts, state=heartbeat.state, job_id=heartbeat.job_id,
+                      round=heartbeat.round, shard=heartbeat.shard,
+                      gpu=to_json(heartbeat.gpu) if heartbeat.gpu else None, samples_per_s=heartbeat.samples_per_s,
+                      kind=heartbeat.kind)
 
 
 class Heartbeats:
@@ -71,10 +65,10 @@ class Heartbeats:
 
     def __init__(self, db: Database, after: Callable[[], Awaitable[None]] | None = None) -> None:
         self._db, self._after = db, after
-        self._pending: dict[str, Beat] = {}
+        self._pending: dict[str, WorkerSeen] = {}
         self._failing = False
 
-    def keep(self, beat: Beat) -> None:
+    def keep(self, beat: WorkerSeen) -> None:
         """Keep a beat for the next write (an older one of the same worker is dropped)."""
         current = self._pending.get(beat.worker_id)
         if current is None or current.ts <= beat.ts:
@@ -119,4 +113,4 @@ class Heartbeats:
                 self._failing = False
 
 
-__all__ = ["ROWS_PER_STATEMENT", "WRITE_EVERY", "Beat", "Heartbeats", "beat_of"]
+__all__ = ["ROWS_PER_STATEMENT", "WRITE_EVERY", "Heartbeats", "beat_of", "heartbeat_of"]

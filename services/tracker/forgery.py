@@ -1,7 +1,8 @@
 """Which worker reports the tracker believes: a report on a shard must present the assignment's secret
 (`worker.done`, `worker.failed`) or its progress token (`worker.progress`, a training heartbeat), and a
-worker's broker user may speak only for that worker. A report that does not is recorded as forged and
-changes no view (a forged failure does not fail the shard, a forged heartbeat does not move the worker)."""
+worker's broker user may speak only for that worker (apiary.proof.judge). A report that does not is recorded
+as forged and changes no view (a forged failure does not fail the shard, a forged heartbeat does not move the
+worker)."""
 
 from __future__ import annotations
 
@@ -9,52 +10,42 @@ from collections.abc import Mapping
 from typing import Any
 
 from apiary import proof
-from apiary.bus.identity import worker_of
+from apiary.contracts import WorkerDone, WorkerFailed, WorkerHeartbeat, WorkerProgress
 from apiary.db import Executor
 from services.tracker import store
 
-# Routing key -> (the body's field that proves it, the shard_views column holding its digest, what it is).
-PROOFS: dict[str, tuple[str, str, str]] = {
-    "worker.done": ("secret", "secret_digest", "assignment secret"),
-    "worker.failed": ("secret", "secret_digest", "assignment secret"),
-    "worker.progress": ("token", "progress_digest", "progress token"),
-    "worker.heartbeat": ("token", "progress_digest", "progress token"),
-}
+WorkerReport = WorkerDone | WorkerFailed | WorkerProgress | WorkerHeartbeat
 
 
-def judge(key: str, body: Mapping[str, Any], digests: Mapping[str, Any] | None, user_id: str | None) -> str | None:
+def judge(report: WorkerReport, digests: Mapping[str, Any] | None, user_id: str | None) -> str | None:
     """Why a worker report is forged, or None: `digests` is its shard's row (None: the shard is unknown here,
     and only the broker user is judged)."""
-    sender = worker_of(user_id)
-    if sender is not None and sender != body.get("worker_id"):
-        return f"sent by worker {sender!r}'s broker user, not by worker {body.get('worker_id')!r}"
-    if digests is None:
-        return None
-    field, column, what = PROOFS[key]
-    presented = body.get(field)
-    if proof.proves(presented if isinstance(presented, str) else None, digests[column]):
-        return None
-    return f"{'a wrong' if presented else 'no'} {what} for shard {body.get('shard')}"
+    presented: str | None
+    if isinstance(report, WorkerDone | WorkerFailed):
+        presented, column, what = report.secret, "secret_digest", proof.SECRET
+    else:
+        presented, column, what = report.token, "progress_digest", proof.TOKEN
+    return proof.judge(report.worker_id, user_id, presented, (digests or {}).get(column), what=what,
+                       about=f"shard {report.shard}")
 
 
-def names_a_shard(key: str, body: Mapping[str, Any]) -> bool:
-    """Whether a report speaks about one shard of one round (an idle heartbeat does not)."""
-    return (isinstance(body.get("job_id"), str) and isinstance(body.get("round"), int)
-            and isinstance(body.get("shard"), int) and (key != "worker.heartbeat" or body.get("state") == "training"))
+def shard_of(report: WorkerReport) -> tuple[str, int, int | None, int] | None:
+    """The job, round, attempt and shard a report speaks about; None for a heartbeat while not training (a
+    heartbeat names no attempt: None, the round's latest)."""
+    if not isinstance(report, WorkerHeartbeat):
+        return report.job_id, report.round, report.attempt, report.shard
+    if report.state == "training" and report.job_id is not None and report.round is not None and (
+            report.shard is not None):
+        return report.job_id, report.round, None, report.shard
+    return None
 
 
-async def forged(tx: Executor, key: str, body: dict[str, Any], user_id: str | None, ts: float) -> bool:
+async def forged(tx: Executor, report: WorkerReport, user_id: str | None, ts: float) -> bool:
     """Judge a worker report against its shard's digests; record it as forged (True) or let it through."""
-    if key not in PROOFS:
-        return False
-    digests = None
-    if names_a_shard(key, body):
-        attempt = body.get("attempt") if key != "worker.heartbeat" else None
-        digests = await store.shard_digest_row(tx, body["job_id"], body["round"],
-                                               attempt if isinstance(attempt, int) else None, body["shard"])
-    reason = judge(key, body, digests, user_id)
+    shard = shard_of(report)
+    digests = None if shard is None else await store.shard_digest_row(tx, *shard)
+    reason = judge(report, digests, user_id)
     if reason is None:
         return False
-    if isinstance(body.get("job_id"), str):
-        await store.record_forged(tx, key, body, reason, ts)
+    await store.record_forged(tx, report, reason, ts)
     return True

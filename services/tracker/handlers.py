@@ -1,17 +1,45 @@
-"""What the tracker records for each event: one function per routing key, from the message body alone
-(a missing field raises KeyError or TypeError, which the tracker dead-letters)."""
+"""What the tracker records for each event: one function per routing key, from the event's contract model
+(`decoded`: a message it does not fit is dead-lettered)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from apiary.bus import Poison
 from apiary.component import to_json
+from apiary.contracts import (
+    DecodeError,
+    JobAccepted,
+    JobCompleted,
+    JobFailed,
+    JobRejected,
+    JobRequested,
+    JobSharded,
+    JobWaiting,
+    PresencePace,
+    ReportForged,
+    RoundAggregated,
+    RoundEvaluated,
+    RoundFailed,
+    RoundStart,
+    WorkerDone,
+    WorkerFailed,
+    WorkerHeartbeat,
+    WorkerOffline,
+    WorkerOnline,
+    WorkerProgress,
+    validate,
+)
 from apiary.db import Executor
 from apiary.strategies import DEFAULT_STRATEGY
 from services.tracker import store
+from services.tracker.beats import heartbeat_of
+from services.tracker.store import WorkerSeen
 
-View = Callable[[Executor, dict[str, Any], float], Awaitable[None]]
+# A view takes its routing key's contract model (a job request: its body, see `decoded`).
+View = Callable[[Executor, Any, float], Awaitable[None]]
 
 
 def summary(key: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -38,135 +66,145 @@ async def _job_requested(tx: Executor, b: dict[str, Any], ts: float) -> None:
                                                    "size": code.get("size"), "entrypoint": b.get("entrypoint")})
 
 
-async def _job_sharded(tx: Executor, b: dict[str, Any], ts: float) -> None:
-    await store.ensure_job(tx, b["job_id"], ts)
-    shards = [{"shard": int(s["index"]), "num_samples": int(s["num_samples"]), "labels": s.get("labels")}
-              for s in b.get("shards") or []]
+async def _job_sharded(tx: Executor, e: JobSharded, ts: float) -> None:
+    await store.ensure_job(tx, e.job_id, ts)
+    shards = [{"shard": s.index, "num_samples": s.num_samples, "labels": s.labels} for s in e.shards]
     if shards:
-        await store.job_sharded(tx, b["job_id"], shards)
+        await store.job_sharded(tx, e.job_id, shards)
 
 
-async def _job_accepted(tx: Executor, b: dict[str, Any], ts: float) -> None:
-    await store.ensure_job(tx, b["job_id"], ts)
-    await store.job_accepted(tx, b["job_id"], b["name"], b["num_rounds"], b["num_shards"], ts)
+async def _job_accepted(tx: Executor, e: JobAccepted, ts: float) -> None:
+    await store.ensure_job(tx, e.job_id, ts)
+    await store.job_accepted(tx, e.job_id, e.name, e.num_rounds, e.num_shards, ts)
 
 
-async def _job_rejected(tx: Executor, b: dict[str, Any], ts: float) -> None:
-    await store.ensure_job(tx, b["job_id"], ts)
-    await store.update_job(tx, b["job_id"], ts, status="rejected", reason=b["reason"],
-                           errors=to_json(b.get("errors", [])))
+async def _job_rejected(tx: Executor, e: JobRejected, ts: float) -> None:
+    await store.ensure_job(tx, e.job_id, ts)
+    await store.update_job(tx, e.job_id, ts, status="rejected", reason=e.reason,
+                           errors=to_json([error.model_dump() for error in e.errors]))
 
 
-async def _round_start(tx: Executor, b: dict[str, Any], ts: float) -> None:
-    await store.ensure_job(tx, b["job_id"], ts)
-    await store.job_running(tx, b["job_id"], b["round"], b["attempt"], b["num_rounds"], ts)
-    secrets, progress = b.get("secret_digests") or {}, b.get("progress_digests") or {}
-    digests = {int(s): (secrets.get(str(s), ""), progress.get(str(s), "")) for s in b["shards"]}
-    await store.round_started(tx, b["job_id"], b["round"], b["attempt"], digests, ts)
-    await store.job_strategy(tx, b["job_id"], b.get("strategy", DEFAULT_STRATEGY), b.get("strategy_params", {}))
+async def _round_start(tx: Executor, e: RoundStart, ts: float) -> None:
+    await store.ensure_job(tx, e.job_id, ts)
+    await store.job_running(tx, e.job_id, e.round, e.attempt, e.num_rounds, ts)
+    # A shard the round announced no digest for stores '': no report can prove it.
+    digests = {s: (e.secret_digests.get(s, ""), e.progress_digests.get(s, "")) for s in e.shards}
+    await store.round_started(tx, e.job_id, e.round, e.attempt, digests, ts)
+    await store.job_strategy(tx, e.job_id, e.strategy, e.strategy_params)
 
 
-async def _worker_progress(tx: Executor, b: dict[str, Any], ts: float) -> None:
-    await store.shard_state(tx, b, ts, "training")
-    await store.record_metrics(tx, b, ts)
-    await store.touch_worker(tx, b["worker_id"], ts, state="training", job_id=b["job_id"], round_index=b["round"],
-                             shard=b["shard"], samples_per_s=b.get("samples_per_s"))
+async def _worker_progress(tx: Executor, e: WorkerProgress, ts: float) -> None:
+    await store.shard_state(tx, e, ts, "training")
+    await store.record_metrics(tx, e)
+    await store.touch_worker(tx, WorkerSeen(e.worker_id, ts, state="training", job_id=e.job_id, round=e.round,
+                                            shard=e.shard, samples_per_s=e.samples_per_s))
 
 
-async def _worker_done(tx: Executor, b: dict[str, Any], ts: float) -> None:
-    await store.shard_state(tx, b, ts, "reported")
-    await store.touch_worker(tx, b["worker_id"], ts, state="idle")
+async def _worker_done(tx: Executor, e: WorkerDone, ts: float) -> None:
+    await store.shard_state(tx, e, ts, "reported")
+    await store.touch_worker(tx, WorkerSeen(e.worker_id, ts, state="idle"))
 
 
-async def _worker_failed(tx: Executor, b: dict[str, Any], ts: float) -> None:
-    await store.shard_state(tx, b, ts, "failed", error=b.get("error"))
-    await store.touch_worker(tx, b["worker_id"], ts, state="idle")
+async def _worker_failed(tx: Executor, e: WorkerFailed, ts: float) -> None:
+    await store.shard_state(tx, e, ts, "failed")
+    await store.touch_worker(tx, WorkerSeen(e.worker_id, ts, state="idle"))
 
 
-async def _round_aggregated(tx: Executor, b: dict[str, Any], ts: float) -> None:
-    await store.round_ended(tx, b["job_id"], b["round"], b["attempt"], "aggregated", ts,
-                            metrics=to_json(b.get("metrics", {})))
-    rejected = {int(shard): reason for shard, reason in (b.get("rejected") or {}).items()}
-    await store.shards_rejected(tx, b["job_id"], b["round"], b["attempt"], rejected)
+async def _round_aggregated(tx: Executor, e: RoundAggregated, ts: float) -> None:
+    await store.round_ended(tx, e.job_id, e.round, e.attempt, "aggregated", ts, metrics=to_json(e.metrics))
+    rejected = {int(shard): reason for shard, reason in e.rejected.items()}
+    await store.shards_rejected(tx, e.job_id, e.round, e.attempt, rejected)
 
 
-async def _round_failed(tx: Executor, b: dict[str, Any], ts: float) -> None:
-    await store.round_ended(tx, b["job_id"], b["round"], b["attempt"], "failed", ts, reason=b["reason"])
+async def _round_failed(tx: Executor, e: RoundFailed, ts: float) -> None:
+    await store.round_ended(tx, e.job_id, e.round, e.attempt, "failed", ts, reason=e.reason)
 
 
-async def _round_evaluated(tx: Executor, b: dict[str, Any], ts: float) -> None:
-    if b.get("found", True) is not False:
-        await store.round_evaluated(tx, b["job_id"], b["round"], b.get("attempt", 1), b.get("metrics") or {},
-                                    b.get("error"))
+async def _round_evaluated(tx: Executor, e: RoundEvaluated, ts: float) -> None:
+    if e.found:
+        await store.round_evaluated(tx, e.job_id, e.round, e.attempt, e.metrics, e.error)
 
 
-async def _report_forged(tx: Executor, b: dict[str, Any], ts: float) -> None:
+async def _report_forged(tx: Executor, e: ReportForged, ts: float) -> None:
     # A task report the scheduler refused (not from its assignment's worker): kept as the forged reports judged
     # here are.
-    await store.record_forged(tx, str(b["report"]), b, str(b["reason"]), ts)
+    await store.record_forged(tx, e, e.reason, ts)
 
 
-async def _job_completed(tx: Executor, b: dict[str, Any], ts: float) -> None:
-    await store.ensure_job(tx, b["job_id"], ts)
-    await store.update_job(tx, b["job_id"], ts, status="completed", round=b["rounds_completed"],
-                           final_model=b["final_model"], metrics=to_json(b.get("metrics", {})),
-                           reason=b.get("reason"))
+async def _job_completed(tx: Executor, e: JobCompleted, ts: float) -> None:
+    await store.ensure_job(tx, e.job_id, ts)
+    await store.update_job(tx, e.job_id, ts, status="completed", round=e.rounds_completed,
+                           final_model=e.final_model, metrics=to_json(e.metrics), reason=e.reason)
     # Early stopping ends a job while its next round runs: that round is cancelled (the scheduler's record).
-    await store.running_round_ended(tx, b["job_id"], "cancelled", f"job completed: {b.get('reason') or 'completed'}",
-                                    ts)
+    await store.running_round_ended(tx, e.job_id, "cancelled", f"job completed: {e.reason or 'completed'}", ts)
 
 
-async def _job_waiting(tx: Executor, b: dict[str, Any], ts: float) -> None:
-    await store.ensure_job(tx, b["job_id"], ts)
-    await store.update_job(tx, b["job_id"], ts, status="waiting", reason=b["reason"])
+async def _job_waiting(tx: Executor, e: JobWaiting, ts: float) -> None:
+    await store.ensure_job(tx, e.job_id, ts)
+    await store.update_job(tx, e.job_id, ts, status="waiting", reason=e.reason)
 
 
-async def _job_failed(tx: Executor, b: dict[str, Any], ts: float) -> None:
-    await store.ensure_job(tx, b["job_id"], ts)
+async def _job_failed(tx: Executor, e: JobFailed, ts: float) -> None:
+    await store.ensure_job(tx, e.job_id, ts)
     # The round it was in ends with it (a result that still comes in is recorded as it arrives).
-    status = "cancelled" if b.get("cancelled") is True else "failed"
-    await store.job_ended(tx, b["job_id"], status, b["reason"], ts)
+    await store.job_ended(tx, e.job_id, "cancelled" if e.cancelled else "failed", e.reason, ts)
 
 
-async def _worker_online(tx: Executor, b: dict[str, Any], ts: float) -> None:
-    await store.touch_worker(tx, b["worker_id"], ts, state="idle", hostname=b.get("hostname"), gpu=b.get("gpu"),
-                             kind=_kind(b))
+async def _worker_online(tx: Executor, e: WorkerOnline, ts: float) -> None:
+    await store.touch_worker(tx, WorkerSeen(e.worker_id, ts, state="idle", hostname=e.hostname,
+                                            gpu=to_json(e.gpu) if e.gpu else None, kind=e.kind))
 
 
-async def _worker_heartbeat(tx: Executor, b: dict[str, Any], ts: float) -> None:
+async def _worker_heartbeat(tx: Executor, e: WorkerHeartbeat, ts: float) -> None:
     # The worker's own row is written with the next batch of heartbeats (services.tracker.beats).
-    if b.get("state") == "training" and isinstance(b.get("job_id"), str) and isinstance(b.get("shard"), int):
+    if e.state == "training" and e.job_id is not None and e.shard is not None:
         # The worker took the shard but has not reported progress yet: it is training, not waiting.
-        await store.shard_taken(tx, b["job_id"], b.get("round"), b["shard"], b["worker_id"], ts)
+        await store.shard_taken(tx, e.job_id, e.round, e.shard, e.worker_id, ts)
 
 
-def _kind(b: dict[str, Any]) -> str | None:
-    kind = b.get("kind")
-    return kind if isinstance(kind, str) else None
-
-
-async def _worker_offline(tx: Executor, b: dict[str, Any], ts: float) -> None:
-    await store.touch_worker(tx, b["worker_id"], ts, state="stopped")
-    await store.worker_offline(tx, b["worker_id"])
+async def _worker_offline(tx: Executor, e: WorkerOffline, ts: float) -> None:
+    await store.touch_worker(tx, WorkerSeen(e.worker_id, ts, state="stopped"))
+    await store.worker_offline(tx, e.worker_id)
 
 
 VIEWS: dict[str, View] = {
-    "job.requested": _job_requested,
-    "job.accepted": _job_accepted,
-    "job.rejected": _job_rejected,
-    "job.sharded": _job_sharded,
-    "round.start": _round_start,
-    "worker.progress": _worker_progress,
-    "worker.done": _worker_done,
-    "worker.failed": _worker_failed,
-    "round.aggregated": _round_aggregated,
-    "round.failed": _round_failed,
-    "round.evaluated": _round_evaluated,
-    "report.forged": _report_forged,
-    "job.completed": _job_completed,
-    "job.failed": _job_failed,
-    "job.waiting": _job_waiting,
-    "worker.online": _worker_online,
-    "worker.heartbeat": _worker_heartbeat,
-    "worker.offline": _worker_offline,
+    JobRequested.routing_key: _job_requested,
+    JobAccepted.routing_key: _job_accepted,
+    JobRejected.routing_key: _job_rejected,
+    JobSharded.routing_key: _job_sharded,
+    RoundStart.routing_key: _round_start,
+    WorkerProgress.routing_key: _worker_progress,
+    WorkerDone.routing_key: _worker_done,
+    WorkerFailed.routing_key: _worker_failed,
+    RoundAggregated.routing_key: _round_aggregated,
+    RoundFailed.routing_key: _round_failed,
+    RoundEvaluated.routing_key: _round_evaluated,
+    ReportForged.routing_key: _report_forged,
+    JobCompleted.routing_key: _job_completed,
+    JobFailed.routing_key: _job_failed,
+    JobWaiting.routing_key: _job_waiting,
+    WorkerOnline.routing_key: _worker_online,
+    WorkerHeartbeat.routing_key: _worker_heartbeat,
+    WorkerOffline.routing_key: _worker_offline,
 }
+
+
+def decoded(key: str, body: dict[str, Any]) -> Any:
+    """What the tracker takes of a message: its contract model (None: it has no view and is not a pace, the event
+    log alone keeps it); Poison, saying what is wrong, if a message with a view does not fit its model."""
+    if key == PresencePace.routing_key or key.startswith(f"{PresencePace.routing_key}."):
+        # No view, but the tracker hears the pace (services.tracker.service); one it cannot read says nothing.
+        with contextlib.suppress(DecodeError):
+            return validate(key, body)
+        return None
+    if key not in VIEWS:
+        return None
+    if key == JobRequested.routing_key:
+        # A request the scheduler will reject, which its model refuses, is shown too (under its name, with why).
+        return body
+    if key == WorkerHeartbeat.routing_key:
+        return heartbeat_of(body)
+    try:
+        return validate(key, body)
+    except DecodeError as e:
+        raise Poison(str(e)) from e

@@ -7,20 +7,35 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from apiary.bus import Delivery, Poison, Raw
 from apiary.component import Component
-from apiary.contracts import DecodeError, PresencePace, decode_body
+from apiary.contracts import DecodeError, PresencePace, WorkerHeartbeat, decode_body
 from apiary.db import Executor
 from apiary.db.group import GroupCommit
 from apiary.pace import PaceWindow
 from services.tracker import forgery, store
 from services.tracker.beats import Heartbeats, beat_of
-from services.tracker.handlers import VIEWS, summary
+from services.tracker.forgery import WorkerReport
+from services.tracker.handlers import VIEWS, decoded, summary
 from services.tracker.http import HttpServer
 
 log = logging.getLogger("apiary.tracker")
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One event waiting for the group commit: its routing key, its body (the event log keeps it), what its view
+    takes of it (`handlers.decoded`), when it came and the broker user that sent it."""
+
+    key: str
+    body: dict[str, Any]
+    event: Any
+    ts: float
+    user_id: str | None
+
 
 class Tracker(Component):
     """Keeps what a person watching a job wants to see, from the events alone."""
@@ -97,36 +112,36 @@ class Tracker(Component):
         except DecodeError as e:
             raise Poison(str(e)) from e
         key, now = delivery.routing_key, time.time()
-        if key == "worker.heartbeat":
-            self._pace.hear_interval(body.get("interval"), self.settings.heartbeat_interval, now)
-        elif (key == PresencePace.routing_key or key.startswith(f"{PresencePace.routing_key}.")) and isinstance(
-                body.get("factor"), int | float):
-            self._pace.hear(float(body["factor"]), now)
+        event = decoded(key, body)
+        if isinstance(event, PresencePace):
+            self._pace.hear(event.factor, now)
             if key != PresencePace.routing_key:
                 return  # the pace told to one worker: the fleet's, recorded when it was announced
-        if key == "worker.heartbeat" and not forgery.names_a_shard(key, body) and (
-                forgery.judge(key, body, None, delivery.user_id) is None):
-            # A beat naming no shard changes only its worker's row: kept for the next batched write.
-            self._beats.keep(beat_of(body, now))
-            return
-        await self._commits.submit((key, body, now, delivery.user_id))
+        elif isinstance(event, WorkerHeartbeat):
+            self._pace.hear_interval(event.interval, self.settings.heartbeat_interval, now)
+            if forgery.shard_of(event) is None and forgery.judge(event, None, delivery.user_id) is None:
+                # A beat naming no shard changes only its worker's row: kept for the next batched write.
+                self._beats.keep(beat_of(event, now))
+                return
+        await self._commits.submit(Arrival(key, body, event, now, delivery.user_id))
 
-    async def _apply(self, tx: Executor, event: tuple[str, dict[str, Any], float, str | None]) -> None:
+    async def _apply(self, tx: Executor, arrival: Arrival) -> None:
         """Log one event and apply it to the views, in the group commit's transaction (a forged worker
         report is recorded as such, and applied to nothing)."""
-        key, body, ts, user_id = event
-        job_id = body.get("job_id") if isinstance(body.get("job_id"), str) else None
-        round_index = body.get("round") if isinstance(body.get("round"), int) else None
-        if key != "worker.heartbeat":
+        key, body, event, ts = arrival.key, arrival.body, arrival.event, arrival.ts
+        if key != WorkerHeartbeat.routing_key:
+            job_id = body.get("job_id") if isinstance(body.get("job_id"), str) else None
+            round_index = body.get("round") if isinstance(body.get("round"), int) else None
             await store.record_event(tx, ts, key, job_id, round_index, summary(key, body))
-        handler = VIEWS.get(key)
-        if handler is not None and not await forgery.forged(tx, key, body, user_id, ts):
-            try:
-                await handler(tx, body, ts)
-            except (KeyError, TypeError, ValueError) as e:
-                raise Poison(f"{key} message lacks what the tracker needs: {e}") from e
-            if key == "worker.heartbeat":
-                self._beats.keep(beat_of(body, ts))  # its worker's row, with the next batched write
+        view = VIEWS.get(key)
+        if view is None or (isinstance(event, WorkerReport) and await forgery.forged(tx, event, arrival.user_id, ts)):
+            return
+        try:
+            await view(tx, event, ts)
+        except ValueError as e:
+            raise Poison(f"{key} message lacks what the tracker needs: {e}") from e
+        if isinstance(event, WorkerHeartbeat):
+            self._beats.keep(beat_of(event, ts))  # its worker's row, with the next batched write
 
     async def _sweep_offline(self) -> None:
         """Mark workers offline when their heartbeats stop."""

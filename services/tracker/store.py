@@ -3,10 +3,14 @@ every statement that writes them. The views people read are queried in `views`."
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from apiary.component import to_json
+from apiary.contracts import ReportForged, WorkerDone, WorkerFailed, WorkerHeartbeat, WorkerProgress
 from apiary.db import Executor
+
+ShardReport = WorkerProgress | WorkerDone | WorkerFailed
 
 # Version 1 is the schema as 0.1.0 ships it; append a step for each later change (a database records how many
 # of these it has applied).
@@ -187,12 +191,19 @@ async def shard_digest_row(tx: Executor, job_id: str, round_index: int, attempt:
     return await tx.fetchrow(sql + " AND attempt = $4", job_id, round_index, shard, attempt)
 
 
-async def record_forged(tx: Executor, key: str, b: dict[str, Any], reason: str, ts: float) -> None:
-    """A report that did not come from the shard's assigned worker: kept, with why, and nothing else."""
+async def record_forged(tx: Executor, report: ShardReport | WorkerHeartbeat | ReportForged, reason: str,
+                        ts: float) -> None:
+    """A report that did not come from the shard's assigned worker: kept, with why, and nothing else (a report
+    naming no job is not kept: there is no job to show it with)."""
+    if report.job_id is None:
+        return
+    # A heartbeat names no attempt, and a task report the scheduler refused (report.forged) no shard.
+    attempt, shard = getattr(report, "attempt", None), getattr(report, "shard", None)
+    key = report.report if isinstance(report, ReportForged) else report.routing_key
     await tx.execute(
         "INSERT INTO forged_reports (job_id, round, attempt, shard, worker_id, routing_key, reason, ts)"
         " VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-        b["job_id"], b.get("round"), b.get("attempt"), b.get("shard"), str(b.get("worker_id")), key, reason, ts,
+        report.job_id, report.round, attempt, shard, report.worker_id, key, reason, ts,
     )
 
 
@@ -217,17 +228,18 @@ async def shards_rejected(tx: Executor, job_id: str, round_index: int, attempt: 
         )
 
 
-async def shard_state(tx: Executor, b: dict[str, Any], ts: float, state: str, error: str | None = None) -> None:
-    """A worker's report on a shard (`b`: its progress, result or failure) sets the shard's state."""
+async def shard_state(tx: Executor, report: ShardReport, ts: float, state: str) -> None:
+    """A worker's report on a shard (its progress, result or failure) sets the shard's state."""
     # A progress report that arrives after the shard's result must not turn it back into "training".
     settled = "AND state NOT IN ('reported', 'failed', 'rejected')" if state == "training" else ""
+    metrics = None if isinstance(report, WorkerFailed) else report.metrics
     await tx.execute(
         "UPDATE shard_views SET worker_id = $5, state = $6, metrics = COALESCE($7, metrics),"
         " error = $8, step = COALESCE($9, step), updated_at = $10"
         f" WHERE job_id = $1 AND round = $2 AND attempt = $3 AND shard = $4 {settled}",
-        b["job_id"], b["round"], b.get("attempt", 1), b["shard"], b["worker_id"], state,
-        to_json(b["metrics"]) if b.get("metrics") else None, error,
-        b.get("step") if isinstance(b.get("step"), int) else None, ts,
+        report.job_id, report.round, report.attempt, report.shard, report.worker_id, state,
+        to_json(metrics) if metrics else None, report.error if isinstance(report, WorkerFailed) else None,
+        report.step if isinstance(report, WorkerProgress) else None, ts,
     )
 
 
@@ -241,34 +253,53 @@ async def shard_taken(tx: Executor, job_id: str, round_index: int | None, shard:
     )
 
 
-async def record_metrics(tx: Executor, b: dict[str, Any], ts: float) -> None:
-    """A progress report's metrics (`b`), one point per name, at the report's time."""
-    for name, value in (b.get("metrics") or {}).items():
+async def record_metrics(tx: Executor, progress: WorkerProgress) -> None:
+    """A progress report's metrics, one point per name, at the report's time."""
+    for name, value in progress.metrics.items():
         await tx.execute(
             "INSERT INTO metrics (job_id, round, attempt, worker_id, shard, step, name, value, ts)"
             " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-            b["job_id"], b["round"], b.get("attempt", 1), b["worker_id"], b["shard"], b.get("step"), name,
-            float(value), b.get("ts", ts),
+            progress.job_id, progress.round, progress.attempt, progress.worker_id, progress.shard, progress.step,
+            name, float(value), progress.ts,
         )
 
 
-async def touch_worker(tx: Executor, worker_id: str, ts: float, *, state: str | None = None,
-                       hostname: str | None = None, job_id: str | None = None, round_index: int | None = None,
-                       shard: int | None = None, gpu: dict[str, Any] | None = None,
-                       samples_per_s: float | None = None, kind: str | None = None) -> None:
-    """A worker was seen: online, in this state, on this job's shard (none when not given), of this kind."""
+@dataclass(frozen=True)
+class WorkerSeen:
+    """A worker seen (a heartbeat, its presence or a report on a shard): what its row in workers becomes. A
+    field left None keeps the row's, except the shard it is on (job_id, round, shard), which None clears."""
+
+    worker_id: str
+    ts: float  # when the tracker received it: the row's last_seen
+    state: str | None = None
+    job_id: str | None = None
+    round: int | None = None
+    shard: int | None = None
+    gpu: str | None = None  # JSON
+    samples_per_s: float | None = None
+    kind: str | None = None
+    hostname: str | None = None
+
+    def row(self) -> tuple[Any, ...]:
+        """The values of `beats`' row (BEAT_COLUMNS), in its order."""
+        return (self.worker_id, self.state, self.job_id, self.round, self.shard, self.gpu, self.samples_per_s,
+                self.kind, self.ts)
+
+
+async def touch_worker(tx: Executor, seen: WorkerSeen) -> None:
+    """A worker was seen: online, in its state, on its shard (none when not given), of its kind."""
     await tx.execute(
         "INSERT INTO workers (worker_id, hostname, status, state, first_seen, last_seen)"
         " VALUES ($1, $2, 'online', $3, $4, $4) ON CONFLICT DO NOTHING",
-        worker_id, hostname, state, ts,
+        seen.worker_id, seen.hostname, seen.state, seen.ts,
     )
     await tx.execute(
         "UPDATE workers SET status = 'online', state = COALESCE($2, state), hostname = COALESCE($3, hostname),"
         " job_id = $4, round = $5, shard = $6, gpu = COALESCE($7, gpu),"
         " samples_per_s = COALESCE($8, samples_per_s), last_seen = $9, kind = COALESCE($10, kind)"
         " WHERE worker_id = $1",
-        worker_id, state, hostname, job_id, round_index, shard, to_json(gpu) if gpu else None,
-        float(samples_per_s) if samples_per_s is not None else None, ts, kind,
+        seen.worker_id, seen.state, seen.hostname, seen.job_id, seen.round, seen.shard, seen.gpu,
+        seen.samples_per_s, seen.ts, seen.kind,
     )
 
 

@@ -454,12 +454,17 @@ def decode_body(body: bytes, content_type: str | None = MSGPACK) -> dict[str, An
     return data
 
 
-def decode(routing_key: str, body: bytes, content_type: str | None = MSGPACK) -> BaseModel:
-    """Decode a message into the model its routing key names, or raise DecodeError."""
+def validate(routing_key: str, data: dict[str, Any]) -> BaseModel:
+    """The model its routing key names, from a decoded body (`decode_body`), or raise DecodeError."""
     cls = model_for(routing_key)
-    data = decode_body(body, content_type)
     try:
         return cls.model_validate(data)
     except ValidationError as e:
         raise DecodeError(f"{routing_key} message is malformed: {e.errors()[0]['msg']} "
                           f"at {'.'.join(map(str, e.errors()[0]['loc']))}") from e
+
+
+def decode(routing_key: str, body: bytes, content_type: str | None = MSGPACK) -> BaseModel:
+    """Decode a message into the model its routing key names, or raise DecodeError."""
+    model_for(routing_key)  # a key no model has is refused before its body is read
+    return validate(routing_key, decode_body(body, content_type))

@@ -13,7 +13,13 @@ import hashlib
 import hmac
 import secrets
 
+from apiary.bus.identity import worker_of
+
 SECRET_BYTES = 32
+SECRET = "assignment secret"
+TOKEN = "progress token"
+# The digest a report must match for a shard its round gave no secret: nothing matches it.
+UNMATCHABLE = ""
 
 
 def new_secret() -> str:
@@ -37,3 +43,19 @@ def proves(presented: str | None, expected_digest: str | None) -> bool:
     if not presented or not expected_digest:
         return False
     return hmac.compare_digest(digest(presented), expected_digest)
+
+
+def judge(worker_id: str, user_id: str | None, presented: str | None, expected_digest: str | None, *,
+          what: str = SECRET, about: str) -> str | None:
+    """Why a worker's report on `about` ("shard 3", "the task") is forged, or None: it does not present the `what`
+    whose digest is `expected_digest` (None: its assignment carried no secret, as those made before secrets
+    existed), or another worker's broker user sent it. The secret is judged first: a report failing both is
+    recorded as lacking it."""
+    if expected_digest is not None and not proves(presented, expected_digest):
+        return f"{'a wrong' if presented else 'no'} {what} for {about}"
+    sender = worker_of(user_id)
+    if sender is not None and sender != worker_id:
+        # A service's or a shared user is not judged here: the broker's topic permissions keep services from
+        # publishing worker.* at all.
+        return f"sent by worker {sender!r}'s broker user, not by worker {worker_id!r}"
+    return None

@@ -9,7 +9,8 @@ import pytest
 from apiary.bus import Poison
 from apiary.db import Database
 from services.tracker import store
-from services.tracker.beats import ROWS_PER_STATEMENT, Heartbeats, beat_of
+from services.tracker.beats import ROWS_PER_STATEMENT, Heartbeats, beat_of, heartbeat_of
+from services.tracker.store import WorkerSeen
 from services.tracker.views import workers_view
 
 
@@ -22,12 +23,12 @@ async def test_the_latest_beat_of_each_worker_is_written_in_one_batch(database: 
     # and more workers than one statement takes.
     await database.migrate("tracker", store.MIGRATIONS)
     beats = Heartbeats(database)
-    beats.keep(beat_of({"worker_id": "w1", "state": "idle", "gpu": {"util": 5}}, 102.0))
-    beats.keep(beat_of({"worker_id": "w1", "state": "training", "job_id": "j"}, 101.0))
-    beats.keep(beat_of({"worker_id": "w2", "state": "training", "job_id": "j", "round": 2, "shard": 3,
-                        "samples_per_s": 12, "kind": "own"}, 101.5))
+    beats.keep(beat_of(heartbeat_of({"worker_id": "w1", "state": "idle", "gpu": {"util": 5}}), 102.0))
+    beats.keep(beat_of(heartbeat_of({"worker_id": "w1", "state": "training", "job_id": "j"}), 101.0))
+    beats.keep(beat_of(heartbeat_of({"worker_id": "w2", "state": "training", "job_id": "j", "round": 2,
+                                     "shard": 3, "samples_per_s": 12, "kind": "own"}), 101.5))
     for i in range(ROWS_PER_STATEMENT + 1):
-        beats.keep(beat_of({"worker_id": f"many-{i:04d}", "state": "idle"}, 100.0))
+        beats.keep(beat_of(heartbeat_of({"worker_id": f"many-{i:04d}", "state": "idle"}), 100.0))
 
     # Execute
     written = await beats.write()
@@ -48,12 +49,13 @@ async def test_a_beat_older_than_the_workers_row_changes_nothing(database: Datab
     # sent before is still waiting for the batch. w2's row is older than its beat.
     await database.migrate("tracker", store.MIGRATIONS)
     async with database.transaction() as tx:
-        await store.touch_worker(tx, "w1", 105.0, state="stopped")
+        await store.touch_worker(tx, WorkerSeen("w1", 105.0, state="stopped"))
         await store.worker_offline(tx, "w1")
-        await store.touch_worker(tx, "w2", 90.0, state="idle", hostname="h2", gpu={"util": 1})
+        await store.touch_worker(tx, WorkerSeen("w2", 90.0, state="idle", hostname="h2", gpu='{"util": 1}'))
     beats = Heartbeats(database)
-    beats.keep(beat_of({"worker_id": "w1", "state": "idle"}, 104.0))
-    beats.keep(beat_of({"worker_id": "w2", "state": "training", "job_id": "j", "round": 1, "shard": 0}, 95.0))
+    beats.keep(beat_of(heartbeat_of({"worker_id": "w1", "state": "idle"}), 104.0))
+    beats.keep(beat_of(heartbeat_of({"worker_id": "w2", "state": "training", "job_id": "j", "round": 1,
+                                     "shard": 0}), 95.0))
 
     # Execute
     await beats.write()
@@ -76,4 +78,4 @@ async def test_a_beat_older_than_the_workers_row_changes_nothing(database: Datab
 ])
 def test_a_malformed_beat_is_refused_naming_its_field(body: dict[str, object], says: str) -> None:
     with pytest.raises(Poison, match=says.replace("(", r"\(").replace(")", r"\)")):
-        beat_of(body, 1.0)
+        heartbeat_of(body)

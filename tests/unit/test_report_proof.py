@@ -7,7 +7,7 @@ from typing import Any
 from apiary import keys, proof
 from apiary.bus.identity import worker_user
 from apiary.component import to_json
-from apiary.contracts import ObjectRef, WorkerDone, WorkerFailed
+from apiary.contracts import ObjectRef, WorkerDone, WorkerFailed, WorkerHeartbeat, WorkerProgress
 from apiary.status import ContributionStatus
 from services.aggregator.decisions import Verdict, judge_sender
 from services.tracker import forgery
@@ -35,6 +35,26 @@ def test_a_secret_proves_only_itself_and_a_missing_one_proves_nothing() -> None:
     assert proof.progress_token(SECRET) != SECRET
     assert proof.proves(proof.progress_token(SECRET), proof.digest(proof.progress_token(SECRET)))
     assert not proof.proves(proof.progress_token(SECRET), proof.digest(SECRET))
+
+
+def test_one_rule_judges_every_report_the_secret_first_then_the_broker_user() -> None:
+    expected = proof.digest(SECRET)
+
+    genuine = proof.judge("w1", worker_user("w1"), SECRET, expected, about="shard 0")
+    wrong = proof.judge("w1", None, "guess", expected, about="shard 0")
+    missing = proof.judge("w1", "guest", None, expected, what=proof.TOKEN, about="the task")
+    other_user = proof.judge("w1", worker_user("w2"), SECRET, expected, about="shard 0")
+    both = proof.judge("w1", worker_user("w2"), None, expected, about="shard 0")
+    before_secrets = proof.judge("w1", None, None, None, about="shard 0")
+    unmatchable = proof.judge("w1", None, SECRET, proof.UNMATCHABLE, about="shard 0")
+
+    assert genuine is None and before_secrets is None
+    assert wrong == "a wrong assignment secret for shard 0"
+    assert missing == "no progress token for the task"
+    assert other_user == "sent by worker 'w2''s broker user, not by worker 'w1'"
+    assert both == "no assignment secret for shard 0"
+    assert unmatchable == "a wrong assignment secret for shard 0"
+    assert proof.judge("w1", worker_user("w2"), None, None, about="shard 0") == other_user
 
 
 def test_the_genuine_report_passes() -> None:
@@ -79,19 +99,20 @@ def test_a_round_that_announced_no_digest_for_the_shard_believes_no_secret() -> 
 def test_the_tracker_believes_a_progress_report_or_heartbeat_only_with_the_shards_token() -> None:
     token = proof.progress_token(SECRET)
     row = {"secret_digest": proof.digest(SECRET), "progress_digest": proof.digest(token)}
-    progress = {"job_id": "j", "round": 1, "attempt": 1, "shard": 0, "worker_id": "w1", "token": token}
-    heartbeat = {"worker_id": "w1", "state": "training", "job_id": "j", "round": 1, "shard": 0, "token": "guess"}
+    progress = WorkerProgress(job_id="j", round=1, attempt=1, shard=0, worker_id="w1", token=token)
+    heartbeat = WorkerHeartbeat(worker_id="w1", state="training", job_id="j", round=1, shard=0, token="guess")
+    failed = WorkerFailed(job_id="j", round=1, attempt=1, shard=0, worker_id="w1", error="x", secret="")
 
-    assert forgery.judge("worker.progress", progress, row, worker_user("w1")) is None
-    assert forgery.judge("worker.progress", {**progress, "token": SECRET}, row, None) == \
+    assert forgery.judge(progress, row, worker_user("w1")) is None
+    assert forgery.judge(progress.model_copy(update={"token": SECRET}), row, None) == \
         "a wrong progress token for shard 0"
-    assert forgery.judge("worker.heartbeat", heartbeat, row, None) == "a wrong progress token for shard 0"
-    assert forgery.judge("worker.failed", {**progress, "secret": ""}, row, None) == \
+    assert forgery.judge(heartbeat, row, None) == "a wrong progress token for shard 0"
+    assert forgery.judge(failed, row, None) == \
         "no assignment secret for shard 0"
-    assert forgery.judge("worker.done", {**progress, "secret": SECRET}, row, None) is None
-    assert forgery.judge("worker.heartbeat", {"worker_id": "w1", "state": "idle"}, None, worker_user("w2")) == \
+    assert forgery.judge(_done(), row, None) is None
+    assert forgery.judge(WorkerHeartbeat(worker_id="w1", state="idle"), None, worker_user("w2")) == \
         "sent by worker 'w2''s broker user, not by worker 'w1'"
-    assert forgery.judge("worker.progress", progress, None, None) is None  # a shard unknown here
+    assert forgery.judge(progress, None, None) is None  # a shard unknown here
     unannounced = {"secret_digest": "", "progress_digest": ""}  # a round.start that announced no digests
-    assert forgery.judge("worker.progress", progress, unannounced, None) == "a wrong progress token for shard 0"
-    assert not forgery.names_a_shard("worker.heartbeat", {**heartbeat, "state": "idle"})
+    assert forgery.judge(progress, unannounced, None) == "a wrong progress token for shard 0"
+    assert forgery.shard_of(heartbeat.model_copy(update={"state": "idle"})) is None

@@ -14,11 +14,11 @@ from apiary.component import Component
 from apiary.contracts import DecodeError, PresencePace, decode_body
 from apiary.db import Executor
 from apiary.db.group import GroupCommit
+from apiary.http_server import HttpServer
 from apiary.pace import PaceWindow
 from services.tracker import forgery, store
 from services.tracker.beats import Heartbeats, beat_of
 from services.tracker.handlers import VIEWS, summary
-from services.tracker.http import HttpServer
 
 log = logging.getLogger("apiary.tracker")
 

@@ -3,7 +3,8 @@
 `GET /healthz` answers 200 while the process's event loop runs (liveness); `GET /readyz` answers 200 when
 every dependency check passes within `CHECK_TIMEOUT` seconds, else 503 with one line per failing check
 (readiness: a service whose broker or database is away takes no traffic, and comes back by itself).
-Served on `APIARY_HEALTH_PORT` by `apiary serve` and `apiary worker`; off when it is not set.
+Served on `APIARY_HEALTH_PORT` by `apiary serve` and `apiary worker`, through uvicorn as the tracker's API
+is; off when it is not set.
 """
 
 from __future__ import annotations
@@ -11,15 +12,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from starlette.responses import PlainTextResponse
 
 from apiary.bus import Bus
 from apiary.db import Database
+from apiary.http_server import HttpServer
 
 log = logging.getLogger("apiary.health")
 
 Check = Callable[[], Awaitable[object]]
 CHECK_TIMEOUT = 2.0
-MAX_REQUEST_LINE = 8192
 
 
 def bus_check(bus: Bus, queue: str) -> Check:
@@ -48,42 +52,34 @@ async def failing(checks: Mapping[str, Check], timeout: float = CHECK_TIMEOUT) -
     return [line for line in results if line]
 
 
-def _response(status: int, body: str) -> bytes:
-    reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[status]
-    data = body.encode()
-    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain; charset=utf-8\r\n"
-            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n")
-    return head.encode() + data
-
-
-async def answer(path: str, checks: Mapping[str, Check]) -> bytes:
-    """The HTTP response for one probe path."""
+async def answer(path: str, checks: Mapping[str, Check]) -> tuple[int, str]:
+    """The status and plain-text body for one probe path."""
     if path == "/healthz":
-        return _response(200, "ok\n")
+        return 200, "ok\n"
     if path == "/readyz":
         problems = await failing(checks)
-        return _response(503, "".join(f"{p}\n" for p in problems)) if problems else _response(200, "ready\n")
-    return _response(404, "not found: use /healthz or /readyz\n")
+        return (503, "".join(f"{p}\n" for p in problems)) if problems else (200, "ready\n")
+    return 404, "not found: use /healthz or /readyz\n"
 
 
-async def serve_health(host: str, port: int, checks: Mapping[str, Check]) -> asyncio.Server:
-    """Start answering probes on host:port (port 0: any free port; see `server.sockets`)."""
+class HealthApp:
+    """The probe paths as an ASGI app (any method; the query is ignored)."""
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            line = await asyncio.wait_for(reader.readline(), CHECK_TIMEOUT)
-            parts = line[:MAX_REQUEST_LINE].decode("latin-1").split()
-            path = parts[1].split("?")[0] if len(parts) >= 2 else ""
-            writer.write(await answer(path, checks))
-            await writer.drain()
-        except (TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+    def __init__(self, checks: Mapping[str, Check]) -> None:
+        self.checks = checks
 
-    server = await asyncio.start_server(handle, host, port)
-    log.info("health checks on http://%s:%d/readyz", host, server.sockets[0].getsockname()[1])
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Answer one HTTP request (uvicorn runs it with lifespan events off)."""
+        status, body = await answer(scope["path"], self.checks)
+        await PlainTextResponse(body, status)(scope, receive, send)
+
+
+async def serve_health(host: str, port: int, checks: Mapping[str, Check]) -> HttpServer:
+    """Start answering probes on host:port (port 0: any free port; see `.port`); `stop()` ends it."""
+    server = HttpServer(HealthApp(checks), host, port, what="health checks", setting="APIARY_HEALTH_PORT")
+    await server.start()
+    log.info("health checks on http://%s:%d/readyz", host, server.port)
     return server
 
 
-__all__ = ["Check", "answer", "bus_check", "database_check", "failing", "serve_health"]
+__all__ = ["Check", "HealthApp", "answer", "bus_check", "database_check", "failing", "serve_health"]

@@ -9,6 +9,7 @@ from typing import Any
 
 from apiary import telemetry
 from apiary.bus import make_bus
+from apiary.http_server import HttpServer
 from apiary.settings import Settings
 from services.app.health import Check, bus_check, database_check, serve_health
 from services.app.ports import Ports
@@ -48,7 +49,7 @@ def _component(name: str, ports: Ports) -> Any:
     raise ValueError(f"no service named {name!r}")
 
 
-async def _health(settings: Settings, checks: dict[str, Check]) -> asyncio.Server | None:
+async def _health(settings: Settings, checks: dict[str, Check]) -> HttpServer | None:
     if settings.health_port is None:
         return None
     return await serve_health(settings.health_host, settings.health_port, checks)
@@ -69,7 +70,7 @@ async def serve_service(name: str, settings: Settings) -> None:
         log.info("%s stopping", name)
     finally:
         if health is not None:
-            health.close()
+            await health.stop()
         await service.stop()
         await ports.close()
         telemetry.shutdown()
@@ -91,7 +92,7 @@ async def serve_worker(settings: Settings) -> None:
         log.info("worker %s stopping", worker.worker_id)
     finally:
         if health is not None:
-            health.close()
+            await health.stop()
         await worker.stop()
         await bus.close()
         telemetry.shutdown()

@@ -15,12 +15,12 @@ from apiary.component import Component
 from apiary.contracts import DecodeError, PresencePace, WorkerHeartbeat, decode_body
 from apiary.db import Executor
 from apiary.db.group import GroupCommit
+from apiary.http_server import HttpServer
 from apiary.pace import PaceWindow
 from services.tracker import forgery, store
 from services.tracker.beats import Heartbeats, beat_of
 from services.tracker.forgery import WorkerReport
 from services.tracker.handlers import VIEWS, decoded, summary
-from services.tracker.http import HttpServer
 
 log = logging.getLogger("apiary.tracker")
 

@@ -3,7 +3,6 @@ its members checked before anyone trusts them, and unpacked safely. Pure: no sto
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import io
 import os
@@ -11,7 +10,9 @@ import shutil
 import stat
 import zipfile
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
+
+from pathspec import GitIgnoreSpec
 
 IGNORE_FILE = ".apiaryignore"
 REQUIREMENTS_FILE = "requirements.txt"
@@ -152,35 +153,24 @@ def _packed(contents: dict[str, bytes], left_out: list[tuple[str, str]], limits:
 
 
 class IgnoreRules:
-    """`.apiaryignore`: gitignore-like globs, one a line (`#` comments; `dir/` matches folders only; a
-    leading `/` or an inner `/` anchors a pattern at the bundle's root; `**` spans folders; no `!`)."""
+    """`.apiaryignore`: gitignore's rules, one pattern a line, read by pathspec (`#` comments; `dir/` matches
+    folders only; a leading or inner `/` anchors a pattern at the bundle's root; `**` spans folders; `!`
+    takes a path back in, unless a folder above it is left out)."""
 
     def __init__(self, patterns: list[str]) -> None:
         self.patterns = patterns
+        self._spec = GitIgnoreSpec.from_lines(patterns)
 
     @classmethod
     def read(cls, path: Path) -> IgnoreRules:
         """The rules in an ignore file (none if there is no such file)."""
         if not path.is_file():
             return cls([])
-        lines = (line.strip() for line in path.read_text(errors="replace").splitlines())
-        return cls([line for line in lines if line and not line.startswith(("#", "!"))])
+        return cls(path.read_text(errors="replace").splitlines())
 
     def matches(self, path: str, *, is_dir: bool) -> bool:
         """Whether a relative path ('/'-separated) is ignored."""
-        return any(_glob_matches(pattern, path, is_dir) for pattern in self.patterns)
-
-
-def _glob_matches(pattern: str, path: str, is_dir: bool) -> bool:
-    if pattern.endswith("/"):
-        if not is_dir:
-            return False
-        pattern = pattern.rstrip("/")
-    anchored = "/" in pattern
-    pattern = pattern.lstrip("/")
-    if anchored:
-        return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path, pattern.replace("**/", ""))
-    return fnmatch.fnmatchcase(PurePosixPath(path).name, pattern)
+        return self._spec.match_file(f"{path}/" if is_dir else path)
 
 
 # ------------------------------------------------------------------ checking

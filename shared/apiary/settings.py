@@ -56,8 +56,9 @@ class Settings(BaseSettings):
     # timeout): a margin for clock skew and an upload still running at the deadline, kept short so that a URL a
     # worker leaks is soon worth nothing. A URL is presigned for the whole of (deadline - now) plus this.
     presign_ttl: int = Field(default=15 * 60, ge=60)
-    # While a dependency is away, work waiting on it is retried after retry_initial s, doubling up to
-    # retry_cap s: a small cap, so that work resumes within seconds of the dependency's return.
+    # While a dependency is away, work waiting on it is retried after a random wait of up to retry_initial s,
+    # that ceiling doubling up to retry_cap s: a small cap, so that work resumes within seconds of the
+    # dependency's return.
     retry_initial: float = Field(default=0.25, gt=0)
     retry_cap: float = Field(default=4.0, gt=0)
     # What job requests may reach (apiary.policy): entrypoints matching these globs (besides built-in trainers

@@ -2,10 +2,10 @@
 
 One HTTP client (httpx) with timeouts (a server that stops answering fails the read in
 `TIMEOUT.read` s). Transient failures (connection errors, timeouts, 5xx, 429) are retried with
-capped exponential backoff, `RETRY.attempts` times or, given a `deadline`, until then; a download
-that breaks off resumes where it stopped with a `Range` request, so a multi-GB checkpoint is not
-fetched again from its first byte; uploads stream from the file. `file:` URLs (the embedded
-storage) are copied.
+capped exponential backoff and jitter (`apiary.backoff`), `RETRY.attempts` times or, given a `deadline`,
+until then; a download that breaks off resumes where it stopped with a `Range` request, so a multi-GB
+checkpoint is not fetched again from its first byte; uploads stream from the file. `file:` URLs (the
+embedded storage) are copied.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import hashlib
 import logging
 import ssl
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, TypeVar
@@ -23,7 +22,7 @@ from urllib.parse import unquote, urlparse
 
 import httpx
 
-from apiary.backoff import Backoff
+from apiary.backoff import Backoff, retry
 from apiary.storage.base import sha256_file
 from apiary.storage.local import atomic_copy
 
@@ -50,6 +49,7 @@ class _Transient(Exception):
 
 # A small cap: a transfer resumes within seconds of the server's return.
 RETRY = Backoff(cap=4.0)
+_RETRYABLE = (_Transient, *_TRANSIENT_ERRORS)
 
 __all__ = ["OCTET_STREAM", "RETRY", "TIMEOUT", "Backoff", "TransferError", "download", "probe", "upload"]
 
@@ -86,22 +86,22 @@ def _check(response: httpx.Response, what: str, url: str) -> None:
 
 
 def _with_retries(what: str, url: str, attempt: Callable[[], T], deadline: float | None = None) -> T:
-    """Run `attempt` until it succeeds, retrying transient failures with capped exponential backoff,
+    """Run `attempt` until it succeeds, retrying transient failures (`apiary.backoff.retry` with `RETRY`),
     `RETRY.attempts` times in all or, given a `deadline` (epoch seconds), for as long as a wait would
     end before it; any failure that is left becomes a TransferError."""
     failures = 0
-    while True:
-        try:
-            return attempt()
-        except (_Transient, *_TRANSIENT_ERRORS) as e:
-            failures += 1
-            wait = RETRY.delay(failures)
-            if (failures >= RETRY.attempts) if deadline is None else (time.time() + wait >= deadline):
-                raise TransferError(f"{what} {_where(url)} failed after {failures} attempts: {e}") from e
-            log.warning("%s %s failed (%s); retrying in %g s", what, _where(url), e, wait)
-            time.sleep(wait)
-        except (OSError, httpx.HTTPError) as e:
-            raise TransferError(f"{what} {_where(url)} failed: {e}") from e
+
+    def retrying(e: BaseException, failed: int, wait: float) -> None:
+        nonlocal failures
+        failures = failed
+        log.warning("%s %s failed (%s); retrying in %.2g s", what, _where(url), e, wait)
+
+    try:
+        return retry(attempt, RETRY, lambda e: isinstance(e, _RETRYABLE), deadline=deadline, on_retry=retrying)
+    except _RETRYABLE as e:
+        raise TransferError(f"{what} {_where(url)} failed after {failures + 1} attempts: {e}") from e
+    except (OSError, httpx.HTTPError) as e:
+        raise TransferError(f"{what} {_where(url)} failed: {e}") from e
 
 
 class _Partial:

@@ -25,7 +25,7 @@ async def test_ready_only_once_the_queue_exists(bus: Bus, database: Database) ->
     # Prepare: a probe server whose bus check looks at a queue nobody has declared yet
     checks = {"bus": bus_check(bus, "probe-q"), "database": database_check(database)}
     server = await serve_health("127.0.0.1", 0, checks)
-    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    url = f"http://127.0.0.1:{server.port}"
     try:
         async with httpx.AsyncClient(base_url=url) as http:
             # Execute
@@ -33,7 +33,7 @@ async def test_ready_only_once_the_queue_exists(bus: Bus, database: Database) ->
             await bus.declare_queue("probe-q", ["probe.key"])
             after, unknown = await http.get("/readyz"), await http.get("/metrics")
     finally:
-        server.close()
+        await server.stop()
     # Assert
     assert live.status_code == 200
     if before.status_code == 503:  # RabbitMQ: a passive look at a missing queue fails

@@ -101,6 +101,43 @@ def test_ignore_patterns_read_like_gitignore(pattern: str, path: str, is_dir: bo
     assert IgnoreRules([pattern]).matches(path, is_dir=is_dir) is expected
 
 
+@pytest.mark.parametrize(("path", "is_dir", "expected"), [
+    ("notes.log", False, True),
+    ("keep.log", False, False),
+    ("pkg/keep.log", False, False),
+    ("data", True, False),
+    ("data/a.csv", False, True),
+    ("data/keep.csv", False, False),
+    ("build", True, True),
+    ("build", False, False),
+    ("src/build", True, True),
+])
+def test_ignore_rules_take_paths_back_with_negation_and_match_folders(path: str, is_dir: bool,
+                                                                        expected: bool) -> None:
+    # Prepare
+    rules = IgnoreRules(["*.log", "!keep.log", "data/*", "!data/keep.csv", "build/"])
+
+    # Execute / Assert
+    assert rules.matches(path, is_dir=is_dir) is expected
+
+
+def test_a_negated_file_is_packed_but_not_from_a_folder_left_out(tmp_path: Path) -> None:
+    # Prepare: as in git, `!` cannot take back a file whose folder is ignored.
+    root = _project(tmp_path / "proj")
+    for name in ("data/a.csv", "data/keep.csv", "cache/keep.csv", "notes.log", "keep.log"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("x")
+    (root / ".apiaryignore").write_text("*.log\n!keep.log\ndata/*\n!data/keep.csv\ncache/\n!cache/keep.csv\n")
+
+    # Execute
+    packed = bundle.pack(root)
+
+    # Assert
+    assert "keep.log" in packed.files and "data/keep.csv" in packed.files
+    assert {"notes.log", "data/a.csv", "cache/"} <= set(dict(packed.left_out))
+    assert not any(name.startswith("cache/") for name in packed.files)
+
+
 def test_a_zip_is_repacked_to_the_folder_bundle(tmp_path: Path) -> None:
     root = _project(tmp_path / "proj")
     folder = bundle.pack(root)

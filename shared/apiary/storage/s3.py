@@ -5,7 +5,7 @@ Every call runs in a worker thread. Objects carry their sha256 as user metadata
 presigned PUT have none, and their readers check the claim's sha256 instead (`verified_bytes`).
 Files go through boto3's managed transfer, which switches to multipart above `MULTIPART_THRESHOLD`;
 whole objects read or written in memory (`get_bytes`, `put_bytes` up to that size) go by presigned URL
-through the client's own connection pool (`apiary.storage.s3_direct`), at half the CPU of a client call.
+through an HTTP session set up as the client's (`apiary.storage.s3_direct`), at half the CPU of a client call.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import boto3
+import botocore.session
 from boto3.exceptions import RetriesExceededError, S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
@@ -37,9 +38,9 @@ T = TypeVar("T")
 
 MULTIPART_THRESHOLD = 8 * 1024 * 1024
 # Attempts per request, the client's (botocore's standard mode) and the direct ones' alike; the direct
-# ones wait as that mode does on average (a random 0-1 s, then 0-2 s).
+# ones wait as that mode does (a random 0-1 s, then 0-2 s).
 ATTEMPTS = 3
-DIRECT_RETRY = Backoff(attempts=ATTEMPTS, base=0.5, cap=20.0)
+DIRECT_RETRY = Backoff(attempts=ATTEMPTS, base=1.0, cap=20.0)
 OWN_URL_SECONDS = 300  # the lifetime of the URLs this adapter signs for its own requests
 SHA256_METADATA = "sha256"
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
@@ -92,17 +93,20 @@ class S3Storage(Storage):
             # S3-compatible servers (MinIO, moto) are addressed by path, AWS by virtual host.
             s3={"addressing_style": "path" if endpoint_url else "auto"},
         )
-        self._session = boto3.session.Session()
+        core = botocore.session.get_session()
+        self._session = boto3.session.Session(botocore_session=core)
         self._presigner: Presigner | None = None
+        # The CA bundle botocore would pick (AWS_CA_BUNDLE or the profile's), given to both HTTP sessions.
+        verify = core.get_config_variable("ca_bundle")
         self._client: Any = self._session.client(
-            "s3", endpoint_url=endpoint_url, region_name=region, config=config
+            "s3", endpoint_url=endpoint_url, region_name=region, config=config, verify=verify
         )
         self.transfer = TransferConfig(
             multipart_threshold=MULTIPART_THRESHOLD,
             multipart_chunksize=MULTIPART_THRESHOLD,
             max_concurrency=4,
         )
-        self._direct = DirectRequests(self._client, transient, DIRECT_RETRY)
+        self._direct = DirectRequests(self._client, verify, transient, DIRECT_RETRY)
         self._bucket_ready = False
         self._bucket_lock = asyncio.Lock()
 

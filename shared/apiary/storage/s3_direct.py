@@ -1,26 +1,30 @@
-"""Whole small objects read and written by presigned URL, through a boto3 client's own connection pool.
+"""Whole small objects read and written by presigned URL, through an HTTP session set up as the client's own.
 
 A `get_object` or `put_object` runs botocore's whole request pipeline (parameter validation, endpoint
 rules, event hooks, checksums, response parsing): about twice the CPU of the request itself, which
 counts where the aggregator reads every contribution of every round and writes each round's average.
-Here the request is signed by `apiary.storage.presign` and sent by the client's HTTP session (the same
-pool, TLS settings, proxies and timeouts as the client's own calls); failures come out as the client's
-would (a `ClientError` parsed by botocore from the S3 error answer, botocore's connection errors) after
-as many attempts as the client makes, so callers judge them alike.
+Here the request is signed by `apiary.storage.presign` and sent by botocore's own HTTP session class, made
+from the client's public configuration (the same TLS settings, proxies, timeouts and pool size as its own
+calls, in a pool of its own); failures come out as the client's would (a `ClientError` parsed by botocore
+from the S3 error answer, botocore's connection errors) after as many attempts as the client makes, with
+the same jittered waits (`apiary.backoff`), so callers judge them alike.
 """
 
 from __future__ import annotations
 
-import time
+import os
+import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 from botocore.awsrequest import AWSRequest, AWSResponse
 from botocore.exceptions import BotoCoreError, ClientError, IncompleteReadError
+from botocore.httpsession import URLLib3Session
 from botocore.parsers import create_parser
+from botocore.utils import get_environ_proxies
 
-from apiary.backoff import Backoff
+from apiary.backoff import Backoff, retry
 
 OCTET_STREAM = "application/octet-stream"
 
@@ -31,13 +35,33 @@ def _where(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}{parts.path}"
 
 
-class DirectRequests:
-    """GET and PUT of whole objects by presigned URL through `client`'s HTTP session, each retried through
-    the failures `transient` names, `backoff.attempts` times in all."""
+def http_session(client: Any, verify: str | bool | None) -> URLLib3Session:
+    """An HTTP session as botocore makes one for `client` (made with `verify`): from the client's public
+    configuration, the environment's proxies and CA bundle as botocore reads them."""
+    config = client.meta.config
+    options = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # botocore's, plus keepalive when asked for
+    if config.tcp_keepalive:
+        options.append((socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1))
+    # Typed loosely: botocore-stubs declares narrower types than botocore passes here itself.
+    settings: dict[str, Any] = {
+        "verify": verify if verify is not None else os.environ.get("REQUESTS_CA_BUNDLE", True),
+        "proxies": config.proxies if config.proxies is not None else get_environ_proxies(client.meta.endpoint_url),
+        "timeout": (config.connect_timeout, config.read_timeout),
+        "max_pool_connections": config.max_pool_connections,
+        "socket_options": options,
+        "client_cert": config.client_cert,
+        "proxies_config": config.proxies_config,
+    }
+    return URLLib3Session(**settings)
 
-    def __init__(self, client: Any, transient: Callable[[BaseException], bool], backoff: Backoff) -> None:
-        # The session botocore sends the client's own requests through (one pool per client).
-        self._session = client._endpoint.http_session
+
+class DirectRequests:
+    """GET and PUT of whole objects by presigned URL through an HTTP session like `client`'s, each retried
+    through the failures `transient` names, `backoff.attempts` times in all."""
+
+    def __init__(self, client: Any, verify: str | bool | None, transient: Callable[[BaseException], bool],
+                 backoff: Backoff) -> None:
+        self._session = http_session(client, verify)
         self._model = client.meta.service_model
         self._parser = create_parser(self._model.protocol)
         self._transient, self._backoff = transient, backoff
@@ -53,15 +77,8 @@ class DirectRequests:
         self._send("PutObject", request)
 
     def _send(self, operation: str, request: AWSRequest) -> AWSResponse:
-        failures = 0
-        while True:
-            try:
-                return self._once(operation, request)
-            except (ClientError, BotoCoreError) as e:
-                failures += 1
-                if failures >= self._backoff.attempts or not self._transient(e):
-                    raise
-                time.sleep(self._backoff.delay(failures))
+        return retry(lambda: self._once(operation, request), self._backoff,
+                     lambda e: isinstance(e, ClientError | BotoCoreError) and self._transient(e))
 
     def _once(self, operation: str, request: AWSRequest) -> AWSResponse:
         try:

@@ -1,4 +1,4 @@
-"""Serving an ASGI app with uvicorn inside the tracker's own event loop."""
+"""Serving an ASGI app with uvicorn inside the process's own event loop (the tracker's API, health probes)."""
 
 from __future__ import annotations
 
@@ -29,10 +29,13 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    """An ASGI app on host:port (port 0: any free port), started and stopped with its owner."""
+    """An ASGI app on host:port (port 0: any free port), started and stopped with its owner; `what` and
+    `setting` name it and its port's setting in the one line a port that is taken gives."""
 
-    def __init__(self, app: Any, host: str, port: int) -> None:
+    def __init__(self, app: Any, host: str, port: int, *, what: str = "the tracker's HTTP API",
+                 setting: str = "APIARY_HTTP_PORT") -> None:
         self.app, self.host, self.port = app, host, port
+        self.what, self.setting = what, setting
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -44,12 +47,12 @@ class HttpServer:
 
     async def start(self) -> str:
         """Bind, start serving, and return the address once it listens."""
-        sock = _bind(self.host, self.port)
+        sock = _bind(self.host, self.port, self.what, self.setting)
         self.port = int(sock.getsockname()[1])
         config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=3)
         self._server = _Server(config)
-        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="tracker:http")
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name=f"http:{self.port}")
         ready = asyncio.create_task(self._server.ready.wait())
         await asyncio.wait({ready, self._task}, return_when=asyncio.FIRST_COMPLETED)
         if not ready.done():
@@ -68,7 +71,7 @@ class HttpServer:
         self._server = self._task = None
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, what: str, setting: str) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -77,8 +80,8 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise OSError(
-            e.errno, f"cannot serve the tracker's HTTP API on {host}:{port} ({e.strerror}): "
-                     "set APIARY_HTTP_PORT to a free port (0 picks one)",
+            e.errno, f"cannot serve {what} on {host}:{port} ({e.strerror}): "
+                     f"set {setting} to a free port (0 picks one)",
         ) from e
     return sock
 

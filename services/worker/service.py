@@ -4,17 +4,13 @@ time is `slot`, whose turn it is `turns`, its heartbeats and pace `presence`; an
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from opentelemetry import trace
 
-from apiary import transfer
 from apiary.backoff import while_unavailable
 from apiary.bus import Bus, Delivery, EventHandler, Subscription, publish_event, subscribe
 from apiary.bus.typed import Next, consumer_span
@@ -30,6 +26,7 @@ from apiary.settings import Settings
 from apiary.trainers import USER_FUNCTION, Trainer, TrainerError, TrainerSetup, make_trainer, trainer_name
 from services.worker.bundles import BundleCache
 from services.worker.gpu import choose_gpu, gpu_stats
+from services.worker.job_ends import JobEnds
 from services.worker.model_cache import ModelCache
 from services.worker.pipeline import AssignmentRun
 from services.worker.presence import Presence
@@ -41,14 +38,6 @@ log = logging.getLogger("apiary.worker")
 # A worker's control queue (jobs that ended) is its own: the broker drops it once the worker has been
 # gone this long, rather than keep filling it for a worker that may never come back.
 CONTROL_QUEUE_EXPIRES = 3600.0
-ENDED_JOBS_KEPT = 4096  # job ids remembered as ended, to skip their assignments still queued
-# An assignment issued less than this before the worker started listening for job ends (clocks of
-# different machines may differ) may belong to a job that ended unheard: its end marker is read first.
-CLOCK_SKEW = 300.0
-# The aggregator stores a job's end marker when it hears the job end, normally within milliseconds; a
-# marker still missing this long after the worker started listening means the job had not ended then,
-# so the job's later assignments are not probed.
-MARKER_SETTLE = 30.0
 
 
 class Worker:
@@ -77,9 +66,7 @@ class Worker:
                                  lambda: gpu_stats(self.gpu, self._trainer_pid()))
         self.turns = QueueTurns(self.worker_id, self.slot)
         self._control: Subscription | None = None
-        self._ended: OrderedDict[str, str] = OrderedDict()  # job id -> why it ended
-        self._alive: OrderedDict[str, None] = OrderedDict()  # jobs known not to have ended unheard
-        self._listening_since = float("inf")  # when job ends started to reach this worker
+        self.ended = JobEnds()
 
     @property
     def control_queue(self) -> str:
@@ -97,7 +84,7 @@ class Worker:
         }
         self._control = await subscribe(self.bus, self.control_queue, control, prefetch=1,
                                         expires=CONTROL_QUEUE_EXPIRES)
-        self._listening_since = time.time()
+        self.ended.listening_since = time.time()
         await self.presence.announce()
         # Each queue has its own turn-taking; past it, a stale or ended job's assignment is skipped, and
         # what is trained is traced as the message's processing.
@@ -124,33 +111,10 @@ class Worker:
             return latest
         return next((t.pid for t in self._trainers.values() if t.pid is not None), None)
 
-    def _end_probe(self, a: Assignment) -> asyncio.Task[bool] | None:
-        """Whether the assignment's job ended before this worker listened for job ends, read from the
-        job's end marker (in the background, beside the downloads), for assignments issued about
-        then or earlier; None where no reading is needed (most: nothing to pay)."""
-        if (a.ended_url is None or a.issued_at is None or a.job_id in self._alive
-                or a.issued_at > self._listening_since + CLOCK_SKEW):
-            return None
-        return asyncio.create_task(self._ended_unheard(a.job_id, a.ended_url), name=f"ended?:{a.job_id}")
-
-    async def _ended_unheard(self, job_id: str, url: str) -> bool:
-        asked = time.time()
-        marker = await transfer.probe(url)
-        if marker is None:
-            if asked > self._listening_since + MARKER_SETTLE:
-                _remember(self._alive, job_id, None)
-            return False
-        try:
-            reason = str(json.loads(marker).get("reason") or "ended")
-        except (ValueError, AttributeError):
-            reason = "ended"
-        _remember(self._ended, job_id, reason)
-        return True
-
     async def on_job_ended(self, event: JobFailed | JobCompleted, delivery: Delivery) -> None:
         """A job was cancelled, failed or completed (early stopping ends one while its next round trains): stop
         training its shard now, and skip its queued assignments."""
-        _remember(self._ended, event.job_id, event.reason or "job completed")
+        self.ended.heard(event.job_id, event.reason or "job completed")
         a = self.slot.stop(event.job_id)
         if a is not None:
             log.info("worker %s: job %s ended (%s); stopping its round %d shard %d", self.worker_id, a.job_id,
@@ -162,7 +126,7 @@ class Worker:
             log.info("worker %s: skipping stale assignment %s round %d shard %d", self.worker_id,
                      assignment.job_id, assignment.round, assignment.shard)
             return
-        if assignment.job_id in self._ended:
+        if assignment.job_id in self.ended:
             self.skip_ended(assignment)
             return
         await call_next()
@@ -174,16 +138,17 @@ class Worker:
             self.presence.pace(assignment.heartbeat_interval)
         if not await self.slot.run(assignment, self._run(assignment), name=f"train:{self.worker_id}"):
             # The job is over: nothing to report, and the assignment is done with (acked).
-            trace.get_current_span().add_event("job.ended", {"apiary.reason": self._ended.get(assignment.job_id, "")})
+            why = self.ended.reason(assignment.job_id) or ""
+            trace.get_current_span().add_event("job.ended", {"apiary.reason": why})
 
     async def _run(self, a: Assignment) -> float | None:
         """The assignment's steps (`pipeline`), in the slot's task; a trained shard's samples per second."""
-        return await AssignmentRun(self, a, rate=lambda: self.slot.samples_per_s).run(self._end_probe(a))
+        return await AssignmentRun(self, a, rate=lambda: self.slot.samples_per_s).run(self.ended.probe(a))
 
     def skip_ended(self, a: Assignment) -> None:
         """Log that an assignment of a job that ended is not trained."""
         log.info("worker %s: skipping round %d shard %d of job %s, which ended (%s)", self.worker_id,
-                 a.round, a.shard, a.job_id, self._ended[a.job_id])
+                 a.round, a.shard, a.job_id, self.ended.reason(a.job_id))
 
     def span_attributes(self, a: Assignment) -> dict[str, Any]:
         """What every span of an assignment says about it."""
@@ -211,10 +176,3 @@ class Worker:
         await while_unavailable(lambda: publish_event(self.bus, failed), self.settings.dependency_backoff(),
                                 f"worker {self.worker_id}: failure report of round {a.round} shard {a.shard}", log)
 
-
-def _remember(kept: OrderedDict[str, Any], job_id: str, value: Any) -> None:
-    """Remember a job (most recent last), forgetting the oldest beyond ENDED_JOBS_KEPT."""
-    kept[job_id] = value
-    kept.move_to_end(job_id)
-    while len(kept) > ENDED_JOBS_KEPT:
-        kept.popitem(last=False)

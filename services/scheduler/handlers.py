@@ -1,6 +1,7 @@
 """What the scheduler does on each round's messages (shards ready, workers online, a round aggregated or
 failed): load the job, ask the pure decisions, store the outcome with the events it causes (one
-transaction), then publish them. A job's commands (request, cancel) are in `commands`."""
+transaction), then publish them. A job's commands (request, cancel) are in `commands`, how it ends after its
+rounds in `finishing`, and closing a round or failing a job (which all three do) in `endings`."""
 
 from __future__ import annotations
 

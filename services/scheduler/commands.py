@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Protocol
 
 from pydantic import ValidationError
 
@@ -21,34 +20,24 @@ from apiary.contracts import (
     ShardRequested,
     decode_body,
 )
-from apiary.db import Database, Executor
+from apiary.db import Database
 from apiary.jobspec import FieldError, JobSpec, describe_errors, field_errors, policy_errors, strategy_errors
 from apiary.outbox import KeyedLocks, Outbox
 from apiary.policy import LIMITS, Policy
 from apiary.registry import registry_errors
 from apiary.status import JobStatus, RoundStatus
 from apiary.storage import Storage
-from services.scheduler import store
+from services.scheduler import endings, store
 
 log = logging.getLogger("apiary.scheduler")
-
-
-class JobEndings(Protocol):
-    """How a job that ends takes its running round and itself down, in the caller's transaction."""
-
-    async def close_running_rounds(self, tx: Executor, job_id: str, status: RoundStatus, reason: str) -> None:
-        """End the job's running round, if any, with `status`."""
-
-    async def fail_tx(self, tx: Executor, job_id: str, reason: str, round_index: int | None) -> None:
-        """Fail the job for `reason`."""
 
 
 class JobCommands:
     """Starts and stops jobs on request; each outcome is stored with the events it causes."""
 
     def __init__(self, db: Database, storage: Storage, outbox: Outbox, locks: KeyedLocks,
-                 endings: JobEndings, policy: Policy | None = None) -> None:
-        self._db, self._storage, self._outbox, self._locks, self._endings = db, storage, outbox, locks, endings
+                 policy: Policy | None = None) -> None:
+        self._db, self._storage, self._outbox, self._locks = db, storage, outbox, locks
         self._policy = policy or Policy()
 
     async def on_job_requested(self, delivery: Delivery) -> None:
@@ -125,7 +114,7 @@ class JobCommands:
             if job.status.terminal:
                 return
             async with self._db.transaction() as tx:
-                await self._endings.close_running_rounds(tx, event.job_id, RoundStatus.CANCELLED, event.reason)
+                await endings.close_running_rounds(tx, event.job_id, RoundStatus.CANCELLED, event.reason)
                 await store.end_job(tx, event.job_id, JobStatus.CANCELLED, event.reason, time.time())
                 await self._outbox.add(tx, JobFailed(job_id=event.job_id, reason=event.reason, round=job.round,
                                                       cancelled=True))
@@ -140,8 +129,8 @@ class JobCommands:
                 if job is None or job.status.terminal:
                     continue
                 async with self._db.transaction() as tx:
-                    await self._endings.close_running_rounds(tx, job_id, RoundStatus.FAILED, reason)
-                    await self._endings.fail_tx(tx, job_id, reason, job.round)
+                    await endings.close_running_rounds(tx, job_id, RoundStatus.FAILED, reason)
+                    await endings.fail_job(tx, self._outbox, job_id, reason, job.round)
                 ended.append(job_id)
         await self._outbox.flush()
         return ended
@@ -158,4 +147,4 @@ def _accepted(job_id: str, spec: JobSpec) -> JobAccepted:
                        num_shards=spec.num_shards)
 
 
-__all__ = ["JobCommands", "JobEndings"]
+__all__ = ["JobCommands"]

@@ -16,9 +16,8 @@ from apiary.db import Database
 from apiary.outbox import Outbox
 from apiary.status import RoundStatus
 from apiary.storage import ObjectNotFound, Storage
-from services.scheduler import store, task_proofs
+from services.scheduler import endings, store, task_proofs
 from services.scheduler.builtin import FINAL_ADAPTER, final_folder, merge_due, store_merged
-from services.scheduler.commands import JobEndings
 from services.scheduler.evaluation import Ending, Evaluation, ending, final_metrics, judged_by_evaluation
 from services.scheduler.models import final_report, finish_built_in
 from services.scheduler.store import Job
@@ -40,9 +39,9 @@ class Verdict:
 class JobFinisher:
     """Decides, after each round's outcome or evaluation, whether the job ends now, and ends it."""
 
-    def __init__(self, db: Database, storage: Storage, outbox: Outbox, endings: JobEndings, tasks: TaskQueue,
+    def __init__(self, db: Database, storage: Storage, outbox: Outbox, tasks: TaskQueue,
                  offline_after: Callable[[float], float]) -> None:
-        self._db, self._storage, self._outbox, self._endings = db, storage, outbox, endings
+        self._db, self._storage, self._outbox = db, storage, outbox
         self._tasks, self._offline_after = tasks, offline_after
 
     async def settle(self, job_id: str) -> None:
@@ -57,8 +56,8 @@ class JobFinisher:
         end = verdict.end
         if end.failure is not None:
             async with self._db.transaction() as tx:
-                await self._endings.close_running_rounds(tx, job_id, RoundStatus.CANCELLED, end.failure)
-                await self._endings.fail_tx(tx, job_id, end.failure, end.last)
+                await endings.close_running_rounds(tx, job_id, RoundStatus.CANCELLED, end.failure)
+                await endings.fail_job(tx, self._outbox, job_id, end.failure, end.last)
             return
         final, data = await self._final_model(job_id, verdict.weights_key)
         artifacts = await finish_built_in(self._storage, job_id, job.spec, data)
@@ -128,7 +127,7 @@ class JobFinisher:
         adapter = self._storage.uri(final_folder(job.job_id, FINAL_ADAPTER).rstrip("/"))
         reason = f"merging round {job.merging}'s adapter into the base model: {why} (the adapter is kept at {adapter})"
         async with self._db.transaction() as tx:
-            await self._endings.fail_tx(tx, job.job_id, reason, job.last_round)
+            await endings.fail_job(tx, self._outbox, job.job_id, reason, job.last_round)
 
     async def _complete(self, job: Job, verdict: Verdict, final: ObjectRef, reason: str | None) -> None:
         """Store the job's report and complete it, its final model being `final`."""
@@ -138,7 +137,7 @@ class JobFinisher:
         await self._storage.put_bytes(keys.final_metrics(job_id), report)
         final_uri = self._storage.uri(final.key)
         async with self._db.transaction() as tx:
-            await self._endings.close_running_rounds(tx, job_id, RoundStatus.CANCELLED, reason or "job completed")
+            await endings.close_running_rounds(tx, job_id, RoundStatus.CANCELLED, reason or "job completed")
             await store.complete_job(tx, job_id, final_uri, verdict.metrics, final, reason, time.time())
             await self._outbox.add(tx, JobCompleted(
                 job_id=job_id, rounds_completed=end.last, final_model=final_uri, metrics=verdict.metrics,

@@ -1,6 +1,7 @@
 """What the scheduler does on each round's messages (shards ready, workers online, a round aggregated or
 failed): load the job, ask the pure decisions, store the outcome with the events it causes (one
-transaction), then publish them. A job's commands (request, cancel) are in `commands`."""
+transaction), then publish them. A job's commands (request, cancel) are in `commands`, how it ends after its
+rounds in `finishing`, and closing a round or failing a job (which all three do) in `endings`."""
 
 from __future__ import annotations
 
@@ -12,13 +13,11 @@ from typing import TypeAlias, TypeVar
 from apiary import telemetry
 from apiary.bus import Bus, Delivery, Unroutable, publish_event
 from apiary.bus.identity import worker_of
-from apiary.component import from_json
 from apiary.contracts import (
     EVALUATE,
     INIT,
     MERGE,
     AdapterMerged,
-    JobFailed,
     JobSharded,
     JobWaiting,
     ObjectRef,
@@ -43,7 +42,7 @@ from apiary.settings import Settings
 from apiary.status import JobStatus, RoundStatus
 from apiary.storage import ObjectNotFound, Storage
 from apiary.weights import WeightsError
-from services.scheduler import store, task_proofs
+from services.scheduler import endings, store, task_proofs
 from services.scheduler.commands import JobCommands
 from services.scheduler.evaluation import DONE, FAILED, NONE, PENDING, evaluation_due, task_timeout
 from services.scheduler.finishing import JobFinisher
@@ -82,14 +81,13 @@ class SchedulerHandlers:
         self._tasks = TaskQueue(storage, self._router, settings.presign_ttl)
         self._pace = FleetPace.of(settings)
         self._reminders = PaceReminders()
-        self._finisher = JobFinisher(db, storage, outbox, endings=self, tasks=self._tasks,
-                                     offline_after=self._pace.offline_after)
+        self._finisher = JobFinisher(db, storage, outbox, tasks=self._tasks, offline_after=self._pace.offline_after)
         self._locks = KeyedLocks()
         self._presence = PresenceFilter(settings.worker_offline_after)
         self._bus = bus
         # A job's commands are handled in their own module, under the same per-job locks; the Scheduler
         # subscribes to them through this object.
-        commands = JobCommands(db, storage, outbox, self._locks, endings=self, policy=Policy.of(settings))
+        commands = JobCommands(db, storage, outbox, self._locks, policy=Policy.of(settings))
         self.on_job_requested = commands.on_job_requested
         self.on_job_cancel = commands.on_job_cancel
         self.fail_unfinished = commands.fail_unfinished
@@ -215,8 +213,8 @@ class SchedulerHandlers:
             return  # a redelivered last round: it was handled
         decision = after_aggregated(event.round, spec.distributed.num_rounds)
         async with self._db.transaction() as tx:
-            await self._close_round(tx, event.job_id, event.round, event.attempt, RoundStatus.AGGREGATED,
-                                    weights_key=event.weights.key, metrics=event.metrics)
+            await endings.close_round(tx, event.job_id, event.round, event.attempt, RoundStatus.AGGREGATED,
+                                      weights_key=event.weights.key, metrics=event.metrics)
             await store.set_global_weights(tx, event.job_id, event.weights, event.metrics)
             if decision.next is Next.FINISH:
                 await store.set_last_round(tx, event.job_id, event.round)
@@ -320,11 +318,11 @@ class SchedulerHandlers:
         log.warning("job %s: round %d attempt %d failed: %s", event.job_id, event.round, event.attempt,
                     event.reason)
         async with self._db.transaction() as tx:
-            await self._close_round(tx, event.job_id, event.round, event.attempt, RoundStatus.FAILED,
-                                    reason=event.reason)
+            await endings.close_round(tx, event.job_id, event.round, event.attempt, RoundStatus.FAILED,
+                                      reason=event.reason)
             if decision.next is Next.FAIL:
                 reason = too_many_failures(event.round, decision.failures, tolerance, event.reason)
-                await self.fail_tx(tx, event.job_id, reason, event.round)
+                await endings.fail_job(tx, self._outbox, event.job_id, reason, event.round)
             else:
                 await store.set_failures(tx, event.job_id, decision.failures)
                 await self._start_round(tx, _target(job, decision.round, decision.attempt))
@@ -405,35 +403,11 @@ class SchedulerHandlers:
             # assignments: a worker takes its training first.
             await self._queue_evaluation(tx, target.job_id, target.spec, 0, 1, target.weights)
 
-    async def _close_round(self, tx: Executor, job_id: str, round_index: int, attempt: int, status: RoundStatus,
-                           *, reason: str | None = None, weights_key: str | None = None,
-                           metrics: dict[str, float] | None = None) -> None:
-        """End a round with `status`, recording its span (the root of the round's trace)."""
-        row = await store.running_round(tx, job_id, round_index, attempt)
-        if row is not None:
-            attributes = {"apiary.job_id": job_id, "apiary.round": round_index, "apiary.attempt": attempt,
-                          "apiary.shards": len(from_json(row["shards"], [])), "apiary.round.status": str(status)}
-            telemetry.recorded_span(f"round {round_index}", int(row["trace_id"], 16), int(row["span_id"], 16),
-                                    int(row["started_at"] * 1e9), attributes, error=reason)
-        await store.close_round(tx, job_id, round_index, attempt, status, time.time(), reason=reason,
-                                weights_key=weights_key, metrics=metrics)
-
-    async def close_running_rounds(self, tx: Executor, job_id: str, status: RoundStatus, reason: str) -> None:
-        """End the job's running round, if any, with `status`: the job ended before the round did."""
-        for round_index, attempt in await store.running_rounds(tx, job_id):
-            await self._close_round(tx, job_id, round_index, attempt, status, reason=reason)
-
     async def _fail(self, job_id: str, reason: str, round_index: int | None = None) -> None:
         """Fail the job for `reason` and publish why."""
         async with self._db.transaction() as tx:
-            await self.fail_tx(tx, job_id, reason, round_index)
+            await endings.fail_job(tx, self._outbox, job_id, reason, round_index)
         await self._outbox.flush()
-
-    async def fail_tx(self, tx: Executor, job_id: str, reason: str, round_index: int | None) -> None:
-        """Fail the job for `reason` in the caller's transaction."""
-        log.error("job %s failed: %s", job_id, reason)
-        await store.end_job(tx, job_id, JobStatus.FAILED, reason, time.time())
-        await self._outbox.add(tx, JobFailed(job_id=job_id, reason=reason, round=round_index))
 
 
 def _target(job: Job, round_index: int, attempt: int) -> RoundTarget:

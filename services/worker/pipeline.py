@@ -5,104 +5,59 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol
 
 from opentelemetry.trace import Span
 
 from apiary import telemetry
 from apiary.backoff import while_unavailable
-from apiary.bus import Bus, publish_event
+from apiary.bus import publish_event
 from apiary.contracts import TRAIN, Assignment, ObjectRef, WorkerDone
 from apiary.jobspec import parse_entrypoint
-from apiary.settings import Settings
-from apiary.trainers import TrainCall, Trainer, TrainerError, TrainResult
+from apiary.trainers import TrainCall, TrainerError, TrainResult
 from services.worker import transfers
-from services.worker.bundles import BundleCache, BundleError, code_for
-from services.worker.model_cache import ModelCache
+from services.worker.bundles import BundleError, code_for
+from services.worker.host import Host, Workspace
 from services.worker.progress import ProgressStream
 from services.worker.tasks import TaskRun, task_failed, task_function
 
 log = logging.getLogger("apiary.worker")
 
 
-class Slot(Protocol):
-    """What an assignment's run needs of the worker that took it; the run updates its throughput and count."""
-
-    bus: Bus
-    settings: Settings
-    worker_id: str
-    cache: Path
-    models: ModelCache
-    bundles: BundleCache
-    samples_per_s: float | None
-    completed: int
-
-    def span_attributes(self, a: Assignment) -> dict[str, Any]:
-        """What every span of an assignment says about it."""
-
-    def skip_ended(self, a: Assignment) -> None:
-        """Log that an assignment of a job that ended is not trained."""
-
-    def trainer_for(self, a: Assignment) -> Trainer:
-        """The trainer for the assignment's job; TrainerError if there is none."""
-
-    async def failed(self, a: Assignment, error: str) -> None:
-        """Report that the assignment failed, and why."""
-
-
-class Workspace:
-    """A job's folders on this worker: one working folder per job, reused round after round (a worker
-    trains one shard at a time), its files replaced whole; the user's output folder starts empty
-    every call."""
-
-    def __init__(self, job_dir: Path) -> None:
-        self.job_dir = job_dir
-        self.work = job_dir / "work"
-        self.weights = self.work / "global.safetensors"  # the round's global weights
-        self.result = self.work / "result.safetensors"  # the trained weights
-        self.out_dir = self.work / "out"
-
-    def clear_outputs(self) -> None:
-        """Empty the output folder left by the previous round."""
-        if self.out_dir.is_dir() and any(self.out_dir.iterdir()):
-            shutil.rmtree(self.out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-
-
 class AssignmentRun:
     """Download, train, upload, report one assignment; a failed step reports worker.failed and ends it."""
 
-    def __init__(self, worker: Slot, assignment: Assignment) -> None:
+    def __init__(self, worker: Host, assignment: Assignment, rate: Callable[[], float | None]) -> None:
         self.worker, self.a = worker, assignment
+        self._rate = rate  # the worker's samples per second so far, which its progress reports carry
         self.space = Workspace(worker.cache / "jobs" / assignment.job_id)
         self.model_path: Path | None = None  # the job's base model in the worker's cache, if it has one
         self.code_path: Path | None = None  # the job's code bundle in the worker's cache, if it has one
 
-    async def run(self, ended: asyncio.Task[bool] | None) -> None:
+    async def run(self, ended: asyncio.Task[bool] | None) -> float | None:
         """Every step in turn; skipped if `ended`, the reading of the job's end marker, says the job
         ended unheard (read beside the weights' download, or before it where the shard would be
-        downloaded too)."""
+        downloaded too). A trained shard, reported, returns the samples per second it measured; else None."""
         if not await self._code():
-            return
+            return None
         if self.a.task != TRAIN:
             await self._task(ended)
-            return
+            return None
         started = time.monotonic()
         self.space.clear_outputs()
         tracer = telemetry.tracer()
         with tracer.start_as_current_span("download", attributes=self.worker.span_attributes(self.a)) as span:
             data_root = await self._download(ended, span)
         if data_root is None:
-            return
+            return None
         call = self._call(data_root)
         result = await self._train(call)
         if result is None or not await self._upload(result):
-            return
-        await self._report(result, time.monotonic() - started)
+            return None
+        return await self._report(result, time.monotonic() - started)
 
     async def _download(self, ended: asyncio.Task[bool] | None, span: Span) -> Path | None:
         """The shard's folder, with the global weights beside it; None if the job ended or a download failed."""
@@ -188,7 +143,7 @@ class AssignmentRun:
         """The trainer's result; None (reported) if training failed or returned no usable sample count."""
         a, worker = self.a, self.worker
         progress = ProgressStream(worker.bus, worker.worker_id, a, interval=worker.settings.progress_interval,
-                                  rate=lambda: worker.samples_per_s)
+                                  rate=self._rate)
         attributes = {**worker.span_attributes(a), "apiary.entrypoint": a.entrypoint}
         with telemetry.tracer().start_as_current_span("train", attributes=attributes) as span:
             try:
@@ -220,9 +175,9 @@ class AssignmentRun:
                 return False
         return True
 
-    async def _report(self, result: TrainResult, duration: float) -> None:
+    async def _report(self, result: TrainResult, duration: float) -> float:
+        """Report the trained shard (worker.done); the samples per second it measured."""
         a, worker = self.a, self.worker
-        worker.samples_per_s = result.samples * max(1, int(a.env.get("EPOCHS") or 1)) / max(duration, 1e-6)
         ref = ObjectRef(key=a.result_key, size=result.size, sha256=result.sha256)
         done = WorkerDone(
             job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=worker.worker_id, shard=a.shard,
@@ -232,6 +187,6 @@ class AssignmentRun:
         # rather than the whole assignment running again.
         await while_unavailable(lambda: publish_event(worker.bus, done), worker.settings.dependency_backoff(),
                                 f"worker {worker.worker_id}: report of round {a.round} shard {a.shard}", log)
-        worker.completed += 1
         log.info("worker %s: job %s round %d shard %d done in %.2fs (%d samples)", worker.worker_id,
                  a.job_id, a.round, a.shard, duration, result.samples)
+        return result.samples * max(1, int(a.env.get("EPOCHS") or 1)) / max(duration, 1e-6)

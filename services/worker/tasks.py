@@ -13,7 +13,7 @@ import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TypeAlias
 
 from apiary import telemetry, transfer
 from apiary.backoff import while_unavailable
@@ -32,9 +32,7 @@ from apiary.registry import zip_folder
 from apiary.storage.base import sha256_file
 from apiary.trainers import EVALUATE_FUNCTION, INIT_FUNCTION, TrainCall, TrainerError
 from services.worker import transfers
-
-if TYPE_CHECKING:
-    from services.worker.pipeline import Slot, Workspace
+from services.worker.host import Host, Workspace
 
 log = logging.getLogger("apiary.worker")
 
@@ -45,7 +43,7 @@ class TaskRun:
     """Run one init, evaluate or merge assignment and report its outcome; user errors are reported, never
     raised."""
 
-    def __init__(self, worker: Slot, assignment: Assignment, space: Workspace, call: TrainCall) -> None:
+    def __init__(self, worker: Host, assignment: Assignment, space: Workspace, call: TrainCall) -> None:
         self.worker, self.a, self.space, self.call = worker, assignment, space, call
 
     async def run(self) -> None:
@@ -132,7 +130,7 @@ class TaskRun:
             archive.unlink(missing_ok=True)
 
 
-async def task_failed(worker: Slot, a: Assignment, error: str) -> None:
+async def task_failed(worker: Host, a: Assignment, error: str) -> None:
     """Report that an init, evaluate or merge assignment could not run, and why (one line)."""
     log.warning("worker %s: job %s %s failed: %s", worker.worker_id, a.job_id, a.task, error)
     report: Report
@@ -147,7 +145,7 @@ async def task_failed(worker: Slot, a: Assignment, error: str) -> None:
     await publish_report(worker, a, report)
 
 
-async def publish_report(worker: Slot, a: Assignment, report: Report) -> None:
+async def publish_report(worker: Host, a: Assignment, report: Report) -> None:
     """Publish a task's report with the assignment's secret (the scheduler believes no report without it),
     waiting for the broker rather than running the task again."""
     report = report.model_copy(update={"secret": a.secret or ""})

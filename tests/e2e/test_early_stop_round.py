@@ -25,7 +25,7 @@ async def test_early_stopping_stops_the_round_already_training_and_aggregates_no
         await stack.wait(job_id, timeout=120)
         ended = time.monotonic()
         for _ in range(600):  # 30 s at most
-            if all(w.state == "idle" for w in stack.workers):
+            if all(w.slot.state == "idle" for w in stack.workers):
                 break
             await asyncio.sleep(0.05)
         stopped_in = time.monotonic() - ended
@@ -44,7 +44,7 @@ async def test_early_stopping_stops_the_round_already_training_and_aggregates_no
     assert view["reason"] == reason
     assert {r["round"]: r["status"] for r in view["rounds"]} == {1: "aggregated", 2: "aggregated", 3: "cancelled"}
     # Both of round 3's workers stopped training at once (not after their 10 minutes), their children ended.
-    assert stopped_in < 30, [(w.worker_id, w.state) for w in stack.workers]
+    assert stopped_in < 30, [(w.worker_id, w.slot.state) for w in stack.workers]
     assert sum(pid is None for pid in children) >= 2, children
     # The aggregator heard the job end: round 3 closed as cancelled, with nothing reported or aggregated.
     assert [(a["round"], a["status"]) for a in aggregations] == [(1, "aggregated"), (2, "aggregated"),

@@ -316,7 +316,7 @@ async def test_a_worker_started_after_a_job_ended_skips_its_assignments_still_qu
 
     # Assert: it read the job's end marker and skipped both shards, so the quick job ran at once.
     assert done["status"] == "completed", done.get("reason")
-    assert late.completed == 1
+    assert late.slot.completed == 1
     assert events == []
 
 

@@ -173,7 +173,7 @@ async def test_cancelling_a_job_waiting_for_its_last_evaluation_stops_it_and_fre
     async with embedded(workers=1) as stack:
         worker = stack.workers[0]
         slow_id = await stack.submit(slow)
-        await _until(lambda: worker.state == "evaluate", "the worker to evaluate")
+        await _until(lambda: worker.slot.state == "evaluate", "the worker to evaluate")
         child = worker.runner.pid
 
         # Execute

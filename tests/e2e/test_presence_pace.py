@@ -42,7 +42,7 @@ async def test_workers_beat_at_the_pace_the_fleet_calls_for_and_stay_online(
     # would take every worker for gone between two beats.
     async with embedded(workers=3, presence_rate=1.5, worker_offline_after=1.5) as stack:
         ids = {w.worker_id for w in stack.workers}
-        await _until(lambda: all(w.beat_every == pytest.approx(2.0) for w in stack.workers), 15,
+        await _until(lambda: all(w.presence.beat_every == pytest.approx(2.0) for w in stack.workers), 15,
                      "every worker to beat every 2 s")
 
         # Execute: watch three beats' worth of time, then run a job that needs all three.
@@ -56,7 +56,7 @@ async def test_workers_beat_at_the_pace_the_fleet_calls_for_and_stay_online(
 
         # A worker leaves: 2 workers call for 2.83x (every 1.41 s), announced to those left.
         await stack.workers[0].stop()
-        await _until(lambda: all(w.beat_every == pytest.approx(0.5 * 2 * math.sqrt(2))
+        await _until(lambda: all(w.presence.beat_every == pytest.approx(0.5 * 2 * math.sqrt(2))
                                  for w in stack.workers[1:]), 15, "the two workers left to beat every 1.41 s")
 
     # Assert: no view lost a worker between beats 2 s apart, and the job found its three workers.
@@ -70,16 +70,17 @@ async def test_a_worker_that_joins_a_stretched_fleet_or_missed_its_pace_is_told_
     # Prepare: 3 workers beating every 0.5 s within 2.05 beats a second are stretched 4x (every 2 s), and so are
     # 4: the fourth joining changes no pace, so no announcement tells it (it beat every 0.5 s before).
     async with embedded(workers=3, presence_rate=2.05, worker_offline_after=1.5) as stack:
-        await _until(lambda: all(w.beat_every == pytest.approx(2.0) for w in stack.workers), 15,
+        await _until(lambda: all(w.presence.beat_every == pytest.approx(2.0) for w in stack.workers), 15,
                      "every worker to beat every 2 s")
         late = Worker(stack.ports.bus.as_user(worker_user("late")), stack.settings, worker_id="late")
 
         # Execute: the fourth joins; then one of the first three forgets the pace (a lost announcement).
         await late.start()
         try:
-            await _until(lambda: late.beat_every == pytest.approx(2.0), 15, "the late worker to beat every 2 s")
-            stack.workers[0].beat_every = 0.5
-            await _until(lambda: stack.workers[0].beat_every == pytest.approx(2.0), 15,
+            await _until(lambda: late.presence.beat_every == pytest.approx(2.0), 15,
+                         "the late worker to beat every 2 s")
+            stack.workers[0].presence.beat_every = 0.5
+            await _until(lambda: stack.workers[0].presence.beat_every == pytest.approx(2.0), 15,
                          "the forgetful worker to be told the pace again")
             paces = await stack.ports.db.fetch("SELECT routing_key FROM events WHERE routing_key LIKE 'presence.%'")
         finally:

@@ -159,20 +159,20 @@ async def test_a_busy_worker_passes_a_preferred_assignment_to_the_pool_on_its_ow
     worker = Worker(worker_bus, Settings(home=tmp_path / "w1", heartbeat_interval=60), worker_id="w1")
     pooled: list[tuple[int, str, str | None, bool]] = []
     at: list[float] = []
-    pool_turn = worker._pool_turn
+    pool_turn = worker.turns.pool_turn
 
     async def recorded(a: Assignment, delivery: Delivery, call_next: Next) -> None:
         pooled.append((a.shard, delivery.routing_key, delivery.user_id, delivery.redelivered))
         at.append(time.monotonic())
         await pool_turn(a, delivery, call_next)
 
-    worker._pool_turn = recorded  # type: ignore[method-assign]
+    worker.turns.pool_turn = recorded  # type: ignore[method-assign]
     # Stale by the time it is trained: the worker skips it once free.
     assignment = Assignment(job_id="j1", round=2, attempt=1, job_name="j", num_rounds=2, shard=3, env={},
                             deadline=time.time() - 1)
     try:
         await worker.start()
-        async with worker._busy:
+        async with worker.slot.held():
             # Execute: the scheduler offers w1 the shard it trained last round.
             sent = time.monotonic()
             await publish_event(scheduler, assignment, routing_key=preferred_queue("w1"))

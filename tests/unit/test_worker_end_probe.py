@@ -12,7 +12,7 @@ from apiary.bus.memory import MemoryBus
 from apiary.contracts import Assignment
 from apiary.settings import Settings
 from services.worker import Worker
-from services.worker.service import CLOCK_SKEW, MARKER_SETTLE
+from services.worker.job_ends import CLOCK_SKEW, MARKER_SETTLE
 
 
 def _assignment(job_id: str, marker: Path, issued_at: float) -> Assignment:
@@ -26,7 +26,7 @@ def _assignment(job_id: str, marker: Path, issued_at: float) -> Assignment:
 
 def _worker(tmp_path: Path, listening_for: float) -> Worker:
     worker = Worker(MemoryBus(), Settings(home=tmp_path / ".apiary"), worker_id="w")
-    worker._listening_since = time.time() - listening_for
+    worker.ended.listening_since = time.time() - listening_for
     return worker
 
 
@@ -34,31 +34,31 @@ async def test_a_marker_found_skips_the_job(tmp_path: Path) -> None:
     marker = tmp_path / "ended.json"
     marker.write_text('{"reason": "cancelled by user"}')
     worker = _worker(tmp_path, listening_for=0)
-    probe = worker._end_probe(_assignment("j", marker, time.time() - 5))
+    probe = worker.ended.probe(_assignment("j", marker, time.time() - 5))
     assert probe is not None and await probe
-    assert worker._ended["j"] == "cancelled by user"
+    assert worker.ended.reason("j") == "cancelled by user"
 
 
 async def test_assignments_issued_well_after_listening_started_are_not_probed(tmp_path: Path) -> None:
     worker = _worker(tmp_path, listening_for=CLOCK_SKEW + 10)
-    assert worker._end_probe(_assignment("j", tmp_path / "ended.json", time.time())) is None
+    assert worker.ended.probe(_assignment("j", tmp_path / "ended.json", time.time())) is None
 
 
 async def test_a_marker_missing_soon_after_listening_started_is_read_again_next_time(tmp_path: Path) -> None:
     # The aggregator may not have stored it yet: the next assignment of the job is probed too.
     worker = _worker(tmp_path, listening_for=1)
     for _ in range(2):
-        probe = worker._end_probe(_assignment("j", tmp_path / "ended.json", time.time() - 5))
+        probe = worker.ended.probe(_assignment("j", tmp_path / "ended.json", time.time() - 5))
         assert probe is not None and not await probe
 
 
 async def test_a_marker_missing_well_after_listening_started_is_not_read_again(tmp_path: Path) -> None:
     worker = _worker(tmp_path, listening_for=MARKER_SETTLE + 1)
-    probe = worker._end_probe(_assignment("j", tmp_path / "ended.json", time.time() - 5))
+    probe = worker.ended.probe(_assignment("j", tmp_path / "ended.json", time.time() - 5))
     assert probe is not None and not await probe
-    assert worker._end_probe(_assignment("j", tmp_path / "ended.json", time.time() - 5)) is None
+    assert worker.ended.probe(_assignment("j", tmp_path / "ended.json", time.time() - 5)) is None
     # Another job is still read.
-    other = worker._end_probe(_assignment("k", tmp_path / "ended.json", time.time() - 5))
+    other = worker.ended.probe(_assignment("k", tmp_path / "ended.json", time.time() - 5))
     assert other is not None and not await other
 
 

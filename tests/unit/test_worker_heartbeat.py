@@ -29,7 +29,7 @@ async def test_heartbeats_are_published_not_persistent(tmp_path: Path) -> None:
     worker = Worker(bus, Settings(home=tmp_path / ".apiary", heartbeat_interval=0.01), worker_id="w")
 
     # Execute: the worker beats until one beat arrives.
-    beating = asyncio.create_task(worker._beat())
+    beating = asyncio.create_task(worker.presence.beat())
     try:
         await asyncio.wait_for(got.wait(), 10)
     finally:

@@ -88,8 +88,10 @@ class Aggregator(Component):
         await self._round_started(event)
         async with self._locks(event.job_id):
             state = await self._judge(event, delivery)
-            if state is not None:
-                await self._maybe_close(state, await self._record(event, ContributionStatus.FAILED, event.error, state))
+            if state is None:
+                return
+            settled = await self._settle(event, ContributionStatus.FAILED, event.error, state)
+            await self._maybe_close(state, settled)
 
     async def on_worker_done(self, event: contracts.WorkerDone, delivery: Delivery) -> None:
         """A contribution, once: decode it, judge its report, take it in (or refuse it) and record that, and close
@@ -102,7 +104,8 @@ class Aggregator(Component):
             try:
                 state.take_in(event.shard, await self._decode(event, fetched))
             except (ObjectNotFound, InvalidContribution, WeightsError, ValueError) as e:
-                await self._maybe_close(state, await self._reject(event, state, e))
+                settled = await self._reject(event, state, e)
+                await self._maybe_close(state, settled)
                 return
             # Recorded with the round's other reports taken in meanwhile (group commit), waited for outside the
             # lock; should the commit fail, the recorder drops the round's state, whose sum holds it.
@@ -202,7 +205,7 @@ class Aggregator(Component):
         reason = f"object {event.result.key} is missing" if isinstance(error, ObjectNotFound) else str(error)
         log.warning("job %s: round %d shard %d from %s rejected: %s", event.job_id, event.round,
                     event.shard, event.worker_id, reason)
-        return await self._record(event, ContributionStatus.REJECTED, reason, state)
+        return await self._settle(event, ContributionStatus.REJECTED, reason, state)
 
     async def _close_settled(self, key: RoundKey) -> None:
         """Close a round whose last shard a commit of accepted contributions settled (by the first of that group's
@@ -227,10 +230,11 @@ class Aggregator(Component):
         # A last shard settled after the deadline (a straggler stopped there) ends a round that timed out.
         await self._closer.close(state, timed_out=past_deadline(state.round.deadline, time.time()))
 
-    async def _record(self, event: Report, status: ContributionStatus, reason: str | None,
-                      state: RoundState | None = None) -> int | None:
-        """Store a report; for one that settles its shard, how many of the round's shards have settled."""
-        settled = await self.store.record(event, status, reason)
-        if state is not None and status.settles:
-            state.settled[event.shard] = status
-        return settled
+    async def _record(self, event: Report, status: ContributionStatus, reason: str) -> None:
+        """Store a report that settles nothing."""
+        await self.store.record(event, status, reason)
+
+    async def _settle(self, event: Report, status: ContributionStatus, reason: str | None,
+                      state: RoundState) -> int | None:
+        """Store a report that settles its shard without weights; how many of the round's shards have settled."""
+        return await state.settle(event.shard, status, self.store.record(event, status, reason))

@@ -44,20 +44,18 @@ class OpenRounds:
         return list(self._rounds)
 
     def held(self, key: RoundKey) -> RoundState | None:
-        """The round's state if held and sound; one that is not (a fold stopped part way, a spoiled sum) is let
-        go, to be recovered."""
+        """The round's state if held and sound."""
         state = self._rounds.get(key)
-        if state is not None and not state.sound:
-            del self._rounds[key]
-            return None
-        return state
+        return state if state is not None and state.sound else None
 
     async def current(self, key: RoundKey) -> RoundState | Verdict:
-        """The open round's state: held, or recovered from its rows; or why it is not open (never started here,
-        or closed)."""
+        """The open round's state (called under the job's lock): held, or recovered from its rows if it is not
+        held or not sound (a change stopped part way, a spoiled sum); or why it is not open (it never started
+        here, or it is closed)."""
         state = self.held(key)
         if state is not None:
             return state
+        self.drop(key)
         row = await self._store.aggregation(*key)
         verdict = judge_round(row)
         if verdict is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +59,9 @@ class RoundState:
     round: Round
     strategy: Strategy
     settled: dict[int, ContributionStatus] = field(default_factory=dict)
-    torn: bool = False  # a fold stopped part way by something other than the strategy refusing the contribution
+    # Set while a change is under way (a fold, a settling row's write): one stopped part way, by an error of any
+    # kind or a cancellation, leaves the sum, or whether the row was stored, unknown: the rows then say.
+    stale: bool = False
 
     @property
     def key(self) -> RoundKey:
@@ -68,17 +70,26 @@ class RoundState:
 
     @property
     def sound(self) -> bool:
-        """Whether the running sum holds exactly the contributions of the shards settled as accepted."""
-        return not self.torn and not self.strategy.spoiled
+        """Whether the state is exactly that of the round's rows (the accepted shards' contributions summed)."""
+        return not self.stale and not self.strategy.spoiled
 
     def take_in(self, shard: int, contribution: Contribution) -> None:
         """Fold an accepted contribution into the strategy and settle its shard; a refused one raises
         ValueError (InvalidContribution says why), the strategy saying whether the refusal spoiled its sum."""
-        self.torn = True  # until the fold ends: one stopped by an error of any other kind leaves an unknown sum
+        stale, self.stale = self.stale, True
         try:
             self.strategy.accept(contribution)
         except InvalidContribution:
-            self.torn = False
+            self.stale = stale  # refused whole, or the strategy says its sum is spoiled
             raise
-        self.torn = False
         self.settled[shard] = ContributionStatus.ACCEPTED
+        self.stale = stale
+
+    async def settle(self, shard: int, status: ContributionStatus, write: Awaitable[int | None]) -> int | None:
+        """Settle a shard without taking anything in (rejected, failed) once `write` has stored its row; what
+        `write` returns (how many of the round's shards have settled)."""
+        stale, self.stale = self.stale, True
+        settled = await write
+        self.settled[shard] = status
+        self.stale = stale
+        return settled

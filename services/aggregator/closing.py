@@ -17,7 +17,8 @@ from apiary.weights import dumps as dump_weights
 from apiary.weights import loads as load_weights
 from apiary.weights import spec_of
 from services.aggregator.decisions import failure_reason, refusals
-from services.aggregator.rounds import OpenRounds, RoundState
+from services.aggregator.rounds import OpenRounds
+from services.aggregator.state import RoundState
 from services.aggregator.store import AggregatorStore
 from services.aggregator.stored import StoredRound
 
@@ -40,12 +41,13 @@ class RoundCloser:
         accepted = [r for r in rows if r["status"] == ContributionStatus.ACCEPTED]
         # Another aggregator replica may have taken some of the round's reports: this one takes them in too.
         state = await self._rounds.complete(state, accepted)
-        agg = state.agg
+        round_ = state.round
+        job_id, round_index, attempt = round_.key
         links = [link for r in accepted if (link := telemetry.link_from({"traceparent": r["traceparent"] or ""}))]
-        attributes = {"apiary.job_id": agg["job_id"], "apiary.round": agg["round"], "apiary.attempt": agg["attempt"],
+        attributes = {"apiary.job_id": job_id, "apiary.round": round_index, "apiary.attempt": attempt,
                       "apiary.contributions": len(accepted), "apiary.samples": sum(r["samples"] for r in accepted),
                       "apiary.bytes": sum(r["size"] for r in accepted)}
-        parent = telemetry.context_from({"traceparent": agg["traceparent"] or ""})
+        parent = telemetry.context_from({"traceparent": round_.traceparent or ""})
         with telemetry.tracer().start_as_current_span("aggregate", context=parent, links=links,
                                                       attributes=attributes) as span:
             if timed_out:
@@ -56,7 +58,7 @@ class RoundCloser:
                                                                     "apiary.worker_id": r["worker_id"],
                                                                     "reason": r["reason"] or ""})
             refused = refusals(rows)
-            reason = failure_reason(len(accepted), len(state.shards), agg["min_workers"], refused,
+            reason = failure_reason(len(accepted), len(round_.shards), round_.min_workers, refused,
                                     timed_out=timed_out)
             if reason is None:
                 reason = await self._aggregate(state, accepted, refused, timed_out=timed_out)
@@ -67,7 +69,7 @@ class RoundCloser:
     async def _fail(self, state: RoundState, reason: str, reported: int) -> None:
         job_id, round_index, attempt = state.key
         failed = RoundFailed(job_id=job_id, round=round_index, attempt=attempt, reason=reason,
-                             reported=reported, required=state.agg["min_workers"])
+                             reported=reported, required=state.round.min_workers)
         async with self._store.db.transaction() as tx:
             if await self._store.close(tx, state.key, RoundStatus.FAILED, reason=reason):
                 await self._outbox.add(tx, failed)
@@ -120,7 +122,7 @@ class RoundCloser:
         strategy = state.strategy
         global_weights = None
         if strategy.wants_global_weights():
-            global_weights = load_weights(await self._storage.get_bytes(state.agg["weights_key"]))
+            global_weights = load_weights(await self._storage.get_bytes(state.round.weights.key))
         if strategy.streaming:
             return strategy.finish(global_weights)
         with tempfile.TemporaryDirectory(prefix="apiary-round-") as folder:

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from apiary import contracts, keys
@@ -22,14 +20,15 @@ from apiary.weights import loads as load_weights
 from services.aggregator.closing import RoundCloser
 from services.aggregator.decisions import (
     Report,
+    Verdict,
     all_settled,
     ended_status,
-    judge_round,
     judge_sender,
     judge_shard,
     past_deadline,
 )
-from services.aggregator.rounds import PREFETCH_MAX_BYTES, OpenRounds, RoundKey, RoundState
+from services.aggregator.rounds import PREFETCH_MAX_BYTES, OpenRounds
+from services.aggregator.state import Round, RoundKey, RoundState
 from services.aggregator.store import AggregatorStore, opened_row
 
 log = logging.getLogger("apiary.aggregator")
@@ -82,146 +81,45 @@ class Aggregator(Component):
             spec = self._rounds.known_spec(event.weights)
             if inserted and spec is not None:
                 # A new round whose weights this aggregator wrote: nothing to read back before its results.
-                await self._rounds.begin(row, spec)
+                await self._rounds.begin(Round.of(row), spec)
 
     async def on_worker_failed(self, event: contracts.WorkerFailed, delivery: Delivery) -> None:
         """The user's code failed on a shard: that shard settles without weights."""
         await self._round_started(event)
-        async with self._locks(event.job_id), self._dropping_state_on_error(event):
-            state = await self._admit(event, delivery)
+        async with self._locks(event.job_id):
+            state = await self._judge(event, delivery)
             if state is None:
                 return
-            await self._maybe_close(state, await self._record(event, ContributionStatus.FAILED, event.error, state))
+            settled = await self._settle(event, ContributionStatus.FAILED, event.error, state)
+            await self._maybe_close(state, settled)
 
     async def on_worker_done(self, event: contracts.WorkerDone, delivery: Delivery) -> None:
-        """Validate a contribution and take it in, once; close the round when every shard reported."""
-        early, _ = await asyncio.gather(self._prefetch(event), self._round_started(event))
-        async with self._locks(event.job_id), self._dropping_state_on_error(event):
-            state = await self._admit(event, delivery)
+        """A contribution, once: decode it, judge its report, take it in (or refuse it) and record that, and close
+        the round if every shard has settled."""
+        fetched, _ = await asyncio.gather(self._prefetch(event), self._round_started(event))
+        async with self._locks(event.job_id):
+            state = await self._judge(event, delivery)
             if state is None:
                 return
             try:
-                if isinstance(early, BaseException):
-                    raise early
-                data = early if early is not None else await self.storage.verified_bytes(event.result)
-                weights = load_weights(data, copy=False)
-                state.strategy.accept(Contribution(weights, event.samples, event.metrics))
+                state.take_in(event.shard, await self._decode(event, fetched))
             except (ObjectNotFound, InvalidContribution, WeightsError, ValueError) as e:
-                state, settled = await self._reject(event, state, e)
+                settled = await self._reject(event, state, e)
                 await self._maybe_close(state, settled)
                 return
-            # Recorded with the round's other reports taken in meanwhile (group commit), outside the lock; should
-            # that fail, the recorder drops the state, whose sum holds it, to be rebuilt from the stored rows.
-            committed = self._rounds.recorder.add(state.key, event)
-            state.settled[event.shard] = ContributionStatus.ACCEPTED
-        settled = await asyncio.shield(committed)  # shared by the group: one handler cancelled cancels no other
-        async with self._locks(event.job_id), self._dropping_state_on_error(event):
-            held = self._rounds.get(state.key) or await self._still_open(state.key)
-            if held is not None:
-                await self._maybe_close(held, settled)
-
-    async def _still_open(self, key: RoundKey) -> RoundState | None:
-        """An open round's state, rebuilt from its rows (a failed handler dropped it); None once it is closed."""
-        agg = await self.store.aggregation(*key)
-        if agg is None or judge_round(agg) is not None:
-            return None
-        return await self._rounds.load(agg)
-
-    async def _round_started(self, event: Report) -> None:
-        """Wait, outside the job's lock, until the report's round is stored (at most ROUND_START_WAIT s): with
-        aggregator replicas a report can overtake its round's round.start, which another replica is still handling
-        (it waits for that job's lock there, say, behind the close of the round before). A round still missing
-        then never started: `_admit` records the report as an orphan."""
-        key = (event.job_id, event.round, event.attempt)
-        if self._rounds.get(key) is not None:
-            return
-        deadline, pause = time.monotonic() + ROUND_START_WAIT, 0.02
-        while await self.store.aggregation(*key) is None and time.monotonic() < deadline:
-            await asyncio.sleep(pause)
-            pause = min(2 * pause, 0.5)
-
-    async def _prefetch(self, event: contracts.WorkerDone) -> bytes | BaseException | None:
-        """Small contributions are fetched before queueing for the job's lock, so many download at
-        once; large ones (None here) are fetched one at a time inside it (memory: one accumulator plus one)."""
-        if event.result.key != keys.contribution(event.job_id, event.round, event.attempt, event.shard):
-            return None  # another object than the shard's upload: _admit records the report as forged
-        if event.result.size > PREFETCH_MAX_BYTES:
-            return None
-        try:
-            return await self.storage.verified_bytes(event.result)
-        except (ObjectNotFound, ValueError) as e:
-            return e
-
-    async def _reject(self, event: contracts.WorkerDone, state: RoundState,
-                      error: Exception) -> tuple[RoundState, int | None]:
-        """Record a refused contribution; the round's state, re-folded if the refusal spoiled it, and how many
-        of its shards have settled now."""
-        reason = f"object {event.result.key} is missing" if isinstance(error, ObjectNotFound) else str(error)
-        log.warning("job %s: round %d shard %d from %s rejected: %s", event.job_id, event.round,
-                    event.shard, event.worker_id, reason)
-        settled = await self._record(event, ContributionStatus.REJECTED, reason, state)
-        if not state.strategy.spoiled:
-            return state, settled
-        # Part of the refused contribution was taken in: the exact state is re-folded from the
-        # accepted contributions in storage.
-        self._rounds.drop(state.key)
-        return await self._rounds.load(state.agg), settled
-
-    async def _admit(self, event: Report, delivery: Delivery) -> RoundState | None:
-        """The open round this report settles a shard of; None (recorded why) if it settles nothing: it
-        is an orphan, late, forged (it never takes the genuine report's place), unassigned or a duplicate."""
-        key = (event.job_id, event.round, event.attempt)
-        state = self._rounds.get(key)
-        if state is None:
-            agg = await self.store.aggregation(*key)
-            verdict = judge_round(agg)
-            if verdict is not None:
-                if verdict.status is ContributionStatus.LATE:
-                    log.info("job %s: late report for round %d/%d shard %d from %s ignored", event.job_id,
-                             event.round, event.attempt, event.shard, event.worker_id)
-                await self._record(event, verdict.status, verdict.reason)
-                return None
-            assert agg is not None  # judge_round calls a missing round an orphan
-            state = await self._rounds.load(agg)
-        forged = judge_sender(event, state.agg, delivery.user_id)
-        if forged is not None:
-            log.warning("job %s: round %d shard %d: report from %s is forged: %s", event.job_id, event.round,
-                        event.shard, event.worker_id, forged.reason)
-            await self._record(event, forged.status, forged.reason)
-            return None
-        verdict = judge_shard(event.shard, state.shards, state.settled)
-        if verdict is None:
-            return state
-        await self._record(event, verdict.status, verdict.reason)
-        if verdict.status is ContributionStatus.DUPLICATE:
-            # A redelivered last report whose first handling failed after it was recorded: the round
-            # is still open, so close it now rather than at the timeout.
-            await self._maybe_close(state)
-        return None
-
-    @contextlib.asynccontextmanager
-    async def _dropping_state_on_error(self, event: Report) -> AsyncIterator[None]:
-        try:
-            yield
-        except BaseException:
-            self._rounds.drop((event.job_id, event.round, event.attempt))
-            raise
+            # Recorded with the round's other reports taken in meanwhile (group commit), waited for outside the
+            # lock; should the commit fail, the recorder drops the round's state, whose sum holds it.
+            recorded = self._rounds.recorder.add(state.key, event)
+        settled = await recorded
+        if settled is not None and settled >= len(state.round.shards):
+            await self._close_settled(state.key)
 
     async def on_round_timeout(self, event: contracts.RoundTimeout, delivery: Delivery) -> None:
         """The round's time is up: aggregate what arrived if enough did, else fail the round."""
         async with self._locks(event.job_id):
-            key = (event.job_id, event.round, event.attempt)
-            state = self._rounds.get(key)
-            if state is None:
-                agg = await self.store.aggregation(*key)
-                if agg is None or judge_round(agg) is not None:
-                    return
-                state = await self._rounds.load(agg)
-            try:
+            state = await self._rounds.current((event.job_id, event.round, event.attempt))
+            if not isinstance(state, Verdict):
                 await self._closer.close(state, timed_out=True)
-            except BaseException:
-                self._rounds.drop(key)
-                raise
 
     async def on_job_ended(self, event: contracts.JobFailed | contracts.JobCompleted, delivery: Delivery) -> None:
         """A job was cancelled, failed or completed (early stopping ends one while its next round runs): its
@@ -243,23 +141,100 @@ class Aggregator(Component):
         if closed:
             log.info("job %s %s: its open round closed", event.job_id, ended)
 
+    async def _round_started(self, event: Report) -> None:
+        """Wait, outside the job's lock, until the report's round is stored (at most ROUND_START_WAIT s): with
+        aggregator replicas a report can overtake its round's round.start, which another replica is still handling
+        (it waits for that job's lock there, say, behind the close of the round before), and the database is all
+        the replicas share. A round still missing then never started: `_judge` records the report as an orphan."""
+        key = (event.job_id, event.round, event.attempt)
+        if self._rounds.held(key) is not None:
+            return
+        deadline, pause = time.monotonic() + ROUND_START_WAIT, 0.02
+        while await self.store.aggregation(*key) is None and time.monotonic() < deadline:
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 0.5)
+
+    async def _prefetch(self, event: contracts.WorkerDone) -> bytes | Exception | None:
+        """Small contributions are fetched before queueing for the job's lock, so many download at
+        once; large ones (None here) are fetched one at a time inside it (memory: one accumulator plus one)."""
+        if event.result.key != keys.contribution(event.job_id, event.round, event.attempt, event.shard):
+            return None  # another object than the shard's upload: _judge records the report as forged
+        if event.result.size > PREFETCH_MAX_BYTES:
+            return None
+        try:
+            return await self.storage.verified_bytes(event.result)
+        except (ObjectNotFound, ValueError) as e:
+            return e  # the refusal of a report that _judge may yet find forged, late or a duplicate
+
+    async def _decode(self, event: contracts.WorkerDone, fetched: bytes | Exception | None) -> Contribution:
+        """The report's contribution, from its prefetched bytes or fetched now; raises why it cannot be one."""
+        if isinstance(fetched, Exception):
+            raise fetched
+        data = fetched if fetched is not None else await self.storage.verified_bytes(event.result)
+        return Contribution(load_weights(data, copy=False), event.samples, event.metrics)
+
+    async def _judge(self, event: Report, delivery: Delivery) -> RoundState | None:
+        """The open round this report settles a shard of; None (recorded why) if it settles nothing: it
+        is an orphan, late, forged (it never takes the genuine report's place), unassigned or a duplicate."""
+        state = await self._rounds.current((event.job_id, event.round, event.attempt))
+        if isinstance(state, Verdict):
+            if state.status is ContributionStatus.LATE:
+                log.info("job %s: late report for round %d/%d shard %d from %s ignored", event.job_id,
+                         event.round, event.attempt, event.shard, event.worker_id)
+            await self._record(event, state.status, state.reason)
+            return None
+        forged = judge_sender(event, state.round.digests_row, delivery.user_id)
+        if forged is not None:
+            log.warning("job %s: round %d shard %d: report from %s is forged: %s", event.job_id, event.round,
+                        event.shard, event.worker_id, forged.reason)
+            await self._record(event, forged.status, forged.reason)
+            return None
+        verdict = judge_shard(event.shard, state.round.shards, state.settled)
+        if verdict is None:
+            return state
+        await self._record(event, verdict.status, verdict.reason)
+        if verdict.status is ContributionStatus.DUPLICATE:
+            # A redelivered last report whose first handling failed after it was recorded: the round
+            # is still open, so close it now rather than at the timeout.
+            await self._maybe_close(state)
+        return None
+
+    async def _reject(self, event: contracts.WorkerDone, state: RoundState, error: Exception) -> int | None:
+        """Record a refused contribution; how many of the round's shards have settled now. A refusal that spoiled
+        the round's sum leaves the state unsound: it is recovered from the accepted contributions when next used."""
+        reason = f"object {event.result.key} is missing" if isinstance(error, ObjectNotFound) else str(error)
+        log.warning("job %s: round %d shard %d from %s rejected: %s", event.job_id, event.round,
+                    event.shard, event.worker_id, reason)
+        return await self._settle(event, ContributionStatus.REJECTED, reason, state)
+
+    async def _close_settled(self, key: RoundKey) -> None:
+        """Close a round whose last shard a commit of accepted contributions settled (by the first of that group's
+        handlers to get here: the others find it closed)."""
+        async with self._locks(key[0]):
+            state = await self._rounds.current(key)
+            if not isinstance(state, Verdict):
+                await self._close(state)
+
     async def _maybe_close(self, state: RoundState, settled: int | None = None) -> None:
         """Close the round if every shard has settled: here, or by any replica (`settled`, as counted when this
         one recorded its report, or read now): another aggregator replica may have settled the shards this
         one has not seen, and the one whose report settles the last shard counts them all."""
-        if not all_settled(state.settled, state.shards):
+        if not all_settled(state.settled, state.round.shards):
             if settled is None:
                 settled = await self.store.settled_shards(*state.key)
-            if settled < len(state.shards):
+            if settled < len(state.round.shards):
                 return
+        await self._close(state)
+
+    async def _close(self, state: RoundState) -> None:
         # A last shard settled after the deadline (a straggler stopped there) ends a round that timed out.
-        await self._closer.close(state, timed_out=past_deadline(state.agg["deadline"], time.time()))
+        await self._closer.close(state, timed_out=past_deadline(state.round.deadline, time.time()))
 
-    async def _record(self, event: Report, status: ContributionStatus, reason: str | None,
-                      state: RoundState | None = None) -> int | None:
-        """Store a report; for one that settles its shard, how many of the round's shards have settled."""
-        settled = await self.store.record(event, status, reason)
-        if state is not None and status.settles:
-            state.settled[event.shard] = status
-        return settled
+    async def _record(self, event: Report, status: ContributionStatus, reason: str) -> None:
+        """Store a report that settles nothing."""
+        await self.store.record(event, status, reason)
 
+    async def _settle(self, event: Report, status: ContributionStatus, reason: str | None,
+                      state: RoundState) -> int | None:
+        """Store a report that settles its shard without weights; how many of the round's shards have settled."""
+        return await state.settle(event.shard, status, self.store.record(event, status, reason))

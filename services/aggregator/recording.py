@@ -4,7 +4,8 @@ was taken in while the transaction before it committed.
 A report's handler folds its contribution into the round's strategy under the job's lock, queues its row here and
 waits for the commit outside the lock, so the next reports fold meanwhile: a round of K reports arriving together
 costs a few commits, not K, one after the other (the database's transactions run one at a time in a process).
-The delivery is acked only once its row is committed, as before.
+The delivery is acked only once its row is committed, as before; a handler cancelled while it waits cancels neither
+the commit nor the other handlers of its group.
 
 Should a commit fail, the contributions of that group and of every group queued behind it are in the strategy's
 running sum but not in the database: their handlers fail (the broker delivers them again) and the round's state is
@@ -18,17 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from apiary.contracts import WorkerDone
 from apiary.status import ContributionStatus
+from services.aggregator.state import RoundKey
 from services.aggregator.store import AggregatorStore, contribution_row
 
 log = logging.getLogger("apiary.aggregator")
-
-RoundKey = tuple[str, int, int]  # (job, round, attempt)
 
 
 @dataclass
@@ -49,16 +49,16 @@ class GroupRecorder:
         self._committing: dict[RoundKey, _Group] = {}  # the group in its transaction now
         self._writers: dict[RoundKey, asyncio.Task[None]] = {}
 
-    def add(self, key: RoundKey, report: WorkerDone) -> asyncio.Future[int | None]:
-        """Queue an accepted contribution's row; the future is the round's settled-shard count once it is
-        committed (raises what the commit raised)."""
+    def add(self, key: RoundKey, report: WorkerDone) -> Awaitable[int | None]:
+        """Queue an accepted contribution's row; awaited, the round's settled-shard count once it is committed
+        (raises what the commit raised). Cancelling that wait leaves the group's commit alone."""
         group = self._queued.get(key)
         if group is None:
             group = self._queued[key] = _Group()
         group.rows.append(contribution_row(report, ContributionStatus.ACCEPTED, None))  # in the report's own span
         if key not in self._writers:
             self._writers[key] = asyncio.create_task(self._write(key), name=f"record:{key[0]}:{key[1]}")
-        return group.committed
+        return asyncio.shield(group.committed)  # shared by the group: one handler cancelled cancels no other
 
     async def drain(self, key: RoundKey) -> None:
         """Wait until every row queued for this round so far is committed; raise what a failed commit raised."""

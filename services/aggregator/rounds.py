@@ -1,4 +1,4 @@
-"""The open rounds an aggregator holds in memory: a cache of its tables and storage, rebuilt on demand."""
+"""The open rounds an aggregator holds in memory: a cache of its tables and storage, recovered from them on demand."""
 
 from __future__ import annotations
 
@@ -6,18 +6,18 @@ import asyncio
 import collections
 import contextlib
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
 from typing import Any
 
 from apiary.component import from_json
 from apiary.contracts import ObjectRef
 from apiary.status import ContributionStatus
 from apiary.storage import Storage
-from apiary.strategies.base import Contribution, Strategy, create
+from apiary.strategies.base import Contribution, create
 from apiary.weights import WeightSpec, spec_of
 from apiary.weights import loads as load_weights
-from services.aggregator.decisions import strategy_of, update_format
-from services.aggregator.recording import GroupRecorder, RoundKey
+from services.aggregator.decisions import Verdict, judge_round
+from services.aggregator.recording import GroupRecorder
+from services.aggregator.state import Round, RoundKey, RoundState
 from services.aggregator.store import AggregatorStore
 
 SPEC_CACHE = 256  # global weights whose names, dtypes and shapes are remembered
@@ -26,23 +26,6 @@ SPEC_CACHE = 256  # global weights whose names, dtypes and shapes are remembered
 FETCH_AHEAD = 16
 FETCH_AHEAD_BYTES = 64 * 2**20
 PREFETCH_MAX_BYTES = 8 * 1024 * 1024  # a larger contribution is fetched alone, here and as it arrives
-
-
-@dataclass
-class RoundState:
-    """One open round in memory: its row, which shards have settled and its strategy's running state.
-    It is a cache of the database and storage: dropped whenever a handler fails, rebuilt from them on
-    next use (after a restart too), so a contribution is counted exactly when its row says so."""
-
-    agg: dict[str, Any]
-    shards: frozenset[int]
-    strategy: Strategy
-    settled: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def key(self) -> RoundKey:
-        """(job, round, attempt)."""
-        return self.agg["job_id"], self.agg["round"], self.agg["attempt"]
 
 
 class OpenRounds:
@@ -60,12 +43,28 @@ class OpenRounds:
         """(job, round, attempt) of each round held."""
         return list(self._rounds)
 
-    def get(self, key: RoundKey) -> RoundState | None:
-        """The round's state if held."""
-        return self._rounds.get(key)
+    def held(self, key: RoundKey) -> RoundState | None:
+        """The round's state if held and sound."""
+        state = self._rounds.get(key)
+        return state if state is not None and state.sound else None
+
+    async def current(self, key: RoundKey) -> RoundState | Verdict:
+        """The open round's state (called under the job's lock): held, or recovered from its rows if it is not
+        held or not sound (a change stopped part way, a spoiled sum); or why it is not open (it never started
+        here, or it is closed)."""
+        state = self.held(key)
+        if state is not None:
+            return state
+        self.drop(key)
+        row = await self._store.aggregation(*key)
+        verdict = judge_round(row)
+        if verdict is not None:
+            return verdict
+        assert row is not None  # judge_round calls a missing round an orphan
+        return await self.recover(Round.of(row))
 
     def drop(self, key: RoundKey) -> None:
-        """Forget a round's state (it is rebuilt from the tables and storage if needed again)."""
+        """Forget a round's state (it is recovered from the tables and storage if needed again)."""
         self._rounds.pop(key, None)
 
     def drop_job(self, job_id: str) -> None:
@@ -90,28 +89,29 @@ class OpenRounds:
         while len(self._states) > SPEC_CACHE:
             del self._states[next(iter(self._states))]
 
-    async def begin(self, agg: dict[str, Any], spec: WeightSpec) -> RoundState:
+    async def begin(self, round_: Round, spec: WeightSpec) -> RoundState:
         """Hold a round that has just started: nothing settled, its strategy begun."""
-        state = await self._fresh(agg, spec)
+        state = await self._fresh(round_, spec)
         self._rounds[state.key] = state
         return state
 
-    async def load(self, agg: dict[str, Any]) -> RoundState:
+    async def recover(self, round_: Round) -> RoundState:
         """An open round's state from its rows: the shards settled so far, and the strategy's state
-        re-folded from the stored accepted contributions (after a restart, or after a handler failed), once the
-        rows queued for it are committed (or failed: their contributions are delivered again)."""
+        re-folded from the stored accepted contributions (after a restart, or when the held state was dropped or
+        not sound), once the rows queued for it are committed (or failed: their contributions are delivered
+        again)."""
         with contextlib.suppress(Exception):
-            await self.recorder.drain((agg["job_id"], agg["round"], agg["attempt"]))
-        base = ObjectRef(key=agg["weights_key"], size=agg["weights_size"], sha256=agg["weights_sha256"])
-        spec = self.known_spec(base)
+            await self.recorder.drain(round_.key)
+        spec = self.known_spec(round_.weights)
         if spec is None:
-            spec = spec_of(await self._storage.get_bytes(base.key))
-            self.remember_spec(base, spec)
-        state = await self._fresh(agg, spec)
+            spec = spec_of(await self._storage.get_bytes(round_.weights.key))
+            self.remember_spec(round_.weights, spec)
+        state = await self._fresh(round_, spec)
         rows = await self._store.contributions(*state.key)
         for row in rows:
-            if ContributionStatus(row["status"]).settles:
-                state.settled[row["shard"]] = row["status"]
+            status = ContributionStatus(row["status"])
+            if status.settles and status is not ContributionStatus.ACCEPTED:
+                state.settled[row["shard"]] = status
         await self._take_in(state, [row for row in rows if row["status"] == ContributionStatus.ACCEPTED])
         self._rounds[state.key] = state
         return state
@@ -119,25 +119,24 @@ class OpenRounds:
     async def complete(self, state: RoundState, accepted: list[dict[str, Any]]) -> RoundState:
         """The round's state holding every accepted contribution (their rows, in stored order): those another
         aggregator replica took are folded in after this one's own (only the replica that claims the round's
-        row writes its result: RoundCloser), or, if this state cannot take them, the round is re-folded."""
+        row writes its result: RoundCloser), or, if this state cannot take them, the round is recovered."""
         held = {shard for shard, status in state.settled.items() if status == ContributionStatus.ACCEPTED}
         shards = {row["shard"] for row in accepted}
         if held == shards:
             return state
-        if held <= shards and not state.strategy.spoiled:
+        if held <= shards and state.sound:
             await self._take_in(state, [row for row in accepted if row["shard"] not in held])
             return state
         self.drop(state.key)
-        return await self.load(state.agg)
+        return await self.recover(state.round)
 
     async def _take_in(self, state: RoundState, rows: list[dict[str, Any]]) -> None:
         """Fold accepted contributions (their rows) into the round's strategy in the rows' order, the next
         ones downloading meanwhile."""
         async with contextlib.aclosing(self._fetched(rows)) as fetched:
             async for row, data in fetched:
-                state.strategy.accept(Contribution(load_weights(data, copy=False), row["samples"],
-                                                   from_json(row["metrics"], {})))
-                state.settled[row["shard"]] = ContributionStatus.ACCEPTED
+                state.take_in(row["shard"], Contribution(load_weights(data, copy=False), row["samples"],
+                                                         from_json(row["metrics"], {})))
 
     async def _fetched(self, rows: list[dict[str, Any]]) -> AsyncGenerator[tuple[dict[str, Any], bytes]]:
         """Each row with its object's verified bytes, in order, up to FETCH_AHEAD objects (FETCH_AHEAD_BYTES in
@@ -163,16 +162,16 @@ class OpenRounds:
                 task.cancel()
             await asyncio.gather(*(task for _, task in window), return_exceptions=True)
 
-    async def _fresh(self, agg: dict[str, Any], spec: WeightSpec) -> RoundState:
+    async def _fresh(self, round_: Round, spec: WeightSpec) -> RoundState:
         """A round's state with nothing taken in: the strategy its row names, begun on the round's spec,
         with the server state the job's previous round left (so a restarted aggregator resumes exactly)."""
-        name, params = strategy_of(agg)
-        strategy = create(name, params)
-        strategy.begin(spec, update_format(agg))
-        state_key = await self._previous_state_key(agg["job_id"], agg["round"])
+        strategy = create(round_.strategy, round_.strategy_params)
+        strategy.begin(spec, round_.update_format)
+        job_id, round_index, _ = round_.key
+        state_key = await self._previous_state_key(job_id, round_index)
         if state_key is not None:
             strategy.load_state(load_weights(await self._storage.get_bytes(state_key)))
-        return RoundState(agg=agg, shards=frozenset(from_json(agg["shards"])), strategy=strategy)
+        return RoundState(round=round_, strategy=strategy)
 
     async def _previous_state_key(self, job_id: str, round_index: int) -> str | None:
         # A round starts once the one before it aggregated: if this aggregator aggregated it, the key is known.

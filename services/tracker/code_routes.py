@@ -12,7 +12,7 @@ from apiary import bundle, bundle_store
 from apiary.jobspec import FieldError, JobSpec
 from apiary.storage import Storage
 from services.tracker.registry_routes import RegistryTracker
-from services.tracker.schemas import Problem
+from services.tracker.schemas import CHANGES, Problem
 
 SHA256 = r"^[0-9a-f]{64}$"
 
@@ -31,7 +31,7 @@ def code_routes(tracker: RegistryTracker) -> APIRouter:
 
     @router.post("/code", status_code=201, response_model=StoredCode,
                  responses={422: {"model": Problem, "description": "why the zip is no acceptable bundle"},
-                            413: {"model": Problem, "description": "the bundle is over the size limit"}},
+                            **CHANGES},
                  openapi_extra={"requestBody": {"content": {"application/zip": {}}, "required": True}})
     async def upload_code(request: Request, sha256: str | None = Query(
             None, pattern=SHA256, description="the sha256 the body must have")) -> dict[str, Any]:

@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from apiary import bundle
 from apiary.bus import Bus
@@ -26,7 +28,7 @@ from services.tracker.code_routes import code_errors, code_routes
 from services.tracker.publish import publish_job_request
 from services.tracker.registry_routes import Registries, RegistryTracker, registry_routes
 from services.tracker.registry_store import Kind
-from services.tracker.schemas import CHANGES, JOB_ID, NOT_FOUND, PREFIX, UNAUTHORIZED, no_job
+from services.tracker.schemas import CHANGES, JOB_ID, NOT_FOUND, PREFIX, API_ERRORS, UNPARSED, no_job
 from services.tracker.stream import LiveTracker, stream_routes
 from services.tracker.views import (
     TERMINAL,
@@ -67,6 +69,7 @@ def create_app(tracker: ApiTracker) -> FastAPI:
         redoc_url=None,
     )
     app.add_exception_handler(RequestValidationError, _invalid_request)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_middleware(BodyLimit, limit_of=body_limits(tracker.settings))
     registries = Registries(tracker)
     tokens = Tokens(tracker.db)
@@ -74,8 +77,8 @@ def create_app(tracker: ApiTracker) -> FastAPI:
     authorised, streaming = [Depends(guard(tokens))], [Depends(guard(tokens, query=True))]
     for router in (_job_commands(tracker, registries, tokens), _job_reads(tracker), _worker_routes(tracker),
                    registry_routes(registries), code_routes(tracker)):
-        app.include_router(router, prefix=PREFIX, dependencies=authorised, responses=UNAUTHORIZED)
-    app.include_router(stream_routes(tracker), prefix=PREFIX, dependencies=streaming, responses=UNAUTHORIZED)
+        app.include_router(router, prefix=PREFIX, dependencies=authorised, responses=API_ERRORS)
+    app.include_router(stream_routes(tracker), prefix=PREFIX, dependencies=streaming, responses=API_ERRORS)
     app.include_router(_dashboard_routes())
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
@@ -103,7 +106,7 @@ def _job_commands(tracker: ApiTracker, registries: Registries, tokens: Tokens) -
     @router.post("/training-jobs", status_code=202, response_model=schemas.JobSubmitted,
                  responses={422: {"model": schemas.Problem, "description": "each bad field, named"},
                             409: {"model": schemas.Problem, "description": "the job id is taken"}, **NO_SCHEDULER,
-                            **CHANGES})
+                            **CHANGES, **UNPARSED})
     async def submit_job(request: JobRequested, http: Request) -> JSONResponse:
         """Publish a job request (`job.requested`); the job id is the request's, or a new one."""
         body = request.model_dump(mode="json", exclude_unset=True, exclude={"v"})
@@ -126,7 +129,7 @@ def _job_commands(tracker: ApiTracker, registries: Registries, tokens: Tokens) -
 
     @router.post("/training-jobs/{job_id}/cancel", status_code=202, response_model=schemas.CancelRequested,
                  responses={**NOT_FOUND, 409: {"model": schemas.Problem, "description": "the job already ended"},
-                            **NO_SCHEDULER, **CHANGES})
+                            **NO_SCHEDULER, **CHANGES, **UNPARSED})
     async def cancel_job(http: Request, job_id: str = JOB_ID, body: schemas.CancelJob | None = None,
                          ahead: bool = Query(False, description="cancel also a job not known yet: if its request "
                                              "comes, it will not start")) -> dict[str, Any]:
@@ -215,6 +218,14 @@ async def _invalid_request(request: Request, exc: RequestValidationError) -> JSO
     errors = request_errors(exc.errors())
     problem = schemas.Problem(detail=f"request rejected: {describe_errors(errors)}", errors=errors)
     return JSONResponse(problem.model_dump(), status_code=422)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """An HTTPException as FastAPI answers it; a body FastAPI could not parse also says why."""
+    if exc.status_code == 400 and exc.__cause__ is not None:
+        detail = f"the body could not be parsed: {type(exc.__cause__).__name__}: {exc.__cause__}"
+        return JSONResponse(schemas.Problem(detail=detail).model_dump(), status_code=400)
+    return await http_exception_handler(request, exc)
 
 
 def request_errors(items: Sequence[Any]) -> list[FieldError]:

@@ -19,7 +19,7 @@ from apiary.bus.base import Unroutable
 from apiary.bus.typed import publish_event
 from apiary.contracts import JobCancelRequested, JobRequested
 from apiary.jobspec import INT64_MAX, FieldError, describe_errors, policy_errors
-from apiary.policy import LIMITS, Policy
+from apiary.policy import Policy
 from apiary.settings import Settings
 from services.tracker import schemas, token_store
 from services.tracker.auth import Tokens, guard, may_cancel, principal_of
@@ -28,7 +28,7 @@ from services.tracker.code_routes import code_errors, code_routes
 from services.tracker.publish import publish_job_request
 from services.tracker.registry_routes import Registries, RegistryTracker, registry_routes
 from services.tracker.registry_store import Kind
-from services.tracker.schemas import CHANGES, JOB_ID, NOT_FOUND, PREFIX, API_ERRORS, UNPARSED, no_job
+from services.tracker.schemas import API_ERRORS, CHANGES, JOB_ID, NOT_FOUND, PREFIX, UNPARSED, no_job
 from services.tracker.stream import LiveTracker, stream_routes
 from services.tracker.views import (
     TERMINAL,

@@ -13,11 +13,11 @@ from fastapi import Path as InPath
 
 from apiary.dataset import DatasetError
 from apiary.db import Database
+from apiary.jobspec import INT64_MAX
 from apiary.registry import MODEL_SUFFIXES, RegistryError, Upload, store_dataset, store_model
 from apiary.storage import Storage
 from services.tracker import registry_store
 from services.tracker.registry_store import Kind
-from apiary.jobspec import INT64_MAX
 from services.tracker.schemas import CHANGES, PREFIX, Problem
 from services.tracker.tables import LazyTables
 

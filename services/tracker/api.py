@@ -23,7 +23,7 @@ from apiary.policy import Policy
 from apiary.settings import Settings
 from services.tracker import schemas, token_store
 from services.tracker.auth import Tokens, guard, may_cancel, principal_of
-from services.tracker.body_limit import BodyLimit, LimitOf
+from services.tracker.body_limit import BodyLimit, Limit, LimitOf
 from services.tracker.code_routes import code_errors, code_routes
 from services.tracker.publish import publish_job_request
 from services.tracker.registry_routes import Registries, RegistryTracker, registry_routes
@@ -88,12 +88,12 @@ def body_limits(settings: Settings) -> LimitOf:
     """Each route's body limit: a code bundle's own, none for a registered file (streamed to disk as it comes),
     APIARY_HTTP_BODY_LIMIT for everything else."""
 
-    def limit_of(method: str, path: str) -> int | None:
-        if method != "POST":
-            return settings.http_body_limit
-        if path == f"{PREFIX}/code":
-            return bundle.MAX_BUNDLE_BYTES
-        return None if path in (f"{PREFIX}/models", f"{PREFIX}/datasets") else settings.http_body_limit
+    def limit_of(method: str, path: str) -> Limit | None:
+        if method == "POST" and path == f"{PREFIX}/code":
+            return Limit(bundle.MAX_BUNDLE_BYTES, f"leave data and checkpoints out with {bundle.IGNORE_FILE}")
+        if method == "POST" and path in (f"{PREFIX}/models", f"{PREFIX}/datasets"):
+            return None
+        return Limit(settings.http_body_limit, "send less, or ask the operator to raise APIARY_HTTP_BODY_LIMIT")
 
     return limit_of
 

@@ -8,21 +8,31 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.tracker.schemas import Problem
 
-# A route's limit in bytes, by method and path; None: unbounded (the route streams the body to disk).
-LimitOf = Callable[[str, str], int | None]
+
+@dataclass(frozen=True)
+class Limit:
+    """A route's limit in bytes, and what to do about a body past it."""
+
+    size: int
+    hint: str
 
 
-def too_large(size: int | None, limit: int, method: str, path: str) -> str:
-    """The 413's one line: how big the body is (None: not declared, it passed the limit as it came), and the
-    route's limit."""
+# A route's limit, by method and path; None: unbounded (the route streams the body to disk).
+LimitOf = Callable[[str, str], Limit | None]
+
+
+def too_large(size: int | None, limit: Limit, method: str, path: str) -> str:
+    """The 413's one line: how big the body is (None: not declared, it passed the limit as it came), the
+    route's limit, and what to do."""
     how_big = f"is {size} bytes, over" if size is not None else "is over"
-    return f"request body {how_big} the {limit}-byte limit of {method} {path}"
+    return f"request body {how_big} the {limit.size}-byte limit of {method} {path}: {limit.hint}"
 
 
 class BodyLimit:
@@ -38,7 +48,7 @@ class BodyLimit:
             return
         method, path = scope["method"], scope["path"]
         declared = _content_length(scope)
-        if declared is not None and declared > limit:
+        if declared is not None and declared > limit.size:
             await _answer_413(send, too_large(declared, limit, method, path))
             return
         seen = 0
@@ -47,7 +57,7 @@ class BodyLimit:
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))
-            if seen > limit:
+            if seen > limit.size:
                 # Raised inside the route's read of its body: FastAPI answers it like any HTTPException.
                 raise HTTPException(413, too_large(None, limit, method, path))
             return message
@@ -69,4 +79,4 @@ async def _answer_413(send: Send, detail: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-__all__ = ["BodyLimit", "LimitOf", "too_large"]
+__all__ = ["BodyLimit", "Limit", "LimitOf", "too_large"]

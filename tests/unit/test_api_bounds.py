@@ -10,7 +10,7 @@ from apiary.contracts import JobRequested
 from apiary.jobspec import INT64_MAX, field_errors
 from apiary.settings import Settings
 from services.tracker.api import body_limits
-from services.tracker.body_limit import too_large
+from services.tracker.body_limit import Limit, too_large
 
 REQUEST = {"name": "n", "entrypoint": "examples.m:f"}
 
@@ -51,15 +51,22 @@ def test_a_job_name_with_a_nul_is_refused_postgresql_cannot_store_it() -> None:
 def test_each_route_has_its_body_limit() -> None:
     limit_of = body_limits(Settings(http_body_limit=1000))
 
-    assert limit_of("POST", "/api/v1/training-jobs") == 1000
-    assert limit_of("POST", "/api/v1/training-jobs/j/cancel") == 1000
-    assert limit_of("POST", "/api/v1/code") == bundle.MAX_BUNDLE_BYTES
-    assert limit_of("POST", "/api/v1/models") is None and limit_of("POST", "/api/v1/datasets") is None
+    def size(method: str, path: str) -> int | None:
+        limit = limit_of(method, path)
+        return limit.size if limit is not None else None
+
+    assert size("POST", "/api/v1/training-jobs") == size("POST", "/api/v1/training-jobs/j/cancel") == 1000
+    assert size("GET", "/api/v1/models") == 1000
+    assert size("POST", "/api/v1/code") == bundle.MAX_BUNDLE_BYTES
+    assert size("POST", "/api/v1/models") is None and size("POST", "/api/v1/datasets") is None
 
 
 def test_the_413_says_how_big_the_body_is_and_the_limit() -> None:
-    assert too_large(2000, 1000, "POST", "/p") == "request body is 2000 bytes, over the 1000-byte limit of POST /p"
-    assert too_large(None, 1000, "POST", "/p") == "request body is over the 1000-byte limit of POST /p"
+    limit = Limit(1000, "send less")
+
+    assert too_large(2000, limit, "POST", "/p") == ("request body is 2000 bytes, over the 1000-byte limit of "
+                                                    "POST /p: send less")
+    assert too_large(None, limit, "POST", "/p") == "request body is over the 1000-byte limit of POST /p: send less"
 
 
 def test_the_body_limit_is_a_setting_within_64_mib(monkeypatch: pytest.MonkeyPatch) -> None:

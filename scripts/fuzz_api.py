@@ -3,7 +3,7 @@
 /openapi.json: every route and method, as an admin, a submitter, a viewer and with no token, inputs that fit
 the schema and inputs that do not) with many more examples, on the embedded SQLite and on PostgreSQL.
 
-The test suite sends 10 seeded examples per operation, mode and token; this sends --examples of them, from
+The test suite sends 20 seeded examples per operation, mode and token; this sends --examples of them, from
 --seed (a new seed explores new inputs; the same seed repeats a run). Each failure is printed with a curl
 command that reproduces it; the exit status is pytest's.
 

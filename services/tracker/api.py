@@ -7,24 +7,28 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from apiary import bundle
 from apiary.bus import Bus
 from apiary.bus.base import Unroutable
 from apiary.bus.typed import publish_event
 from apiary.contracts import JobCancelRequested, JobRequested
-from apiary.jobspec import FieldError, describe_errors, policy_errors
-from apiary.policy import LIMITS, Policy
+from apiary.jobspec import INT64_MAX, FieldError, describe_errors, policy_errors
+from apiary.policy import Policy
 from apiary.settings import Settings
 from services.tracker import schemas, token_store
 from services.tracker.auth import Tokens, guard, may_cancel, principal_of
+from services.tracker.body_limit import BodyLimit, Limit, LimitOf
 from services.tracker.code_routes import code_errors, code_routes
 from services.tracker.publish import publish_job_request
 from services.tracker.registry_routes import Registries, RegistryTracker, registry_routes
 from services.tracker.registry_store import Kind
-from services.tracker.schemas import NOT_FOUND, PREFIX, no_job
+from services.tracker.schemas import API_ERRORS, CHANGES, JOB_ID, NOT_FOUND, PREFIX, UNPARSED, no_job
 from services.tracker.stream import LiveTracker, stream_routes
 from services.tracker.views import (
     TERMINAL,
@@ -65,28 +69,33 @@ def create_app(tracker: ApiTracker) -> FastAPI:
         redoc_url=None,
     )
     app.add_exception_handler(RequestValidationError, _invalid_request)  # type: ignore[arg-type]
-    app.middleware("http")(_bounded_job_requests)
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_middleware(BodyLimit, limit_of=body_limits(tracker.settings))
     registries = Registries(tracker)
     tokens = Tokens(tracker.db)
     # Every API route needs a token (see services.tracker.auth); the live streams also take it as ?token=.
     authorised, streaming = [Depends(guard(tokens))], [Depends(guard(tokens, query=True))]
     for router in (_job_commands(tracker, registries, tokens), _job_reads(tracker), _worker_routes(tracker),
                    registry_routes(registries), code_routes(tracker)):
-        app.include_router(router, prefix=PREFIX, dependencies=authorised)
-    app.include_router(stream_routes(tracker), prefix=PREFIX, dependencies=streaming)
+        app.include_router(router, prefix=PREFIX, dependencies=authorised, responses=API_ERRORS)
+    app.include_router(stream_routes(tracker), prefix=PREFIX, dependencies=streaming, responses=API_ERRORS)
     app.include_router(_dashboard_routes())
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
 
 
-async def _bounded_job_requests(request: Request, call_next: Any) -> Any:
-    """A job request's body is refused past LIMITS.request_bytes (413), before it is read."""
-    length = request.headers.get("content-length", "")
-    if (request.method == "POST" and request.url.path == f"{PREFIX}/training-jobs" and length.isdigit()
-            and int(length) > LIMITS.request_bytes):
-        detail = f"request body is {length} bytes, over the limit of {LIMITS.request_bytes}"
-        return JSONResponse(schemas.Problem(detail=detail, errors=[]).model_dump(), status_code=413)
-    return await call_next(request)
+def body_limits(settings: Settings) -> LimitOf:
+    """Each route's body limit: a code bundle's own, none for a registered file (streamed to disk as it comes),
+    APIARY_HTTP_BODY_LIMIT for everything else."""
+
+    def limit_of(method: str, path: str) -> Limit | None:
+        if method == "POST" and path == f"{PREFIX}/code":
+            return Limit(bundle.MAX_BUNDLE_BYTES, f"leave data and checkpoints out with {bundle.IGNORE_FILE}")
+        if method == "POST" and path in (f"{PREFIX}/models", f"{PREFIX}/datasets"):
+            return None
+        return Limit(settings.http_body_limit, "send less, or ask the operator to raise APIARY_HTTP_BODY_LIMIT")
+
+    return limit_of
 
 
 def _job_commands(tracker: ApiTracker, registries: Registries, tokens: Tokens) -> APIRouter:
@@ -96,7 +105,8 @@ def _job_commands(tracker: ApiTracker, registries: Registries, tokens: Tokens) -
 
     @router.post("/training-jobs", status_code=202, response_model=schemas.JobSubmitted,
                  responses={422: {"model": schemas.Problem, "description": "each bad field, named"},
-                            409: {"model": schemas.Problem, "description": "the job id is taken"}, **NO_SCHEDULER})
+                            409: {"model": schemas.Problem, "description": "the job id is taken"}, **NO_SCHEDULER,
+                            **CHANGES, **UNPARSED})
     async def submit_job(request: JobRequested, http: Request) -> JSONResponse:
         """Publish a job request (`job.requested`); the job id is the request's, or a new one."""
         body = request.model_dump(mode="json", exclude_unset=True, exclude={"v"})
@@ -119,8 +129,8 @@ def _job_commands(tracker: ApiTracker, registries: Registries, tokens: Tokens) -
 
     @router.post("/training-jobs/{job_id}/cancel", status_code=202, response_model=schemas.CancelRequested,
                  responses={**NOT_FOUND, 409: {"model": schemas.Problem, "description": "the job already ended"},
-                            **NO_SCHEDULER})
-    async def cancel_job(job_id: str, http: Request, body: schemas.CancelJob | None = None,
+                            **NO_SCHEDULER, **CHANGES, **UNPARSED})
+    async def cancel_job(http: Request, job_id: str = JOB_ID, body: schemas.CancelJob | None = None,
                          ahead: bool = Query(False, description="cancel also a job not known yet: if its request "
                                              "comes, it will not start")) -> dict[str, Any]:
         """Ask the scheduler to stop a job; no further round starts."""
@@ -159,7 +169,7 @@ def _job_reads(tracker: ApiTracker) -> APIRouter:
         return await list_jobs(tracker.db, limit)
 
     @router.get("/training-jobs/{job_id}", response_model=schemas.JobDetail, responses=NOT_FOUND)
-    async def get_job(job_id: str) -> dict[str, Any]:
+    async def get_job(job_id: str = JOB_ID) -> dict[str, Any]:
         """A job's status, rounds, per-worker progress in the current round, failure reason, final model."""
         view = await job_view(tracker.db, job_id)
         if view is None:
@@ -167,8 +177,9 @@ def _job_reads(tracker: ApiTracker) -> APIRouter:
         return view
 
     @router.get("/training-jobs/{job_id}/metrics", response_model=schemas.JobMetrics, responses=NOT_FOUND)
-    async def get_metrics(job_id: str, name: str = Query("loss", description="which metric"),
-                          after: int = Query(0, ge=0, description="only points after this cursor")
+    async def get_metrics(job_id: str = JOB_ID,
+                          name: str = Query("loss", min_length=1, max_length=200, description="which metric"),
+                          after: int = Query(0, ge=0, le=INT64_MAX, description="only points after this cursor")
                           ) -> dict[str, Any]:
         """Per-worker curves and the aggregated value per round of one metric, ready to draw."""
         metrics = await job_metrics(tracker.db, job_id, name, after)
@@ -207,6 +218,14 @@ async def _invalid_request(request: Request, exc: RequestValidationError) -> JSO
     errors = request_errors(exc.errors())
     problem = schemas.Problem(detail=f"request rejected: {describe_errors(errors)}", errors=errors)
     return JSONResponse(problem.model_dump(), status_code=422)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """An HTTPException as FastAPI answers it; a body FastAPI could not parse also says why."""
+    if exc.status_code == 400 and exc.__cause__ is not None:
+        detail = f"the body could not be parsed: {type(exc.__cause__).__name__}: {exc.__cause__}"
+        return JSONResponse(schemas.Problem(detail=detail).model_dump(), status_code=400)
+    return await http_exception_handler(request, exc)
 
 
 def request_errors(items: Sequence[Any]) -> list[FieldError]:

@@ -8,11 +8,11 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Query, Request
 from pydantic import BaseModel, Field
 
-from apiary import bundle, bundle_store
+from apiary import bundle_store
 from apiary.jobspec import FieldError, JobSpec
 from apiary.storage import Storage
 from services.tracker.registry_routes import RegistryTracker
-from services.tracker.schemas import Problem
+from services.tracker.schemas import CHANGES, Problem
 
 SHA256 = r"^[0-9a-f]{64}$"
 
@@ -31,12 +31,12 @@ def code_routes(tracker: RegistryTracker) -> APIRouter:
 
     @router.post("/code", status_code=201, response_model=StoredCode,
                  responses={422: {"model": Problem, "description": "why the zip is no acceptable bundle"},
-                            413: {"model": Problem, "description": "the bundle is over the size limit"}},
+                            **CHANGES},
                  openapi_extra={"requestBody": {"content": {"application/zip": {}}, "required": True}})
     async def upload_code(request: Request, sha256: str | None = Query(
             None, pattern=SHA256, description="the sha256 the body must have")) -> dict[str, Any]:
         """Store a code bundle under code/<sha256>.zip (once: the same bytes are stored once)."""
-        data = await _body(request, bundle.MAX_BUNDLE_BYTES)
+        data = await request.body()  # no more than bundle.MAX_BUNDLE_BYTES (services.tracker.body_limit)
         try:
             stored = await bundle_store.store(tracker.storage, data, sha256)
         except ValueError as e:
@@ -44,18 +44,6 @@ def code_routes(tracker: RegistryTracker) -> APIRouter:
         return stored.as_dict()
 
     return router
-
-
-async def _body(request: Request, limit: int) -> bytes:
-    """The request's body, read no further than `limit` bytes (413 past it)."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HTTPException(413, f"code bundle is over the {limit}-byte limit (leave data and checkpoints "
-                                f"out with {bundle.IGNORE_FILE})")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def code_errors(storage: Storage, body: dict[str, Any]) -> list[FieldError]:

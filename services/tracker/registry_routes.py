@@ -9,14 +9,16 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import Path as InPath
 
 from apiary.dataset import DatasetError
 from apiary.db import Database
+from apiary.jobspec import INT64_MAX
 from apiary.registry import MODEL_SUFFIXES, RegistryError, Upload, store_dataset, store_model
 from apiary.storage import Storage
 from services.tracker import registry_store
 from services.tracker.registry_store import Kind
-from services.tracker.schemas import PREFIX, Problem
+from services.tracker.schemas import CHANGES, PREFIX, Problem
 from services.tracker.tables import LazyTables
 
 log = logging.getLogger("apiary.tracker")
@@ -95,7 +97,7 @@ def _kind_routes(router: APIRouter, registries: Registries, kind: Kind) -> None:
     """The three routes of one registry."""
     what = kind[:-1]
 
-    @router.post(f"/{kind}", status_code=201, responses=REJECTED, name=f"register_{what}",
+    @router.post(f"/{kind}", status_code=201, responses={**REJECTED, **CHANGES}, name=f"register_{what}",
                  openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}, "required": True}})
     async def register(request: Request, filename: str = Query(..., pattern=SAFE_NAME),
                        name: str = Query(..., pattern=SAFE_NAME)) -> dict[str, Any]:
@@ -108,7 +110,7 @@ def _kind_routes(router: APIRouter, registries: Registries, kind: Kind) -> None:
         return await registry_store.listed(await registries.ready(), kind)
 
     @router.get(f"/{kind}/{{item_id}}", responses=UNKNOWN, name=f"get_{what}")
-    async def one(item_id: int) -> dict[str, Any]:
+    async def one(item_id: int = InPath(ge=1, le=INT64_MAX, description="its id")) -> dict[str, Any]:
         """One registered by id."""
         info = await registry_store.one(await registries.ready(), kind, item_id)
         if info is None:

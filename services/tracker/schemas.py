@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import HTTPException
+from fastapi import HTTPException, Path
 from pydantic import BaseModel, ConfigDict, Field
 
+from apiary.contracts import JOB_ID_PATTERN
 from apiary.jobspec import FieldError
 
 
@@ -18,7 +19,18 @@ class Problem(BaseModel):
 
 
 PREFIX = "/api/v1"
-NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": Problem, "description": "no such job"}}
+Responses = dict[int | str, dict[str, Any]]
+NOT_FOUND: Responses = {404: {"model": Problem, "description": "no such job"}}
+# Every API route answers 401 without a valid token and 422 to a bad parameter; a route that changes anything
+# 403 to a viewer's token, and 413 to a body past its limit (services.tracker.body_limit).
+API_ERRORS: Responses = {401: {"model": Problem, "description": "no token, or one that no one holds"},
+                           422: {"model": Problem, "description": "each bad parameter, named"}}
+# A route with a JSON body answers 400 to one that is no JSON text at all (not UTF-8, nested too deep).
+UNPARSED: Responses = {400: {"model": Problem, "description": "the body could not be parsed"}}
+CHANGES: Responses = {403: {"model": Problem, "description": "the token's role may not do this"},
+                      413: {"model": Problem, "description": "the body is over the route's size limit"}}
+# A job id as a request names it (see apiary.contracts.JobRequested): anything else is no job's.
+JOB_ID = Path(min_length=1, max_length=100, pattern=JOB_ID_PATTERN, description="the job's id")
 
 
 def no_job(job_id: str) -> HTTPException:

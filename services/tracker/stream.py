@@ -7,10 +7,11 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from fastapi import APIRouter, Header
+from fastapi import APIRouter, Header, Query
 from fastapi.responses import StreamingResponse
 
 from apiary.db import Database
+from apiary.jobspec import INT64_MAX
 from services.tracker import schemas
 from services.tracker.views import TERMINAL, job_metrics, job_status, job_view, list_jobs, workers_view
 
@@ -50,12 +51,13 @@ def stream_routes(tracker: LiveTracker) -> APIRouter:
                 responses={**schemas.NOT_FOUND, 200: {"content": {"text/event-stream": {}},
                                                       "description": "Server-Sent Events: `metrics` (new points), "
                                                       "`job` (the job's detail), `workers`, and `end` once it ended"}})
-    async def job_events(job_id: str, metric: str = "loss",
+    async def job_events(job_id: str = schemas.JOB_ID,
+                         metric: str = Query("loss", min_length=1, max_length=200, description="which metric"),
                          last_event_id: str | None = Header(None)) -> StreamingResponse:
         """Live updates of one job, pushed whenever the tracker records a change."""
         if await job_status(tracker.db, job_id) is None:
             raise schemas.no_job(job_id)
-        after = int(last_event_id) if last_event_id and last_event_id.isdigit() else 0
+        after = _cursor(last_event_id)
         return _event_stream(_job_stream(tracker, job_id, metric, after))
 
     @router.get("/stream", response_class=StreamingResponse,
@@ -78,6 +80,14 @@ def sse(event: str, data: str, event_id: int | None = None) -> str:
     """One Server-Sent Event (data is one line of JSON)."""
     head = f"event: {event}\n" + (f"id: {event_id}\n" if event_id is not None else "")
     return f"{head}data: {data}\n\n"
+
+
+def _cursor(last_event_id: str | None) -> int:
+    """Where a reconnecting stream resumes: the Last-Event-ID its browser sent, if it is one we sent (a cursor
+    within int64), else the start."""
+    if last_event_id and last_event_id.isascii() and last_event_id.isdigit() and int(last_event_id) <= INT64_MAX:
+        return int(last_event_id)
+    return 0
 
 
 async def changes(tracker: LiveTracker) -> AsyncIterator[bool]:

@@ -15,6 +15,7 @@ from apiary.strategies import DEFAULT_STRATEGY
 from apiary.strategies.format import UpdateFormat
 
 SCHEMA_VERSION = 1
+JOB_ID_PATTERN = r"^[\w.\-]+$"  # a client-chosen job id: letters, digits, _ . -
 MSGPACK = "application/msgpack"
 JSON = "application/json"
 
@@ -62,7 +63,7 @@ class JobRequested(JobSpec):
     routing_key: ClassVar[str] = "job.requested"
 
     v: int = SCHEMA_VERSION
-    job_id: str | None = Field(default=None, min_length=1, max_length=100, pattern=r"^[\w.\-]+$")
+    job_id: str | None = Field(default=None, min_length=1, max_length=100, pattern=JOB_ID_PATTERN)
 
 
 class JobAccepted(Event):

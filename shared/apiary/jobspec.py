@@ -12,6 +12,7 @@ from pydantic import (
     Field,
     ModelWrapValidatorHandler,
     ValidationError,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -27,20 +28,27 @@ ENTRYPOINT_RE = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
 DEFAULT_FUNCTION = "fl_train_model"
 FEDPROX = "fedprox"  # the strategy whose parameter the training loop needs (env PROXIMAL_MU)
 CAUSAL_LM = "causal_lm"  # the built-in trainer a job without an entrypoint runs
-LEGACY_ID_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")  # the hex ids datasets had before ids were integers
+LEGACY_ID_PATTERN = r"^[A-Za-z0-9_\-]{1,64}$"  # the hex ids datasets had before ids were integers
+LEGACY_ID_RE = re.compile(LEGACY_ID_PATTERN)
+INT64_MAX = 2**63 - 1  # the largest id or count a database column holds
 
 
 def _registry_id(value: Any) -> Any:
-    """A registry id: a JSON integer or a string of digits is the integer; an older hex id stays a string."""
-    if isinstance(value, str) and value.isdigit():
-        return int(value)
+    """A registry id: a JSON integer or a string of digits is the integer (from 1 to INT64_MAX, as the id
+    tables number them); an older hex id stays a string."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and not 1 <= value <= INT64_MAX:
+        raise ValueError(f"expected an id from 1 to {INT64_MAX}, got {value}")
     if isinstance(value, str) and not LEGACY_ID_RE.match(value):
         raise ValueError("expected an integer id (or a string of digits)")
     return value
 
 
-# A registered dataset's or model's id (see `_registry_id`).
-RegistryId = Annotated[int | str, BeforeValidator(_registry_id)]
+# A registered dataset's or model's id (see `_registry_id`); the schema says what it accepts.
+RegistryId = Annotated[int | str, BeforeValidator(_registry_id), WithJsonSchema(
+    {"anyOf": [{"type": "integer", "minimum": 1, "maximum": INT64_MAX},
+               {"type": "string", "pattern": LEGACY_ID_PATTERN}]})]
 
 
 def parse_entrypoint(entrypoint: str) -> tuple[str, str]:
@@ -57,11 +65,11 @@ class DistributedConfig(BaseModel):
     # false: one ordinary training on a single worker over the whole dataset (one shard).
     enabled: bool = True
     num_rounds: int = Field(default=1, ge=1, le=100_000)
-    steps_per_round: int | None = Field(default=None, ge=1)
-    min_workers: int = Field(default=1, ge=1)
+    steps_per_round: int | None = Field(default=None, ge=1, le=INT64_MAX)
+    min_workers: int = Field(default=1, ge=1, le=10_000)
     max_workers: int = Field(default=1, ge=1, le=10_000)
     aggregation_timeout: float = Field(default=600.0, gt=0, le=7 * 24 * 3600)
-    fault_tolerance: int = Field(default=1, ge=0)
+    fault_tolerance: int = Field(default=1, ge=0, le=10_000)
     # Checked against the strategy registry by `strategy_errors`, where the strategies are loaded (the
     # scheduler): the tracker validates requests too and must not load torch.
     strategy: str = Field(default=DEFAULT_STRATEGY, min_length=1, max_length=100)
@@ -89,7 +97,7 @@ class SplitConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     strategy: Literal["random", "label_skew", "quantity_skew", "group"] = "random"
-    seed: int = 0
+    seed: int = Field(default=0, ge=-INT64_MAX - 1, le=INT64_MAX)
     alpha: float = Field(default=0.5, gt=0, description="Dirichlet concentration for label_skew and quantity_skew")
     key: str = Field(default="group", description="sample field that names the group, for group")
 
@@ -112,7 +120,7 @@ class CodeRef(BaseModel):
 
     key: str = Field(description="code/<sha256>.zip, as POST /api/v1/code answers")
     sha256: str
-    size: int | None = Field(default=None, ge=0, description="its bytes (filled in where it is checked)")
+    size: int | None = Field(default=None, ge=0, le=INT64_MAX, description="its bytes (filled in where it is checked)")
 
     @field_validator("key")
     @classmethod
@@ -208,6 +216,14 @@ class JobSpec(BaseModel):
         if config_errors:
             raise ValidationError.from_exception_data(cls.__name__, config_errors)
         return spec
+
+    @field_validator("name")
+    @classmethod
+    def _storable_name(cls, value: str) -> str:
+        # PostgreSQL's text holds no NUL character: the name is stored as text by the tracker and the scheduler.
+        if "\x00" in value:
+            raise ValueError("must not contain a NUL character (\\u0000)")
+        return value
 
     @field_validator("entrypoint")
     @classmethod

@@ -10,6 +10,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from apiary.backoff import Backoff
+from apiary.policy import LIMITS
 
 
 class Settings(BaseSettings):
@@ -49,6 +50,10 @@ class Settings(BaseSettings):
     code_cache_limit_gb: float = Field(default=2.0, gt=0)
     http_host: str = "127.0.0.1"
     http_port: int = 8080
+    http_body_limit: int = Field(
+        default=LIMITS.request_bytes, ge=1, le=64 * 2**20,
+        description="The most bytes a request body to the HTTP API may have (413 past it, before it is read "
+                    "whole); code bundles (POST /api/v1/code) have their own 64 MiB, registered files none.")
     # `/healthz` and `/readyz` for an orchestrator's probes (services/app/health.py); off when unset.
     health_port: int | None = Field(default=None, ge=0, le=65535)
     health_host: str = "0.0.0.0"

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from apiary import contracts, keys
+from apiary.backoff import Backoff, poll
 from apiary.bus import Delivery, EventHandler
 from apiary.component import Component, to_json
 from apiary.outbox import KeyedLocks, Outbox
@@ -35,6 +36,7 @@ log = logging.getLogger("apiary.aggregator")
 
 # How long a report for a round not stored yet waits for its round.start before it is recorded as an orphan.
 ROUND_START_WAIT = 10.0
+ROUND_START_POLL = Backoff(base=0.02, cap=0.5)  # looks again after 0-0.02 s, doubling to 0-0.5 s
 
 
 class Aggregator(Component):
@@ -149,10 +151,11 @@ class Aggregator(Component):
         key = (event.job_id, event.round, event.attempt)
         if self._rounds.held(key) is not None:
             return
-        deadline, pause = time.monotonic() + ROUND_START_WAIT, 0.02
-        while await self.store.aggregation(*key) is None and time.monotonic() < deadline:
-            await asyncio.sleep(pause)
-            pause = min(2 * pause, 0.5)
+
+        async def stored() -> bool:
+            return await self.store.aggregation(*key) is not None
+
+        await poll(stored, ROUND_START_POLL, ROUND_START_WAIT)
 
     async def _prefetch(self, event: contracts.WorkerDone) -> bytes | Exception | None:
         """Small contributions are fetched before queueing for the job's lock, so many download at

@@ -25,7 +25,7 @@ class Round:
     shards: frozenset[int]
     min_workers: int
     weights: ObjectRef  # the global weights the round started from
-    deadline: float | None
+    deadline: float
     traceparent: str | None  # the round's span: the parent of its aggregation span
     strategy: str
     strategy_params: Mapping[str, Any]

@@ -30,19 +30,18 @@ class Round:
     strategy: str
     strategy_params: Mapping[str, Any]
     update_format: UpdateFormat
-    # The row's JSON text as stored (NULL before secrets existed): judge_sender parses it once per round.
-    secret_digests: str | None
+    secret_digests: str  # the row's JSON text as stored: judge_sender parses it once per round
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> Round:
-        """The round an aggregations row describes (rows from before a column existed read as its default)."""
+        """The round an aggregations row describes."""
         strategy, params = strategy_of(row)
         return cls(key=(row["job_id"], row["round"], row["attempt"]), shards=frozenset(from_json(row["shards"])),
                    min_workers=row["min_workers"],
                    weights=ObjectRef(key=row["weights_key"], size=row["weights_size"], sha256=row["weights_sha256"]),
                    deadline=row["deadline"], traceparent=row["traceparent"], strategy=strategy,
                    strategy_params=params, update_format=update_format(row),
-                   secret_digests=row.get("secret_digests"))
+                   secret_digests=row["secret_digests"])
 
     @property
     def digests_row(self) -> Mapping[str, Any]:

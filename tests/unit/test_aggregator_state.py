@@ -20,8 +20,8 @@ from services.aggregator.state import Round, RoundState
 
 def _state() -> RoundState:
     round_ = Round(key=("j", 1, 1), shards=frozenset({0, 1, 2}), min_workers=1,
-                   weights=ObjectRef(key="w", size=1, sha256="0"), deadline=None, traceparent=None,
-                   strategy=DEFAULT_STRATEGY, strategy_params={}, update_format=UpdateFormat.FULL, secret_digests=None)
+                   weights=ObjectRef(key="w", size=1, sha256="0"), deadline=0.0, traceparent=None,
+                   strategy=DEFAULT_STRATEGY, strategy_params={}, update_format=UpdateFormat.FULL, secret_digests="{}")
     strategy = create(DEFAULT_STRATEGY)
     strategy.begin(spec_of_tensors({"a": torch.zeros(2), "b": torch.zeros(2)}), UpdateFormat.FULL)
     return RoundState(round=round_, strategy=strategy)
@@ -33,14 +33,18 @@ def _contribution(*values: float) -> Contribution:
     return Contribution({"a": a, "b": b}, samples=2, metrics={})
 
 
-def test_a_row_from_before_the_strategy_columns_reads_as_fedavg_on_full_weights() -> None:
+def test_a_row_reads_as_the_round_its_round_start_stored() -> None:
     row = {"job_id": "j", "round": 2, "attempt": 1, "shards": "[0,1]", "min_workers": 1, "weights_key": "k",
-           "weights_size": 3, "weights_sha256": "s", "deadline": None, "traceparent": None, "use_peft": 0}
+           "weights_size": 3, "weights_sha256": "s", "deadline": 12.5, "traceparent": None,
+           "strategy": "fedavgm", "strategy_params": '{"server_momentum": 0.9}', "update_format": "full",
+           "secret_digests": '{"0": "d0", "1": "d1"}'}
 
     round_ = Round.of(row)
 
-    assert (round_.key, round_.shards, round_.strategy, round_.update_format, round_.secret_digests) == (
-        ("j", 2, 1), frozenset({0, 1}), DEFAULT_STRATEGY, UpdateFormat.FULL, None)
+    assert (round_.key, round_.shards, round_.deadline, round_.strategy, dict(round_.strategy_params),
+            round_.update_format, round_.digests_row) == (
+        ("j", 2, 1), frozenset({0, 1}), 12.5, "fedavgm", {"server_momentum": 0.9}, UpdateFormat.FULL,
+        {"secret_digests": '{"0": "d0", "1": "d1"}'})
 
 
 def test_a_contribution_taken_in_or_refused_whole_leaves_the_state_sound() -> None:

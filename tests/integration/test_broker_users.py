@@ -231,6 +231,7 @@ async def test_the_deployments_queues_get_the_queue_policy(deployment: Deploymen
     assert set(rows.values()) == {"apiary-queues"}, rows
 
 
+@pytest.mark.slow
 def test_setting_up_again_changes_nothing(deployment: Deployment) -> None:
     # Prepare
     before = _listing(deployment.vhost)
@@ -248,6 +249,7 @@ def test_setting_up_again_changes_nothing(deployment: Deployment) -> None:
     assert (deployment.credentials.stat().st_mode & 0o777) == 0o600
 
 
+@pytest.mark.slow
 def test_a_job_runs_with_every_process_on_its_own_broker_user(cluster: Cluster, tmp_path: Path) -> None:
     # Prepare: users for the cluster's exchange (on the default vhost), then each process started as its own
     workers, prefix = ["worker-1", "worker-2"], f"apiary-test-{uuid.uuid4().hex[:10]}-"

@@ -6,12 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from apiary import weights as w
 from apiary.strategies.format import UpdateFormat
 from apiary.trainers import BUILT_IN, TrainCall, TrainerSetup, make_trainer
 from apiary.trainers.causal_lm_adapter import initial_adapter
 from apiary.trainers.causal_lm_config import CausalLMConfig
 from tests.fixtures import tiny_llm
+
+pytestmark = pytest.mark.slow  # each case starts a deployment of processes or trains in a child
 
 
 async def test_three_steps_in_the_child_return_the_adapter_alone_with_loss_and_val_loss(tmp_path: Path) -> None:

@@ -11,11 +11,14 @@ import sys
 from pathlib import Path
 
 import boto3
+import pytest
 
 from apiary import bundle
 from apiary.weights import loads
 from tests.fixtures.cluster import REPO, Cluster
 from tests.toyjobs.toy import make_dataset
+
+pytestmark = pytest.mark.slow  # each case starts a deployment of processes
 
 TRAIN_PY = '''
 import torch

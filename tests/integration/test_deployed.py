@@ -9,12 +9,15 @@ import uuid
 from pathlib import Path
 
 import boto3
+import pytest
 import torch
 
 from apiary.weights import loads
 from tests.faults.support import process_alive
 from tests.fixtures.cluster import REPO, Cluster
 from tests.toyjobs.toy import make_dataset
+
+pytestmark = pytest.mark.slow  # each case starts a deployment of processes or trains in a child
 
 
 def _bucket_and_prefix(s3_url: str) -> tuple[str, str]:

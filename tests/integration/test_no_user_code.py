@@ -8,8 +8,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.fixtures.cluster import SERVICES, Cluster
 from tests.toyjobs.toy import make_dataset
+
+pytestmark = pytest.mark.slow  # each case starts a deployment of processes or trains in a child
 
 WITNESS = "TOYJOB_WITNESS"  # tests.toyjobs.witness appends a line here on import and on every call
 

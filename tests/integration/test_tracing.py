@@ -22,6 +22,8 @@ from tests.fixtures.cluster import Cluster
 from tests.fixtures.embedded import StackFactory, toy_request
 from tests.toyjobs.toy import make_dataset
 
+pytestmark = pytest.mark.slow  # each case starts a deployment of processes or trains in a child
+
 
 @dataclass
 class Span:

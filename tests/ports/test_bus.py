@@ -654,6 +654,7 @@ TIMEOUT_MS = 3000  # the broker's consumer_timeout during these tests
 TRAINING_S = 8.0  # longer than the timeout plus several broker checks
 
 
+@pytest.mark.slow
 @pytest.mark.queue_types
 async def test_a_long_handler_outlives_the_consumer_timeout_without_loss_or_duplicate(
     rabbit_url: str, bus_namespace: str
@@ -691,6 +692,7 @@ async def test_a_long_handler_outlives_the_consumer_timeout_without_loss_or_dupl
         assert not [q for q in unacked(bus_namespace) if q.startswith("hold.")], "hold queue left behind"
 
 
+@pytest.mark.slow
 async def test_without_re_holding_the_broker_closes_the_channel_and_the_consumer_recovers(
     rabbit_url: str, bus_namespace: str
 ) -> None:
@@ -722,6 +724,7 @@ async def test_without_re_holding_the_broker_closes_the_channel_and_the_consumer
         assert await bus.queue_size("assign.pool") == 0
 
 
+@pytest.mark.slow
 @pytest.mark.queue_types
 async def test_a_held_message_of_a_consumer_that_dies_goes_back_to_the_pool(
     rabbit_url: str, bus_namespace: str

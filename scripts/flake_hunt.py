@@ -118,6 +118,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="where the runs' files go (default: test-artifacts/flake-hunt/<time>)")
     args = parser.parse_args()
 
+    # A hunt stopped by SIGTERM (a timeout, CI's end) still stops its CPU burner, in busy()'s finally.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.out = args.out or REPO / "test-artifacts" / "flake-hunt" / time.strftime("%Y%m%d-%H%M%S")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.full:

@@ -48,8 +48,8 @@ def proves(presented: str | None, expected_digest: str | None) -> bool:
 def judge(worker_id: str, user_id: str | None, presented: str | None, expected_digest: str | None, *,
           what: str = SECRET, about: str) -> str | None:
     """Why a worker's report on `about` ("shard 3", "the task") is forged, or None: it does not present the `what`
-    whose digest is `expected_digest` (None: its assignment carried no secret, as those made before secrets
-    existed), or another worker's broker user sent it. The secret is judged first: a report failing both is
+    whose digest is `expected_digest` (None: no assignment is known for it here, so only the broker user is
+    judged), or another worker's broker user sent it. The secret is judged first: a report failing both is
     recorded as lacking it."""
     if expected_digest is not None and not proves(presented, expected_digest):
         return f"{'a wrong' if presented else 'no'} {what} for {about}"

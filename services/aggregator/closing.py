@@ -17,10 +17,10 @@ from apiary.weights import dumps as dump_weights
 from apiary.weights import loads as load_weights
 from apiary.weights import spec_of
 from services.aggregator.decisions import failure_reason, refusals
-from services.aggregator.rounds import OpenRounds
-from services.aggregator.state import RoundState
+from services.aggregator.open_rounds import OpenRounds
+from services.aggregator.round_state import RoundState
 from services.aggregator.store import AggregatorStore
-from services.aggregator.stored import StoredRound
+from services.aggregator.stored_contributions import StoredRound
 
 log = logging.getLogger("apiary.aggregator")
 

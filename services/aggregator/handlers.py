@@ -28,8 +28,8 @@ from services.aggregator.decisions import (
     judge_shard,
     past_deadline,
 )
-from services.aggregator.rounds import PREFETCH_MAX_BYTES, OpenRounds
-from services.aggregator.state import Round, RoundKey, RoundState
+from services.aggregator.open_rounds import PREFETCH_MAX_BYTES, OpenRounds
+from services.aggregator.round_state import Round, RoundKey, RoundState
 from services.aggregator.store import AggregatorStore, opened_row
 
 log = logging.getLogger("apiary.aggregator")

@@ -25,7 +25,7 @@ from typing import Any
 
 from apiary.contracts import WorkerDone
 from apiary.status import ContributionStatus
-from services.aggregator.state import RoundKey
+from services.aggregator.round_state import RoundKey
 from services.aggregator.store import AggregatorStore, contribution_row
 
 log = logging.getLogger("apiary.aggregator")

@@ -19,9 +19,9 @@ from apiary.storage import ObjectNotFound, Storage
 from services.scheduler import endings, store, task_proofs
 from services.scheduler.builtin import FINAL_ADAPTER, final_folder, merge_due, store_merged
 from services.scheduler.evaluation import Ending, Evaluation, ending, final_metrics, judged_by_evaluation
-from services.scheduler.models import final_report, finish_built_in
+from services.scheduler.initial_and_final import final_report, finish_built_in
 from services.scheduler.store import Job
-from services.scheduler.tasks import TaskQueue
+from services.scheduler.task_assignments import TaskQueue
 
 log = logging.getLogger("apiary.scheduler")
 

@@ -46,9 +46,9 @@ from services.scheduler import endings, store, task_proofs
 from services.scheduler.commands import JobCommands
 from services.scheduler.evaluation import DONE, FAILED, NONE, PENDING, evaluation_due, task_timeout
 from services.scheduler.finishing import JobFinisher
-from services.scheduler.models import checked_initial_weights, initial_weights, no_initial_weights
+from services.scheduler.initial_and_final import checked_initial_weights, initial_weights, no_initial_weights
 from services.scheduler.presence import FleetPace, PaceReminders, PresenceFilter
-from services.scheduler.rounds import (
+from services.scheduler.round_plan import (
     NO_WEIGHTS,
     RoundTarget,
     online_preferences,
@@ -59,9 +59,9 @@ from services.scheduler.rounds import (
     waiting_for_workers,
 )
 from services.scheduler.routing import AssignmentRouter
-from services.scheduler.state import Next, after_aggregated, after_failed, is_current, too_many_failures
+from services.scheduler.job_machine import Next, after_aggregated, after_failed, is_current, too_many_failures
 from services.scheduler.store import Job
-from services.scheduler.tasks import TaskQueue
+from services.scheduler.task_assignments import TaskQueue
 
 log = logging.getLogger("apiary.scheduler")
 

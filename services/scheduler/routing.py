@@ -14,7 +14,7 @@ from apiary.contracts import Assignment, ModelRef, ShardInfo
 from apiary.jobspec import JobSpec
 from apiary.registry import dataset_info, model_info, model_ref
 from apiary.storage import Storage
-from services.scheduler.rounds import (
+from services.scheduler.round_plan import (
     AssignmentUrls,
     Queue,
     RoundPlan,

@@ -22,7 +22,7 @@ from services.worker import transfers
 from services.worker.bundles import BundleError, code_for
 from services.worker.host import Host, Workspace
 from services.worker.progress import ProgressStream
-from services.worker.tasks import TaskRun, task_failed, task_function
+from services.worker.task_runs import TaskRun, task_failed, task_function
 
 log = logging.getLogger("apiary.worker")
 

@@ -14,7 +14,7 @@ from apiary.jobspec import JobSpec
 from apiary.settings import Settings
 from apiary.storage import presign
 from apiary.storage.s3 import S3Storage
-from services.scheduler.rounds import plan_round, url_lifetime
+from services.scheduler.round_plan import plan_round, url_lifetime
 
 T0 = datetime.datetime(2026, 12, 1, 7, 0, 0, tzinfo=datetime.UTC)
 

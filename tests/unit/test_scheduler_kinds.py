@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.scheduler.rounds import usable_workers, waiting_for_workers
+from services.scheduler.round_plan import usable_workers, waiting_for_workers
 
 KINDS = {"1": "own", "3": "own", "5": "platform"}
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from apiary.contracts import ObjectRef, ShardInfo
 from apiary.jobspec import JobSpec, strategy_errors
-from services.scheduler.rounds import RoundTarget, plan_round, round_start
+from services.scheduler.round_plan import RoundTarget, plan_round, round_start
 
 BASE: dict[str, Any] = {"name": "job", "entrypoint": "pkg.train", "dataset": "data",
                         "distributed": {"min_workers": 2, "max_workers": 3}}

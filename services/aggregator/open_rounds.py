@@ -17,7 +17,7 @@ from apiary.weights import WeightSpec, spec_of
 from apiary.weights import loads as load_weights
 from services.aggregator.decisions import Verdict, judge_round
 from services.aggregator.recording import GroupRecorder
-from services.aggregator.state import Round, RoundKey, RoundState
+from services.aggregator.round_state import Round, RoundKey, RoundState
 from services.aggregator.store import AggregatorStore
 
 SPEC_CACHE = 256  # global weights whose names, dtypes and shapes are remembered

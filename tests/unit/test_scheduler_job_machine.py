@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from apiary.status import JobStatus
-from services.scheduler.state import Next, after_aggregated, after_failed, is_current, too_many_failures
+from services.scheduler.job_machine import Next, after_aggregated, after_failed, is_current, too_many_failures
 
 
 def test_rounds_advance_until_the_last_then_finish() -> None:

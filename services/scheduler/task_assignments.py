@@ -11,7 +11,7 @@ from apiary.outbox import Pending
 from apiary.storage import Storage
 from services.scheduler.builtin import merged_upload
 from services.scheduler.evaluation import task_timeout, task_worker
-from services.scheduler.rounds import Queue, Route
+from services.scheduler.round_plan import Queue, Route
 from services.scheduler.routing import AssignmentRouter
 
 

@@ -15,7 +15,7 @@ from apiary.strategies.base import Contribution, create
 from apiary.strategies.format import UpdateFormat
 from apiary.strategies.validation import InvalidContribution
 from apiary.weights import spec_of_tensors
-from services.aggregator.state import Round, RoundState
+from services.aggregator.round_state import Round, RoundState
 
 
 def _state() -> RoundState:

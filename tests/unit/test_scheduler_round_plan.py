@@ -6,7 +6,7 @@ from typing import Any
 
 from apiary.contracts import ObjectRef, ShardInfo
 from apiary.jobspec import JobSpec
-from services.scheduler.rounds import (
+from services.scheduler.round_plan import (
     AssignmentUrls,
     Queue,
     RoundTarget,

@@ -1,7 +1,8 @@
 """Hunt flaky tests: run test files many times, optionally with both cores kept busy, and list every test that
 failed at least once, with how often and its first failure's message.
 
-    python scripts/flake_hunt.py --full 3                       # the whole suite three times back to back
+    python scripts/flake_hunt.py --full 3                       # the whole suite three times back to back, as
+                                                                # scripts/test runs it (parallel part, then serial)
     python scripts/flake_hunt.py --repeat 20 --busy             # each file of integration/faults/e2e 20 times,
                                                                 # stress-ng burning both cores meanwhile
     python scripts/flake_hunt.py --repeat 5 --busy tests/integration/test_aggregator_group_commit.py
@@ -75,10 +76,10 @@ def busy(cores: int) -> Iterator[None]:
         burner.wait(timeout=30)
 
 
-def run_pytest(paths: list[str], junit: Path, log: Path, timeout: int) -> int:
+def run_pytest(paths: list[str], junit: Path, log: Path, timeout: int, options: list[str]) -> int:
     """One pytest run of `paths`; its exit status (results are read from the JUnit file)."""
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-               f"--timeout={timeout}", f"--junitxml={junit}", *paths]
+               f"--timeout={timeout}", f"--junitxml={junit}", *options, *paths]
     with log.open("w") as out:
         return subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
 
@@ -115,6 +116,8 @@ def main() -> int:
     parser.add_argument("--busy", action="store_true", help="keep every core busy with stress-ng meanwhile")
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 2, help="cores to burn with --busy")
     parser.add_argument("--timeout", type=int, default=600, help="seconds one test may take before it fails")
+    parser.add_argument("--workers", type=int, default=int(os.environ.get("APIARY_TEST_WORKERS", "3")),
+                        help="pytest-xdist workers of a --full run's parallel part, as scripts/test (default 3)")
     parser.add_argument("--out", type=Path, help="where the runs' files go (default: test-artifacts/flake-hunt/<time>)")
     args = parser.parse_args()
 
@@ -122,26 +125,33 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.out = args.out or REPO / "test-artifacts" / "flake-hunt" / time.strftime("%Y%m%d-%H%M%S")
     args.out.mkdir(parents=True, exist_ok=True)
+    # Each step: its name, the paths and pytest's options. A full run is scripts/test's two parts: the tests that
+    # share no service state in parallel, then the `serial` ones alone. A file's runs are one process each.
+    plan: list[tuple[str, list[str], list[str]]]
     if args.full:
-        plan = [(f"full-{i + 1}", ["tests"]) for i in range(args.full)]
+        parallel = ["-n", str(args.workers), "--dist", "loadgroup", "-m", "not serial"]
+        plan = [step for i in range(args.full) for step in (
+            (f"full-{i + 1}", ["tests"], parallel), (f"full-{i + 1}-serial", ["tests"], ["-m", "serial"]))]
     else:
         files = test_files(args.targets or list(DEFAULT_TREES))
-        plan = [(f"{f.relative_to(REPO).as_posix().replace('/', '.')}-{i + 1}", [str(f.relative_to(REPO))])
+        plan = [(f"{f.relative_to(REPO).as_posix().replace('/', '.')}-{i + 1}", [str(f.relative_to(REPO))], [])
                 for i in range(args.repeat) for f in files]
 
     tallies: dict[str, Tally] = {}
     runs: list[dict[str, object]] = []
     started = time.monotonic()
     with busy(args.cores if args.busy else 0):
-        for name, paths in plan:
+        for name, paths, options in plan:
             t0 = time.monotonic()
-            status = run_pytest(paths, args.out / f"{name}.xml", args.out / f"{name}.log", args.timeout)
+            status = run_pytest(paths, args.out / f"{name}.xml", args.out / f"{name}.log", args.timeout, options)
             failed = read_junit(args.out / f"{name}.xml", tallies)
             seconds = round(time.monotonic() - t0, 1)
             runs.append({"run": name, "status": status, "seconds": seconds, "failed": failed})
-            mark = "ok" if status == 0 else f"FAILED ({len(failed)}: {', '.join(failed) or 'see log'})"
+            mark = "ok" if status in (0, 5) else f"FAILED ({len(failed)}: {', '.join(failed) or 'see log'})"
             print(f"{name}: {seconds} s {mark}", flush=True)
-            if status not in (0, 1):  # interrupted, internal error or usage error: the hunt itself is broken
+            # 5 is "nothing selected" (a full run's serial part of a tree without one); 2-4 are an interruption,
+            # an internal error or a usage error: the hunt itself is broken.
+            if status not in (0, 1, 5):
                 print(f"pytest exited {status}: see {args.out / (name + '.log')}", flush=True)
 
     flaky = {test: t for test, t in tallies.items() if t.failures}

@@ -34,6 +34,9 @@ from tests.fixtures.services import POSTGRES_URL, rabbitmqctl
 from tests.fixtures.tcpproxy import TcpProxy
 from tests.toyjobs.toy import make_dataset
 
+# One worker runs the module under pytest-xdist, so its undisturbed baseline is measured once.
+pytestmark = pytest.mark.xdist_group("outages")
+
 Record = Callable[[str, str, str, int], None]
 
 ROUNDS, SHARDS, SAMPLES = 3, 3, 15
@@ -175,7 +178,14 @@ OUTAGES = {
 }
 
 
-@pytest.mark.parametrize("case", list(OUTAGES), ids=[c.replace(" ", "-") for c in OUTAGES])
+# Restarting PostgreSQL or RabbitMQ cuts every other test's sessions too: those cases run alone (`serial`); the
+# others blink fronts of this deployment's own.
+SHARED = {"postgres restarted", "rabbitmq restarted"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.replace(" ", "-"),
+                                               marks=[pytest.mark.serial] if c in SHARED else [])
+                                  for c in OUTAGES])
 def test_a_dependency_blinking_mid_round_loses_nothing(
         case: str, faults: Faults, toy_data: Callable[[int], Path], baseline: float, restored: None,
         outcome: Record) -> None:

@@ -59,9 +59,11 @@ class Deployment:
         return f"amqp://{login}@{parts.hostname}:{parts.port or 5672}/{quote(self.vhost, safe='')}"
 
 
-def _listing(vhost: str) -> tuple[str, ...]:
+def _listing(vhost: str, prefix: str) -> tuple[str, ...]:
+    """The broker's users of this test (other tests add and remove their own meanwhile) and the vhost's grants."""
     ctl = broker_setup.rabbitmqctl
-    return (ctl("list_users", "-q"), ctl("list_permissions", "-p", vhost, "-q"),
+    users = "\n".join(line for line in ctl("list_users", "-q").splitlines() if line.startswith(prefix))
+    return (users, ctl("list_permissions", "-p", vhost, "-q"),
             ctl("list_topic_permissions", "-p", vhost, "-q"), ctl("list_policies", "-p", vhost, "-q"))
 
 
@@ -234,7 +236,7 @@ async def test_the_deployments_queues_get_the_queue_policy(deployment: Deploymen
 @pytest.mark.slow
 def test_setting_up_again_changes_nothing(deployment: Deployment) -> None:
     # Prepare
-    before = _listing(deployment.vhost)
+    before = _listing(deployment.vhost, deployment.prefix)
     passwords = broker_setup.load_credentials(deployment.credentials)
 
     # Execute
@@ -243,7 +245,7 @@ def test_setting_up_again_changes_nothing(deployment: Deployment) -> None:
 
     # Assert
     assert again.created == {} and again.applied["users"] == []
-    assert _listing(deployment.vhost) == before
+    assert _listing(deployment.vhost, deployment.prefix) == before
     assert broker_setup.load_credentials(deployment.credentials) == passwords
     assert len(deployment.result.created) == 4 + len(WORKERS)
     assert (deployment.credentials.stat().st_mode & 0o777) == 0o600

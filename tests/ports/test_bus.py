@@ -655,6 +655,7 @@ TRAINING_S = 8.0  # longer than the timeout plus several broker checks
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # the broker-wide consumer_timeout it sets would reach other tests' consumers
 @pytest.mark.queue_types
 async def test_a_long_handler_outlives_the_consumer_timeout_without_loss_or_duplicate(
     rabbit_url: str, bus_namespace: str
@@ -693,6 +694,7 @@ async def test_a_long_handler_outlives_the_consumer_timeout_without_loss_or_dupl
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 async def test_without_re_holding_the_broker_closes_the_channel_and_the_consumer_recovers(
     rabbit_url: str, bus_namespace: str
 ) -> None:

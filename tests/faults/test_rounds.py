@@ -3,6 +3,7 @@ fault_tolerance, a worker that leaves mid-round and rejoins."""
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -67,7 +68,9 @@ def test_too_few_workers_by_the_timeout_fails_the_round_retries_then_fails_the_j
     cluster = faults.cluster
     cluster.start(workers=2)
     job_id = new_id("quorum")
-    timeout = 8
+    # Long enough for shard 0 to report on a busy machine (its worker starts a training child first): the
+    # round's outcome, not the deadline's length, is what the case is about.
+    timeout = 20
     cluster.publish_job(toy_job(job_id, toy_data(12), rounds=2, min_workers=2, timeout=timeout, fault_tolerance=1,
                                 config={"mode": "slow", "slow_seconds": 600, "fail_shards": [1]}))
     sizes = faults.shard_sizes(job_id)
@@ -79,12 +82,15 @@ def test_too_few_workers_by_the_timeout_fails_the_round_retries_then_fails_the_j
     # The straggler's worker stops it at the deadline too, so its worker.failed may come before or
     # after round.timeout: either way the round failed by timing out.
     last = "timeout: 1 of 2 shards contributed valid weights, min_workers is 2"
-    straggler = f"; shard 1: user code did not finish within {timeout}s and was stopped"
+    # (The worker gives the call what is left of the round when the call starts: at most the timeout.)
+    straggler = re.compile(r"; shard 1: user code did not finish within (\d+)s and was stopped")
     assert job["status"] == "failed"
     assert job["reason"].startswith(f"round 1 failed 2 time(s) in a row (fault_tolerance=1); last: {last}")
     rounds = [(r["round"], r["attempt"], r["status"]) for r in faults.rounds(job_id)]
     assert rounds == [(1, 1, "failed"), (1, 2, "failed")]
-    assert all(r["reason"] in (last, last + straggler) for r in faults.rounds(job_id))
+    for r in faults.rounds(job_id):
+        said = straggler.fullmatch(r["reason"][len(last):]) if r["reason"].startswith(last) else None
+        assert r["reason"] == last or (said and int(said.group(1)) <= timeout), r["reason"]
     assert [(a["attempt"], a["status"], a["closed_at"] >= a["deadline"]) for a in faults.aggregations(job_id)] == [
         (1, "failed", True), (2, "failed", True)]
     assert view["status"] == "failed" and view["reason"] == job["reason"]
@@ -103,7 +109,9 @@ def test_a_worker_that_leaves_mid_round_and_rejoins_gets_the_current_round_with_
     cluster = faults.cluster
     cluster.start(workers=["site-a", "site-b"])
     job_id = new_id("rejoin")
-    cluster.publish_job(toy_job(job_id, toy_data(10), rounds=3, pinned=["site-a", "site-b"], timeout=12,
+    # Round 1 closes at its deadline (site-b is stopped); round 2's must leave the restarted site-b time to start
+    # its training child and report on a busy machine.
+    cluster.publish_job(toy_job(job_id, toy_data(10), rounds=3, pinned=["site-a", "site-b"], timeout=24,
                                 config={"mode": "slow", "slow_seconds": 2, "fail_shards": [1]}))
     sizes = faults.shard_sizes(job_id)
     faults.wait_training("site-b", job_id, 1)

@@ -3,6 +3,7 @@ round goes on with the other shards, and the worker stays up and trains again.""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +18,7 @@ def test_user_code_that_raises_exits_or_hangs_fails_its_shard_and_the_worker_sta
     cluster = faults.cluster
     cluster.start(workers=["site-a", "site-b"])
     pinned = ["site-a", "site-b"]
-    timeout = 8
+    timeout = 20  # the hung call's round: long enough for shard 0 to report from a busy machine
     jobs = {
         "raise": toy_job(new_id("raises"), toy_data(10), rounds=2, pinned=pinned,
                          config={"mode": "raise", "fail_shards": [1]}),
@@ -29,8 +30,14 @@ def test_user_code_that_raises_exits_or_hangs_fails_its_shard_and_the_worker_sta
     errors = {
         "raise": "RuntimeError: toy failure on shard 1 (toy.py:",
         "exit": "user code exited the process (exit code 3)",
-        "hang": f"user code did not finish within {timeout}s and was stopped",
+        # The worker gives the call what is left of the round when the call starts: the round's timeout, less
+        # however long the assignment took to reach the child (more on a busy machine).
+        "hang": "user code did not finish within ",
     }
+
+    def stopped_within_the_round(text: str) -> bool:
+        found = re.search(r"user code did not finish within (\d+)s and was stopped", text)
+        return found is not None and 0 < int(found.group(1)) <= timeout
 
     # The hanging job first, so its healthy shard is at the head of site-a's queue (its deadline is short).
     cluster.publish_job(jobs["hang"])
@@ -55,10 +62,11 @@ def test_user_code_that_raises_exits_or_hangs_fails_its_shard_and_the_worker_sta
             # worker reported it, with the reason, and it is in the tracker's event log.
             reported = faults.query("SELECT body FROM events WHERE job_id = $1 AND routing_key = 'worker.failed'",
                                     job_id)
-            assert len(reported) == 1 and errors[mode] in reported[0]["body"], reported
+            assert len(reported) == 1 and stopped_within_the_round(reported[0]["body"]), reported
         else:
             assert [r["status"] for r in failed] == ["failed"] * rounds, (mode, rows)
             assert all(r["reason"].startswith(errors[mode]) for r in failed), (mode, [r["reason"] for r in failed])
+            assert mode != "hang" or all(stopped_within_the_round(r["reason"]) for r in failed), failed
         assert [r["status"] for r in rows if r["shard"] == 0] == ["accepted"] * rounds, (mode, rows)
         sizes = faults.shard_sizes(job_id)
         line, double = faults.check_exact(job_id, [{0: sizes[0]}] * rounds)

@@ -164,7 +164,8 @@ def _job_reads(tracker: ApiTracker) -> APIRouter:
     router = APIRouter()
 
     @router.get("/training-jobs", response_model=list[schemas.JobSummary])
-    async def get_jobs(limit: int = Query(100, ge=1, le=1000)) -> list[dict[str, Any]]:
+    async def get_jobs(limit: int = Query(100, ge=1, le=1000, description="at most this many jobs")
+                       ) -> list[dict[str, Any]]:
         """Jobs, newest first, each with its status and round."""
         return await list_jobs(tracker.db, limit)
 

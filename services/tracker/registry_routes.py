@@ -99,8 +99,11 @@ def _kind_routes(router: APIRouter, registries: Registries, kind: Kind) -> None:
 
     @router.post(f"/{kind}", status_code=201, responses={**REJECTED, **CHANGES}, name=f"register_{what}",
                  openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}, "required": True}})
-    async def register(request: Request, filename: str = Query(..., pattern=SAFE_NAME),
-                       name: str = Query(..., pattern=SAFE_NAME)) -> dict[str, Any]:
+    async def register(request: Request,
+                       filename: str = Query(..., pattern=SAFE_NAME, description="the file's name (a .zip is a "
+                                             "zipped folder)"),
+                       name: str = Query(..., pattern=SAFE_NAME, description="a name for people")
+                       ) -> dict[str, Any]:
         """Register the body (a zipped folder, or the file itself) under a new integer id."""
         return await registries.register(kind, request, name, filename)
 

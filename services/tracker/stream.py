@@ -53,7 +53,9 @@ def stream_routes(tracker: LiveTracker) -> APIRouter:
                                                       "`job` (the job's detail), `workers`, and `end` once it ended"}})
     async def job_events(job_id: str = schemas.JOB_ID,
                          metric: str = Query("loss", min_length=1, max_length=200, description="which metric"),
-                         last_event_id: str | None = Header(None)) -> StreamingResponse:
+                         last_event_id: str | None = Header(
+                             None, description="resume after this event id (as EventSource sends it)")
+                         ) -> StreamingResponse:
         """Live updates of one job, pushed whenever the tracker records a change."""
         if await job_status(tracker.db, job_id) is None:
             raise schemas.no_job(job_id)

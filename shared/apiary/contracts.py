@@ -62,11 +62,15 @@ class JobRequested(JobSpec):
 
     routing_key: ClassVar[str] = "job.requested"
 
-    v: int = SCHEMA_VERSION
-    job_id: str | None = Field(default=None, min_length=1, max_length=100, pattern=JOB_ID_PATTERN)
+    v: int = Field(default=SCHEMA_VERSION, description="the message schema's version")
+    job_id: str | None = Field(default=None, min_length=1, max_length=100, pattern=JOB_ID_PATTERN,
+                               description="a job id of the client's choosing, echoed by every event of the job "
+                               "(default: a new one)")
 
 
 class JobAccepted(Event):
+    """`job.accepted`: the scheduler accepted a job request; it will be split into `num_shards` shards."""
+
     routing_key: ClassVar[str] = "job.accepted"
     name: str
     num_rounds: int
@@ -74,6 +78,8 @@ class JobAccepted(Event):
 
 
 class JobRejected(Event):
+    """`job.rejected`: the scheduler refused a job request: `reason` in one line, `errors` one per bad field."""
+
     routing_key: ClassVar[str] = "job.rejected"
     reason: str
     errors: list[FieldError] = Field(default_factory=list)
@@ -84,6 +90,8 @@ IdText = Annotated[str, BeforeValidator(lambda value: str(value) if isinstance(v
 
 
 class ShardRequested(Event):
+    """`shard.requested`: the scheduler asks the sharder to split a job's dataset into `num_shards` shards."""
+
     routing_key: ClassVar[str] = "shard.requested"
     dataset: str | None = None
     dataset_id: IdText | None = None  # a registered dataset: "42" (older ones a hex string)
@@ -104,6 +112,8 @@ class ShardInfo(ObjectRef):
 
 
 class JobSharded(Event):
+    """`job.sharded`: the sharder stored a job's shards (or says why it could not, in `error`)."""
+
     routing_key: ClassVar[str] = "job.sharded"
     dataset_id: IdText | None = None
     shards: list[ShardInfo] = Field(default_factory=list)
@@ -111,6 +121,8 @@ class JobSharded(Event):
 
 
 class RoundStart(RoundEvent):
+    """`round.start`: a round (attempt) begins from `weights`, over `shards`, due at `deadline`."""
+
     routing_key: ClassVar[str] = "round.start"
     num_rounds: int
     shards: list[int]
@@ -209,6 +221,8 @@ class Assignment(RoundEvent):
 
 
 class WorkerProgress(RoundEvent):
+    """`worker.progress`: a worker's live metrics while it trains a shard."""
+
     routing_key: ClassVar[str] = "worker.progress"
     worker_id: str
     shard: int
@@ -219,6 +233,8 @@ class WorkerProgress(RoundEvent):
 
 
 class WorkerDone(RoundEvent):
+    """`worker.done`: a worker trained its shard; `result` is the claim check of its weights."""
+
     routing_key: ClassVar[str] = "worker.done"
     worker_id: str
     shard: int
@@ -230,6 +246,8 @@ class WorkerDone(RoundEvent):
 
 
 class WorkerFailed(RoundEvent):
+    """`worker.failed`: a worker could not train its shard; `error` says why in one line."""
+
     routing_key: ClassVar[str] = "worker.failed"
     worker_id: str
     shard: int
@@ -238,10 +256,14 @@ class WorkerFailed(RoundEvent):
 
 
 class RoundTimeout(RoundEvent):
+    """`round.timeout` (delayed): a round's deadline; the aggregator closes it with what it has."""
+
     routing_key: ClassVar[str] = "round.timeout"
 
 
 class RoundAggregated(RoundEvent):
+    """`round.aggregated`: the aggregator folded a round's contributions into new global `weights`."""
+
     routing_key: ClassVar[str] = "round.aggregated"
     weights: ObjectRef
     contributors: list[int]
@@ -253,6 +275,8 @@ class RoundAggregated(RoundEvent):
 
 
 class RoundFailed(RoundEvent):
+    """`round.failed`: a round could not be aggregated (too few valid contributions by its deadline)."""
+
     routing_key: ClassVar[str] = "round.failed"
     reason: str
     reported: int = 0
@@ -325,6 +349,8 @@ class TaskTimeout(RoundEvent):
 
 
 class JobCompleted(Event):
+    """`job.completed`: a job ended with its final model (after its last round, or stopped early)."""
+
     routing_key: ClassVar[str] = "job.completed"
     rounds_completed: int
     final_model: str
@@ -334,6 +360,8 @@ class JobCompleted(Event):
 
 
 class JobFailed(Event):
+    """`job.failed`: a job ended without completing: failed (`reason`), or cancelled."""
+
     routing_key: ClassVar[str] = "job.failed"
     reason: str
     round: int | None = None
@@ -351,6 +379,8 @@ class JobWaiting(Event):
 
 
 class JobCancelRequested(Event):
+    """`job.cancel`: stop a job; no further round starts and its workers stop training it."""
+
     routing_key: ClassVar[str] = "job.cancel"
     reason: str = "cancelled by user"
 
@@ -362,6 +392,8 @@ class WorkerPresence(Message):
 
 
 class WorkerOnline(WorkerPresence):
+    """`worker.online`: a worker started and takes assignments."""
+
     routing_key: ClassVar[str] = "worker.online"
     hostname: str = ""
     gpu: dict[str, Any] | None = None
@@ -369,6 +401,8 @@ class WorkerOnline(WorkerPresence):
 
 
 class WorkerHeartbeat(WorkerPresence):
+    """`worker.heartbeat`: a worker is alive, and what it is doing."""
+
     routing_key: ClassVar[str] = "worker.heartbeat"
     state: str = "idle"
     job_id: str | None = None
@@ -382,6 +416,8 @@ class WorkerHeartbeat(WorkerPresence):
 
 
 class WorkerOffline(WorkerPresence):
+    """`worker.offline`: a worker stopped (or was taken as gone)."""
+
     routing_key: ClassVar[str] = "worker.offline"
     reason: str = "stopped"
 

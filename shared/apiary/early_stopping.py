@@ -19,11 +19,12 @@ class EarlyStopping(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    metric: str = Field(default="val_loss", min_length=1, max_length=100)
-    mode: Literal["min", "max"] = "min"
-    patience: int = Field(default=2, ge=1, le=100_000)
-    min_delta: float = Field(default=0.0, ge=0)
-    keep_best: bool = True
+    metric: str = Field(default="val_loss", min_length=1, max_length=100, description="the round metric watched")
+    mode: Literal["min", "max"] = Field(default="min", description="min: lower is better; max: higher is better")
+    patience: int = Field(default=2, ge=1, le=100_000, description="rounds in a row without an improvement before "
+                          "the job stops")
+    min_delta: float = Field(default=0.0, ge=0, description="the smallest change that counts as an improvement")
+    keep_best: bool = Field(default=True, description="the final model is the best round's weights")
 
 
 @dataclass(frozen=True)

@@ -62,22 +62,30 @@ class DistributedConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # false: one ordinary training on a single worker over the whole dataset (one shard).
-    enabled: bool = True
-    num_rounds: int = Field(default=1, ge=1, le=100_000)
-    steps_per_round: int | None = Field(default=None, ge=1, le=INT64_MAX)
-    min_workers: int = Field(default=1, ge=1, le=10_000)
-    max_workers: int = Field(default=1, ge=1, le=10_000)
-    aggregation_timeout: float = Field(default=600.0, gt=0, le=7 * 24 * 3600)
-    fault_tolerance: int = Field(default=1, ge=0, le=10_000)
+    enabled: bool = Field(default=True, description="false: one ordinary training on a single worker over the "
+                          "whole dataset (one shard), whatever sizes the request names")
+    num_rounds: int = Field(default=1, ge=1, le=100_000, description="rounds of train-then-aggregate")
+    steps_per_round: int | None = Field(default=None, ge=1, le=INT64_MAX, description="passed to the training "
+                                        "function as env STEPS_PER_ROUND (the built-in trainer's steps a round)")
+    min_workers: int = Field(default=1, ge=1, le=10_000, description="fewest valid contributions a round may be "
+                             "aggregated from (at its timeout), and workers online before a round starts")
+    max_workers: int = Field(default=1, ge=1, le=10_000, description="shards per round: the dataset is split into "
+                             "this many shards")
+    aggregation_timeout: float = Field(default=600.0, gt=0, le=7 * 24 * 3600, description="seconds a round waits "
+                                       "for its shards before aggregating what it has (or failing)")
+    fault_tolerance: int = Field(default=1, ge=0, le=10_000, description="consecutive failed rounds tolerated "
+                                 "before the job fails")
     # Checked against the strategy registry by `strategy_errors`, where the strategies are loaded (the
     # scheduler): the tracker validates requests too and must not load torch.
-    strategy: str = Field(default=DEFAULT_STRATEGY, min_length=1, max_length=100)
-    strategy_params: dict[str, Any] = Field(default_factory=dict)
-    # Evaluate the global model (the module's fl_evaluate_model, on a worker) after every N-th round and
-    # after the last; 0: only after the last.
-    evaluate_every: int = Field(default=1, ge=0, le=100_000)
-    early_stopping: EarlyStopping | None = None
+    strategy: str = Field(default=DEFAULT_STRATEGY, min_length=1, max_length=100, description="the aggregation "
+                          "strategy, by name (federated_averaging, fedprox, fedadam, krum, ...)")
+    strategy_params: dict[str, Any] = Field(default_factory=dict, description="the strategy's parameters (names "
+                                            "and defaults as Flower's)")
+    evaluate_every: int = Field(default=1, ge=0, le=100_000, description="evaluate the global model (the module's "
+                                "fl_evaluate_model, on a worker) after every N-th round and after the last; 0: "
+                                "only after the last")
+    early_stopping: EarlyStopping | None = Field(default=None, description="end the job once a metric stops "
+                                                 "improving")
 
     @model_validator(mode="after")
     def _min_le_max(self) -> DistributedConfig:
@@ -96,8 +104,10 @@ class SplitConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    strategy: Literal["random", "label_skew", "quantity_skew", "group"] = "random"
-    seed: int = Field(default=0, ge=-INT64_MAX - 1, le=INT64_MAX)
+    strategy: Literal["random", "label_skew", "quantity_skew", "group"] = Field(
+        default="random", description="random: equal shares; label_skew: each label spread in Dirichlet(alpha) "
+        "proportions; quantity_skew: sizes from one Dirichlet(alpha) draw; group: whole groups per shard")
+    seed: int = Field(default=0, ge=-INT64_MAX - 1, le=INT64_MAX, description="seed of the split")
     alpha: float = Field(default=0.5, gt=0, description="Dirichlet concentration for label_skew and quantity_skew")
     key: str = Field(default="group", description="sample field that names the group, for group")
 
@@ -119,7 +129,7 @@ class CodeRef(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     key: str = Field(description="code/<sha256>.zip, as POST /api/v1/code answers")
-    sha256: str
+    sha256: str = Field(description="the bundle's sha256, 64 lowercase hex digits")
     size: int | None = Field(default=None, ge=0, le=INT64_MAX, description="its bytes (filled in where it is checked)")
 
     @field_validator("key")
@@ -147,11 +157,14 @@ class WorkerSelection(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["pool", "pinned", "mixed"] = "pool"
-    workers: list[str] = Field(default_factory=list)
+    mode: Literal["pool", "pinned", "mixed"] = Field(
+        default="pool", description="pool: any worker takes any shard; pinned: shard i trains on workers[i]; "
+        "mixed: one shard each on the listed own and platform workers")
+    workers: list[str] = Field(default_factory=list, description="pinned: the worker id for each shard")
     # mixed: integers name the workers whose id is that number.
-    worker_ids: list[int | str] = Field(default_factory=list)
-    parsyn_worker_ids: list[int | str] = Field(default_factory=list)
+    worker_ids: list[int | str] = Field(default_factory=list, description="mixed: workers started with --kind own")
+    parsyn_worker_ids: list[int | str] = Field(default_factory=list, description="mixed: workers started with "
+                                               "--kind platform")
 
     @model_validator(mode="after")
     def _pinned_needs_workers(self) -> WorkerSelection:
@@ -185,21 +198,29 @@ class JobSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=200)
-    entrypoint: str | None = None  # None: the built-in trainer (causal_lm) fine-tunes the registered model
-    dataset: str | None = None
-    dataset_id: RegistryId | None = None
-    model: str | None = None
-    model_id: RegistryId | None = None
-    config: dict[str, Any] = Field(default_factory=dict)
-    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
-    worker_selection: WorkerSelection = Field(default_factory=WorkerSelection)
-    split: SplitConfig = Field(default_factory=SplitConfig)
-    use_peft: bool = False
-    # The job's own code (a stored bundle), and what the workers' Python must provide to run it (None: the
-    # bundle's requirements.txt, if it has one). Checked on the worker, never installed.
-    code: Annotated[CodeRef | None, BeforeValidator(_code_ref)] = None
-    requirements: list[str] | None = None
+    name: str = Field(min_length=1, max_length=200, description="a name for people")
+    entrypoint: str | None = Field(default=None, description="module:function of the training function "
+                                   "(function defaults to fl_train_model); none: the built-in trainer (causal_lm) "
+                                   "fine-tunes the registered model")
+    dataset: str | None = Field(default=None, description="a folder or zip with a manifest.json, or a JSONL file "
+                                "(a path, storage key or URI)")
+    dataset_id: RegistryId | None = Field(default=None, description="a registered dataset, in place of dataset")
+    model: str | None = Field(default=None, description="path, storage key or URI of a safetensors checkpoint "
+                              "for round 1 (else fl_init_weights(env) is run)")
+    model_id: RegistryId | None = Field(default=None, description="a registered model (the built-in trainer's "
+                                        "base model)")
+    config: dict[str, Any] = Field(default_factory=dict, description="hyperparameters, passed to the training "
+                                   "function as env with keys upper-cased; the built-in trainer's settings")
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="how rounds run")
+    worker_selection: WorkerSelection = Field(default_factory=WorkerSelection, description="where shards train")
+    split: SplitConfig = Field(default_factory=SplitConfig, description="how the sharder splits the dataset")
+    use_peft: bool = Field(default=False, description="only the adapter's weights travel each round")
+    # Checked on the worker, never installed.
+    code: Annotated[CodeRef | None, BeforeValidator(_code_ref)] = Field(
+        default=None, description="the job's own code: a bundle stored with POST /api/v1/code (a job file may "
+        "name a local folder or zip)")
+    requirements: list[str] | None = Field(default=None, description="packages the workers' Python must provide "
+                                           "(checked, never installed; none: the bundle's requirements.txt)")
 
     @model_validator(mode="wrap")
     @classmethod

@@ -1,0 +1,117 @@
+"""The docs' reference pages are what scripts/gen_docs_reference.py writes from the code, and nothing they show
+lacks a description: a field, setting, command, route or routing key added without one fails here."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import typer
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _generator() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gen_docs_reference", ROOT / "scripts" / "gen_docs_reference.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gen = _generator()
+
+
+@pytest.fixture(scope="module")
+def generated() -> dict[Path, str]:
+    return gen.pages()
+
+
+def test_every_reference_page_is_what_the_code_generates(generated: dict[Path, str]) -> None:
+    stale = [str(path) for path, text in generated.items()
+             if not (ROOT / path).exists() or (ROOT / path).read_text() != text]
+
+    assert stale == [], f"run `python scripts/gen_docs_reference.py` and commit: {stale}"
+
+
+def test_everything_the_reference_shows_has_its_description() -> None:
+    assert gen.undocumented() == []
+
+
+def test_the_reference_lists_every_setting_routing_key_and_command(generated: dict[Path, str]) -> None:
+    settings, bus, cli = (generated[gen.REFERENCE / name] for name in ("settings.md", "bus.md", "cli.md"))
+
+    assert "`APIARY_QUEUE_TYPE`" in settings and "`APIARY_API_URL`" in settings
+    assert "| `job.requested` |" in bus and "| `assign.worker.<id>` |" in bus and "| `presence.pace` |" in bus
+    assert "`apiary broker setup`" in cli and "`apiary run`" in cli
+
+
+def test_a_request_field_without_a_description_is_named() -> None:
+    class Inner(BaseModel):
+        documented: int = Field(default=1, description="says what")
+        bare: int = 2
+
+    class Request(BaseModel):
+        inner: Inner = Field(default_factory=Inner, description="nested")
+
+    assert gen.undocumented_fields(Request.model_json_schema(), "job request") == [
+        "job request: field inner.bare has no description"]
+
+
+def test_a_setting_without_a_description_is_named() -> None:
+    class Settings(BaseSettings):
+        model_config = SettingsConfigDict(env_prefix="APIARY_")
+        documented: int = Field(default=1, description="says what")
+        new_knob: int = 2
+
+    assert gen.undocumented_settings(Settings) == ["setting APIARY_NEW_KNOB has no description"]
+
+
+def test_a_command_or_option_without_help_is_named() -> None:
+    app = typer.Typer(help="A tool.")
+
+    @app.command()
+    def documented(count: int = typer.Option(1, help="how many")) -> None:
+        """Says what."""
+
+    @app.command()
+    def bare(count: int = typer.Option(1)) -> None:
+        pass
+
+    assert gen.undocumented_commands(app) == ["command `apiary bare` has no help",
+                                              "command `apiary bare`: COUNT has no help"]
+
+
+def test_a_route_or_parameter_without_a_description_is_named() -> None:
+    document = {"paths": {"/a": {"get": {"description": "Says what.", "parameters": [{"name": "limit"}]}},
+                          "/b": {"post": {}}}}
+
+    assert gen.undocumented_routes(document) == ["route GET /a: parameter limit has no description",
+                                                 "route POST /b has no description (its function's docstring)"]
+
+
+def test_a_routing_key_without_a_description_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Undocumented(BaseModel):
+        job_id: str
+
+    monkeypatch.setattr(gen, "routing_keys", lambda: {"job.new_thing": Undocumented})
+
+    assert gen.undocumented_routing_keys() == [
+        "routing key job.new_thing (Undocumented) has no description (its class docstring)"]
+
+
+def test_the_asyncapi_document_has_a_channel_per_routing_key_with_its_publisher_and_consumers() -> None:
+    document = gen.asyncapi()
+    sends = {op["x-apiary-role"] for op in document["operations"].values()
+             if op["action"] == "send" and op["channel"]["$ref"] == "#/channels/worker_done"}
+    receives = {op["x-apiary-role"] for op in document["operations"].values()
+                if op["action"] == "receive" and op["channel"]["$ref"] == "#/channels/worker_done"}
+
+    assert set(document["channels"]) >= {"job_requested", "worker_done", "assign_worker_id", "presence_pace_id"}
+    assert sends == {"worker"} and receives == {"aggregator", "tracker"}

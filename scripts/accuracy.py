@@ -3,9 +3,9 @@
 Runs each setting end to end through `apiary run` (one process tree per setting, its own APIARY_HOME under
 .apiary/accuracy/). Each round's held-out accuracy is the run's own evaluation of that round (the example's
 `fl_evaluate_model` on a worker, listed in the run's final/metrics.json), checked against the same function
-run here on the round's stored global weights. Writes docs/accuracy.md (held-out accuracy, rounds to reach
-95% of the central accuracy, wall and CPU time), docs/accuracy.png (accuracy per round, one line per setting)
-and docs/accuracy.json (each setting's accuracy per round, for --against).
+run here on the round's stored global weights. Writes docs/benchmarks/accuracy.md (held-out accuracy, rounds to reach
+95% of the central accuracy, wall and CPU time), docs/benchmarks/accuracy.png (accuracy per round, one line per setting)
+and docs/benchmarks/accuracy.json (each setting's accuracy per round, for --against).
 
 Where a run's time goes: starting processes that import torch (the `apiary run` process and each worker's
 training child: ~2 s of CPU each), not the rounds (a digits round takes ~0.3 s). An 8-worker run costs ~30 s of
@@ -16,7 +16,7 @@ rest has tiny tensors).
 
     python scripts/accuracy.py                                   # every setting, 2 runs at a time
     python scripts/accuracy.py --only 3w                         # settings whose name contains '3w'
-    python scripts/accuracy.py --against docs/accuracy.json      # also: how far each setting moved since then
+    python scripts/accuracy.py --against docs/benchmarks/accuracy.json  # also: how far each setting moved since then
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def central_of(outcomes: list[Outcome], setting: Setting) -> Outcome | None:
 
 
 def table(outcomes: list[Outcome]) -> list[str]:
-    """docs/accuracy.md's table: one row per setting."""
+    """docs/benchmarks/accuracy.md's table: one row per setting."""
     rows = ["| setting | workers | split | strategy | held-out accuracy | gap to central (pt) |"
             f" rounds to {REACH:.0%} of central | wall time (s) | CPU time (s) |",
             "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -288,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="", help="run only the settings whose name contains this")
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time")
-    parser.add_argument("--out", type=Path, default=REPO / "docs", help="where accuracy.md, .png and .json go")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks",
+                        help="where accuracy.md, .png and .json go")
     parser.add_argument("--against", type=Path, help="an earlier accuracy.json: how far each setting moved since")
     args = parser.parse_args(argv)
     against = json.loads(args.against.read_text()) if args.against else {}

@@ -10,7 +10,7 @@ got (`NoOpTrainer`: no child process, no user code). A job of R rounds with K sh
 max_workers = K) is submitted; rounds 2..R are measured (round 1 pays the shard downloads). R is --rounds (7: the
 median of 6 rounds), or more for a small K, so that every K measures at least --contributions contributions: two
 rounds of half a second (K = 100) say little on a shared machine. Round 2 is often the slowest (0.93-1.64x the
-median of rounds 2-7 in nine runs at K = 1,000, 1.16x in the median one; docs/scale.md): with R = 3 the median of
+median of rounds 2-7 in nine runs at K = 1,000, 1.16x in the median one): with R = 3 the median of
 rounds 2 and 3 was their mean, which a slow round 2 moved at K = 1,000 only (K = 100 measured 20 rounds).
 
 Figures, for each K and replica count:
@@ -41,7 +41,7 @@ quorum` a deployment on quorum queues.
 
 Usage: python scripts/bench_scale.py [--k 10 100 1000] [--replicas 1 2] [--rounds 7] [--contributions 2000]
                                      [--params 100000] [--queue-version 2] [--queue-type classic]
-                                     [--repeat N] [--flower-python PY] [--plot docs/scale.png]
+                                     [--repeat N] [--flower-python PY] [--plot docs/benchmarks/scale.png]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ The definitions also hold one policy: the exchange's classic queues use RabbitMQ
 (`queue-version` 2, the default from RabbitMQ 3.13, in place on a running queue). The first, 3.12 and older's
 default, pays a write of its index for a queue that goes idle holding acknowledged persistent messages: each
 worker's preferred queue, once a round; measured, that made the broker's CPU per contribution more than twice
-as high with 1,000 workers as with 100 (docs/scale.md).
+as high with 1,000 workers as with 100 (docs/benchmarks/scale.md).
 """
 
 from __future__ import annotations

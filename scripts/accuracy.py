@@ -42,7 +42,7 @@ WORK = REPO / ".apiary" / "accuracy"
 SEED = 0
 REACH = 0.95  # "rounds to reach" counts rounds until accuracy is at least this share of the central one
 
-# The strategy settings the README recommends for skewed shards (section "Skewed data and accuracy").
+# The strategy settings docs/how-to/skewed-data.md recommends for skewed shards.
 RECOMMENDED: dict[str, dict[str, Any]] = {
     "fedavgm": {"server_learning_rate": 1.0, "server_momentum": 0.5},
     "fedprox": {"proximal_mu": 0.1},
@@ -231,7 +231,7 @@ def write_markdown(outcomes: list[Outcome], path: Path, total_s: float, parallel
         "weights; the last round's figure is the table's. Central is one worker on the whole training",
         f"set for the same rounds and epochs as the federated runs it is compared with ({sizes}). Skewed",
         "shards are `split: {strategy: label_skew, alpha: A}` (Dirichlet over the shards, per label); the",
-        "strategies' parameters are those the README recommends: "
+        "strategies' parameters are those the skewed-data guide recommends: "
         + ", ".join(f"{k} {v}" for k, v in RECOMMENDED.items()) + ".",
         f"Wall time is each run's `apiary run` from start to exit, {parallel} runs at a time on this 2-core machine,",
         "which other sessions' work (tests, benchmarks) shared meanwhile: its load average was "

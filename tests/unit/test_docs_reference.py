@@ -3,7 +3,9 @@ lacks a description: a field, setting, command, route or routing key added witho
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -115,3 +117,20 @@ def test_the_asyncapi_document_has_a_channel_per_routing_key_with_its_publisher_
 
     assert set(document["channels"]) >= {"job_requested", "worker_done", "assign_worker_id", "presence_pace_id"}
     assert sends == {"worker"} and receives == {"aggregator", "tracker"}
+
+
+@pytest.mark.parametrize("module", ["apiary.sdk", "apiary.strategies.base", "apiary.trainers.base"])
+def test_every_public_name_the_python_api_page_renders_has_a_docstring(module: str) -> None:
+    undocumented = []
+    loaded = importlib.import_module(module)
+    for name, obj in vars(loaded).items():
+        if name.startswith("_") or getattr(obj, "__module__", None) != module:
+            continue
+        if inspect.isfunction(obj) or inspect.isclass(obj):
+            undocumented += [name] if not inspect.getdoc(obj) else []
+        if inspect.isclass(obj):
+            undocumented += [f"{name}.{attr}" for attr, member in vars(obj).items() if not attr.startswith("_")
+                             and (inspect.isfunction(member) or isinstance(member, property))
+                             and not (member.fget if isinstance(member, property) else member).__doc__]
+
+    assert undocumented == []

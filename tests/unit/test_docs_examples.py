@@ -1,5 +1,5 @@
 """The docs cannot show an example that fails: every code block marked `<!-- runnable -->` in README.md and
-docs/ runs here (shell in a subprocess from the repository root, Python in-process, YAML validated as a job
+docs/ runs here (shell in a subprocess from the repository root, Python in-process, JSON and YAML validated as a job
 request, within a minimal one where it is a fragment). `<!-- runnable slow -->` blocks run in the slow
 lane."""
 
@@ -56,6 +56,8 @@ def _run(example: Example) -> None:
         assert done.returncode == 0, f"{example.where} failed:\n{done.stdout}\n{done.stderr}"
     elif example.language == "python":
         exec(compile(example.code, example.where, "exec"), {"__name__": "docs_example"})
+    elif example.language == "json":
+        JobRequested.model_validate_json(example.code)
     elif example.language == "yaml":
         block = yaml.safe_load(example.code)
         JobRequested.model_validate(block if "name" in block else {**FRAGMENT_OF, **block})
@@ -64,7 +66,15 @@ def _run(example: Example) -> None:
 
 
 def test_the_docs_have_runnable_examples_of_each_kind() -> None:
-    assert {e.language for e in examples()} >= {"bash", "python", "yaml"}
+    assert {e.language for e in examples()} >= {"bash", "python", "yaml", "json"}
+
+
+def test_the_readme_is_short_and_its_links_lead_somewhere() -> None:
+    readme = (ROOT / "README.md").read_text()
+    targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)]+)\)", readme) if "://" not in t]
+
+    assert len(readme.splitlines()) <= 150
+    assert [t for t in targets if not (ROOT / t).exists()] == []
 
 
 @pytest.mark.parametrize("example", _params(slow=False))

@@ -256,8 +256,10 @@ def round_ended(status: str, seconds: float) -> None:
     _instruments.round_duration.record(max(0.0, seconds), attributes)
 
 
-def contribution(outcome: str) -> None:
-    """A worker's report, recorded as `outcome` (accepted, invalid, failed, late, duplicate, forged, ...)."""
+def contribution(status: str) -> None:
+    """A worker's report, recorded with this ContributionStatus: accepted, or refused as invalid (`rejected`: its
+    weights failed validation), failed (the user's code), late, duplicate, forged, orphan or unassigned."""
+    outcome = "invalid" if status == "rejected" else str(status)
     _instruments.contributions.add(1, {"apiary.contribution.outcome": outcome})
 
 

@@ -6,9 +6,10 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from apiary import metrics
 from apiary.backoff import Backoff
 from apiary.policy import LIMITS
 
@@ -70,6 +71,24 @@ class Settings(BaseSettings):
     # and code bundles), and local dataset/model paths under these folders (none: the current folder).
     allowed_entrypoints: list[str] = Field(default_factory=lambda: ["examples.*"])
     data_roots: list[Path] = Field(default_factory=list)
+    # Operational metrics (apiary.metrics, docs/metrics.md): `prometheus` (GET /metrics: the tracker's on its HTTP
+    # API, any other process's on metrics_host:metrics_port), `otlp` (OTEL_EXPORTER_OTLP_*), both, or none.
+    metrics: str = ""
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = Field(default=9464, ge=0, le=65535)
+    # Experiment tracking, fed by the tracker from the events it receives (services/tracker/experiments.py): an
+    # MLflow run per job (`pip install 'apiary[mlflow]'`), TensorBoard event files per job (`apiary[tensorboard]`)
+    # under tensorboard_dir/<job_id> (default: the job's folder in local storage, else APIARY_HOME/tensorboard).
+    mlflow_tracking_uri: str | None = None
+    mlflow_experiment: str = "apiary"
+    tensorboard: bool = False
+    tensorboard_dir: Path | None = None
+
+    @field_validator("metrics")
+    @classmethod
+    def _known_exporters(cls, value: str) -> str:
+        metrics.exporters(value)  # a ValueError naming the bad exporter
+        return value
 
     def dependency_backoff(self) -> Backoff:
         """How long work waits between tries while a dependency is away (no limit on tries)."""

@@ -47,6 +47,7 @@ from services.scheduler.commands import JobCommands
 from services.scheduler.evaluation import DONE, FAILED, NONE, PENDING, evaluation_due, task_timeout
 from services.scheduler.finishing import JobFinisher
 from services.scheduler.initial_and_final import checked_initial_weights, initial_weights, no_initial_weights
+from services.scheduler.job_machine import Next, after_aggregated, after_failed, is_current, too_many_failures
 from services.scheduler.presence import FleetPace, PaceReminders, PresenceFilter
 from services.scheduler.round_plan import (
     NO_WEIGHTS,
@@ -59,7 +60,6 @@ from services.scheduler.round_plan import (
     waiting_for_workers,
 )
 from services.scheduler.routing import AssignmentRouter
-from services.scheduler.job_machine import Next, after_aggregated, after_failed, is_current, too_many_failures
 from services.scheduler.store import Job
 from services.scheduler.task_assignments import TaskQueue
 

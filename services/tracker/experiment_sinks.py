@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Sequence
@@ -36,6 +37,10 @@ class MlflowSink:
         except ImportError as e:
             raise MissingExtra("APIARY_MLFLOW_TRACKING_URI is set but MLflow is not installed: "
                                "pip install 'apiary[mlflow]'") from e
+        # The exporter retries on its own, in the background: MLflow's client should fail fast rather than retry
+        # a dead server for minutes inside one call.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         self._client = MlflowClient(tracking_uri=tracking_uri)
         self._experiment_name = experiment
         self._experiment_id: str | None = None

@@ -16,6 +16,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -119,6 +120,9 @@ class Experiments:
         self._retry = retry
         self._backlogs: dict[str, deque[Record]] = {s.name: deque(maxlen=MAX_BACKLOG) for s in self.sinks}
         self._wake = {s.name: asyncio.Event() for s in self.sinks}
+        # A thread per sink, not the loop's default executor: a write hung on a dead server must not hold up
+        # the process's exit (shutdown does not wait for these).
+        self._threads = {s.name: ThreadPoolExecutor(1, thread_name_prefix=f"export-{s.name}") for s in self.sinks}
         self._tasks: list[asyncio.Task[None]] = []
 
     def backlog(self, sink: str) -> int:
@@ -165,7 +169,11 @@ class Experiments:
         self._tasks = []
         for sink in self.sinks:
             with contextlib.suppress(Exception):
-                await asyncio.to_thread(sink.close)
+                await asyncio.wait_for(self._call(sink, sink.close), timeout)
+            self._threads[sink.name].shutdown(wait=False, cancel_futures=True)
+
+    def _call(self, sink: Sink, call: Any, *args: Any) -> asyncio.Future[Any]:
+        return asyncio.get_running_loop().run_in_executor(self._threads[sink.name], call, *args)
 
     async def _run(self, sink: Sink) -> None:
         backlog, wake, failures = self._backlogs[sink.name], self._wake[sink.name], 0
@@ -176,7 +184,7 @@ class Experiments:
                 continue
             batch = [backlog[i] for i in range(min(BATCH, len(backlog)))]
             try:
-                await asyncio.to_thread(sink.write, batch)
+                await self._call(sink, sink.write, batch)
             except Exception as e:  # any failure of the sink's backend: the batch is written again later
                 failures += 1
                 metrics.exporter_failed(sink.name)

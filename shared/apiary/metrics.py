@@ -311,7 +311,7 @@ def gpu(worker_id: str, reading: Mapping[str, Any] | None) -> None:
     """A worker's latest GPU reading (gpu_stats's), if it has one."""
     if not reading:
         return
-    attributes = {"apiary.worker.id": worker_id, "apiary.gpu.index": int(reading.get("index", 0))}
+    attributes: dict[str, str | int] = {"apiary.worker.id": worker_id, "apiary.gpu.index": int(reading.get("index", 0))}
     if reading.get("utilization") is not None:
         _instruments.gpu_utilization.set(float(reading["utilization"]) / 100.0, attributes)
     if reading.get("memory_used") is not None:

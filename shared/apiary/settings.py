@@ -9,8 +9,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from apiary import metrics
 from apiary.backoff import Backoff
+from apiary.metrics import exporters as metric_exporters
 from apiary.policy import LIMITS
 
 
@@ -87,7 +87,7 @@ class Settings(BaseSettings):
     @field_validator("metrics")
     @classmethod
     def _known_exporters(cls, value: str) -> str:
-        metrics.exporters(value)  # a ValueError naming the bad exporter
+        metric_exporters(value)  # a ValueError naming the bad exporter
         return value
 
     def dependency_backoff(self) -> Backoff:

@@ -145,7 +145,8 @@ def test_the_kubernetes_monitoring_resources_match_the_base_and_the_rules() -> N
     covered = set()
     for monitor in monitors:
         selector = monitor["spec"]["selector"]
-        names = selector.get("matchExpressions", [{}])[0].get("values") or [selector["matchLabels"]["app.kubernetes.io/name"]]
+        names = (selector["matchExpressions"][0]["values"] if "matchExpressions" in selector
+                 else [selector["matchLabels"]["app.kubernetes.io/name"]])
         port = monitor["spec"]["podMetricsEndpoints"][0]["port"]
         for name in names:
             template = pods[name]

@@ -11,7 +11,6 @@ Usage: python scripts/metrics_series.py [--workers 3] [--rounds 3] [--fleet 100]
 from __future__ import annotations
 
 import argparse
-import asyncio
 import collections
 import json
 import os
@@ -21,7 +20,6 @@ import tempfile
 import uuid
 from pathlib import Path
 
-import asyncpg
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,21 +27,10 @@ sys.path.insert(0, str(REPO))
 
 from tests.fixtures import s3server  # noqa: E402
 from tests.fixtures.cluster import SERVICES, Cluster, _free_port  # noqa: E402
+from tests.fixtures.services import POSTGRES_URL, _admin_sql, delete_rabbit_namespace  # noqa: E402
 from tests.toyjobs.toy import make_dataset  # noqa: E402
 
 AMQP = os.environ.get("APIARY_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
-POSTGRES = os.environ.get("APIARY_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-
-
-def admin(sql: str) -> None:
-    async def run() -> None:
-        conn = await asyncpg.connect(POSTGRES)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-
-    asyncio.run(run())
 
 
 def series(page: str) -> collections.Counter[str]:
@@ -66,10 +53,10 @@ def main() -> None:
     os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"})
     moto, endpoint = s3server.launch()
     db, exchange = f"apiary_series_{uuid.uuid4().hex[:8]}", f"apiary_series_{uuid.uuid4().hex[:8]}"
-    admin(f'CREATE DATABASE "{db}"')
+    _admin_sql(f'CREATE DATABASE "{db}"')
     try:
         with tempfile.TemporaryDirectory(prefix="apiary-series-") as tmp:
-            cluster = Cluster(Path(tmp), AMQP, exchange, POSTGRES.rsplit("/", 1)[0] + f"/{db}",
+            cluster = Cluster(Path(tmp), AMQP, exchange, POSTGRES_URL.rsplit("/", 1)[0] + f"/{db}",
                               f"s3://series-{uuid.uuid4().hex[:8]}/runs", endpoint)
             workers = [f"worker-{i + 1}" for i in range(args.workers)]
             ports = {n: cluster.http_port if n == "tracker" else _free_port() for n in (*SERVICES, *workers)}
@@ -92,10 +79,8 @@ def main() -> None:
             finally:
                 cluster.stop_all()
     finally:
-        from tests.fixtures.services import delete_rabbit_namespace
-
         delete_rabbit_namespace(AMQP, exchange)
-        admin(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+        _admin_sql(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
         moto.terminate()
     counted = {name: series(page) for name, page in pages.items()}
     per_process = {name: sum(c.values()) for name, c in counted.items()}

@@ -180,17 +180,15 @@ def setup(service_name: str, value: str | None = None, *, readers: list[Any] | N
 
 
 def _otlp_exporter() -> Any:
-    protocol = (os.environ.get("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL")
-                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")).strip().lower()
-    if protocol == "grpc":
+    from apiary.telemetry import otlp_grpc
+
+    if otlp_grpc("METRICS"):
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as Grpc
 
         return Grpc()
-    if protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as Http
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as Http
 
-        return Http()
-    raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported: use grpc or http/protobuf")
+    return Http()
 
 
 def shutdown() -> None:

@@ -5,6 +5,7 @@ sqlite:/// tracking store) and TensorBoard event files in its folder, read back 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -26,7 +27,8 @@ def samples(page: str, name: str) -> list[tuple[dict[str, str], float]]:
 
 
 @pytest.fixture
-def prometheus() -> object:
+def prometheus() -> Iterator[None]:
+    """Metrics on, with a /metrics page, for one test."""
     metrics.shutdown()
     metrics.setup("apiary-test", "prometheus")
     yield
@@ -34,7 +36,7 @@ def prometheus() -> object:
 
 
 async def test_worker_done_handled_equals_contributions_stored(embedded: StackFactory, toy_dataset: Path,
-                                                               prometheus: object) -> None:
+                                                               prometheus: None) -> None:
     async with embedded(workers=3) as stack:
         url = await stack.tracker.start_http(port=0)
         job_id = await stack.submit(toy_request(toy_dataset, num_rounds=3))

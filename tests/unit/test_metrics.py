@@ -3,9 +3,13 @@ functions count."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from apiary import metrics
+from apiary.backoff import Backoff, while_unavailable
+from apiary.errors import DependencyUnavailable
 from apiary.status import ContributionStatus
 from services.scheduler.gauges import timeout_used
 from tests.fixtures.metrics import Readings
@@ -91,3 +95,18 @@ def test_timeout_used_is_the_most_advanced_running_round() -> None:
 
     assert timeout_used(rounds, now=158.0) == pytest.approx(0.8)
     assert timeout_used([], now=158.0) == 0.0
+
+
+async def test_each_wait_for_a_dependency_is_counted_by_dependency(readings: Readings) -> None:
+    failures = iter([DependencyUnavailable("down", dependency="the database", reason="refused")] * 2)
+
+    async def call() -> str:
+        error = next(failures, None)
+        if error is not None:
+            raise error
+        return "done"
+
+    result = await while_unavailable(call, Backoff(base=0.001, cap=0.002), "test", logging.getLogger("test"))
+
+    assert result == "done"
+    assert readings.total("apiary.dependency.retries", apiary__dependency="the database") == 2

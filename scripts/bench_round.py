@@ -12,7 +12,7 @@ Reference (from the issue, same machines): Flower 1.42's simulation engine, 0.10
 0.21 s (K=16) per round for this model; the goal is a quarter of that or less.
 
 Usage: python scripts/bench_round.py [--k 4 16] [--rounds 20] [--storage s3|file] [--flower-python PY]
-                                    [--against REF [--pairs N]]
+                                    [--against REF [--pairs N]] [--metrics-pairs N]
 
 With --flower-python (a Python that has flwr[simulation], see scripts/bench_flower.py), Flower's
 figures are measured in the same session, first, and are the reference; without it, the issue's.
@@ -21,6 +21,11 @@ With --against REF (a commit), the same benchmark of that commit's code (its own
 worktree) runs beside this one's, in N pairs, alternating which goes first; it prints each pair's
 medians and, per K, the median of the pairs' ratios this/REF: on a shared machine only pairs measured
 back to back compare.
+
+With --metrics-pairs N, the cost of operational metrics: for each K, N pairs of runs of this code with
+APIARY_METRICS unset and =prometheus (every process's /metrics on a port of its own), alternating which goes
+first; it prints the Apiary processes' CPU per round (rounds 2..R) and the median round time of each, and the
+median of the pairs' ratios on/off.
 """
 
 from __future__ import annotations
@@ -126,7 +131,13 @@ def cpu_spent(before: dict[str, dict[int, float]], after: dict[str, dict[int, fl
             for kind, pids in after.items()}
 
 
-def run(k: int, rounds: int, tmp: Path, endpoint: str, storage: str = "s3") -> list[float]:
+APIARY_KINDS = ("scheduler", "sharder", "aggregator", "tracker", "worker")
+
+
+def run(k: int, rounds: int, tmp: Path, endpoint: str, storage: str = "s3", env: dict[str, str] | None = None,
+        cpu_out: dict[str, float] | None = None) -> list[float]:
+    """The round times (round 2 on) of one benchmark job, its processes started with `env` too; with `cpu_out`,
+    fills it with the CPU seconds per round (rounds 2..R) by process kind."""
     db = f"apiary_bench_{uuid.uuid4().hex[:8]}"
     admin(f'CREATE DATABASE "{db}"')
     exchange = f"apiary_bench_{uuid.uuid4().hex[:8]}"
@@ -136,7 +147,7 @@ def run(k: int, rounds: int, tmp: Path, endpoint: str, storage: str = "s3") -> l
     os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"})
     try:
         # The deployed defaults for heartbeats and progress reports (the test cluster beats every second).
-        cluster.start(workers=k, APIARY_HEARTBEAT_INTERVAL="5", APIARY_PROGRESS_INTERVAL="1")
+        cluster.start(workers=k, APIARY_HEARTBEAT_INTERVAL="5", APIARY_PROGRESS_INTERVAL="1", **(env or {}))
         dataset = make_dataset(tmp / f"data-{k}", k * 4)
         job_id = f"bench-k{k}-{uuid.uuid4().hex[:6]}"
         cluster.publish_job({
@@ -145,7 +156,7 @@ def run(k: int, rounds: int, tmp: Path, endpoint: str, storage: str = "s3") -> l
             "distributed": {"num_rounds": rounds, "min_workers": k, "max_workers": k, "aggregation_timeout": 600},
         })
         before: dict[str, dict[int, float]] = {}
-        if BREAKDOWN:
+        if BREAKDOWN or cpu_out is not None:
             # CPU per round from round 2 on: round 1 pays imports and shard downloads.
             cluster.wait_for(lambda: cluster.query(
                 "SELECT 1 FROM rounds WHERE job_id = $1 AND round = 2", job_id), 300, "round 2", interval=0.1)
@@ -169,9 +180,12 @@ def run(k: int, rounds: int, tmp: Path, endpoint: str, storage: str = "s3") -> l
                       f" last +{(got[-1] - start) * 1000:.0f} ms, closed +{(closed[i] - start) * 1000:.0f} ms"
                       + (f", next round +{(nxt - start) * 1000:.0f} ms" if nxt else ""))
         end = cluster.query("SELECT updated_at FROM jobs WHERE job_id = $1", job_id)[0]["updated_at"]
-        if BREAKDOWN:
+        if BREAKDOWN or cpu_out is not None:
             after = cpu_snapshot({**cluster.processes, "moto": MOTO[0]} if MOTO else cluster.processes)
             per_round = {kind: spent / max(1, len(starts) - 1) for kind, spent in cpu_spent(before, after).items()}
+            if cpu_out is not None:
+                cpu_out.update(per_round)
+        if BREAKDOWN:
             print("  CPU ms per round (rounds 2..N; 2 cores give 2000 ms per wall second):",
                   ", ".join(f"{k} {v * 1000:.0f}" for k, v in sorted(per_round.items(), key=lambda kv: -kv[1])))
         return [b - a for a, b in zip(starts, [*starts[1:], end], strict=True)][1:]
@@ -292,6 +306,33 @@ def paired(args: argparse.Namespace, endpoint: str, tmp: Path) -> dict[int, dict
     return summary
 
 
+def metrics_cost(args: argparse.Namespace, endpoint: str, tmp: Path) -> dict[int, dict[str, Any]]:
+    """`args.metrics_pairs` pairs of runs per K, metrics off and on; the Apiary processes' CPU per round and the
+    median round time of each, and the median ratios on/off."""
+    on = {"APIARY_METRICS": "prometheus", "APIARY_METRICS_PORT": "0"}  # a free port each (tracker: its HTTP API)
+    summary = {}
+    for k in args.k:
+        pairs = []
+        for i in range(args.metrics_pairs):
+            measured = {}
+            for label in (("off", "on") if i % 2 == 0 else ("on", "off")):
+                cpu: dict[str, float] = {}
+                durations = run(k, args.rounds, tmp, endpoint, args.storage, on if label == "on" else None, cpu)
+                measured[label] = (sum(cpu.get(kind, 0.0) for kind in APIARY_KINDS), statistics.median(durations))
+            (cpu_off, round_off), (cpu_on, round_on) = measured["off"], measured["on"]
+            pairs.append((cpu_on / cpu_off, round_on / round_off))
+            print(f"pair {i + 1} K={k}: Apiary CPU per round off {cpu_off * 1000:.1f} ms, on {cpu_on * 1000:.1f} ms"
+                  f" ({cpu_on / cpu_off:.3f}); median round off {round_off * 1000:.1f} ms,"
+                  f" on {round_on * 1000:.1f} ms ({round_on / round_off:.3f})", flush=True)
+        cpu_ratio = statistics.median(c for c, _ in pairs)
+        round_ratio = statistics.median(r for _, r in pairs)
+        summary[k] = {"cpu_ratio_on_off": round(cpu_ratio, 3), "round_ratio_on_off": round(round_ratio, 3),
+                      "pairs": len(pairs)}
+        print(f"K={k}: metrics on/off, median of {len(pairs)} pairs: Apiary CPU per round {cpu_ratio:.3f},"
+              f" round time {round_ratio:.3f}", flush=True)
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--k", type=int, nargs="+", default=[4, 16])
@@ -302,6 +343,8 @@ def main() -> None:
                              "the rest of the system costs without S3 requests")
     parser.add_argument("--against", metavar="REF", help="a commit whose code runs the same benchmark in pairs")
     parser.add_argument("--pairs", type=int, default=3, help="with --against: pairs of runs per K")
+    parser.add_argument("--metrics-pairs", type=int, default=0,
+                        help="pairs of runs per K with operational metrics off and on (APIARY_METRICS=prometheus)")
     args = parser.parse_args()
     reference, source = dict(FLOWER), "the issue's figure"
     if args.flower_python:
@@ -319,6 +362,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="apiary-bench-") as tmp:
             if args.against:
                 print(json.dumps(paired(args, endpoint, Path(tmp))))
+                return
+            if args.metrics_pairs:
+                print(json.dumps(metrics_cost(args, endpoint, Path(tmp))))
                 return
             for k in args.k:
                 durations = run(k, args.rounds, Path(tmp), endpoint, args.storage)

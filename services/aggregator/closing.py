@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
-from apiary import keys, telemetry
+from apiary import keys, metrics, telemetry
 from apiary.contracts import RoundAggregated, RoundFailed
 from apiary.outbox import Outbox
 from apiary.status import ContributionStatus, RoundStatus
@@ -81,6 +82,7 @@ class RoundCloser:
         """Store the round's result and the strategy's new server state, and announce them; or, if the
         strategy cannot aggregate what arrived (Krum with too few contributions, say), why the round fails."""
         job_id, round_index, attempt = state.key
+        started = time.perf_counter()
         # finish() consumes the running state: should closing fail after it, the retry re-folds from storage.
         self._rounds.drop(state.key)
         try:
@@ -114,6 +116,7 @@ class RoundCloser:
         log.info("job %s: round %d aggregated from %d shards (%d samples)%s", job_id, round_index,
                  len(accepted), done.total_samples, " at timeout" if timed_out else "")
         await self._outbox.flush()
+        metrics.aggregated(time.perf_counter() - started, sum(int(r["size"]) for r in accepted))
         return None
 
     async def _finish(self, state: RoundState, accepted: list[dict[str, Any]]) -> RoundResult:

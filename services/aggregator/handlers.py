@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Any
 
-from apiary import contracts, keys
+from apiary import contracts, keys, metrics
 from apiary.backoff import Backoff, poll
 from apiary.bus import Delivery, EventHandler
 from apiary.component import Component, to_json
@@ -113,6 +113,7 @@ class Aggregator(Component):
             # lock; should the commit fail, the recorder drops the round's state, whose sum holds it.
             recorded = self._rounds.recorder.add(state.key, event)
         settled = await recorded
+        metrics.contribution(ContributionStatus.ACCEPTED)
         if settled is not None and settled >= len(state.round.shards):
             await self._close_settled(state.key)
 
@@ -236,8 +237,10 @@ class Aggregator(Component):
     async def _record(self, event: Report, status: ContributionStatus, reason: str) -> None:
         """Store a report that settles nothing."""
         await self.store.record(event, status, reason)
+        metrics.contribution(status)
 
     async def _settle(self, event: Report, status: ContributionStatus, reason: str | None,
                       state: RoundState) -> int | None:
         """Store a report that settles its shard without weights; how many of the round's shards have settled."""
+        metrics.contribution(status)
         return await state.settle(event.shard, status, self.store.record(event, status, reason))

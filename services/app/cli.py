@@ -60,7 +60,7 @@ def run(
     from services.app.jobcheck import embedded_settings
 
     settings = embedded_settings(Settings(), request, job_file)
-    from apiary import telemetry
+    from apiary import metrics, telemetry
     from services.app.runtime import DatabaseInUse
 
     options = RunOptions(workers=workers, as_json=as_json, timeout=timeout, gpus=gpu_indices,
@@ -68,11 +68,13 @@ def run(
                          log_path=setup_logging(settings, to_console=False), started=STARTED,
                          wall_started=wall_started)
     telemetry.setup("apiary")
+    metrics.setup("apiary", settings.metrics)  # off unless APIARY_METRICS says; /metrics on the tracker's port
     try:
         result = run_async(run_job(settings, request, options, stop))
     except DatabaseInUse as e:
         fail(str(e))
     finally:
+        metrics.shutdown()
         telemetry.shutdown()
     _end_run(result, as_json)
 

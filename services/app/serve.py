@@ -7,7 +7,7 @@ import logging
 import signal
 from typing import Any
 
-from apiary import telemetry
+from apiary import metrics, telemetry
 from apiary.bus import make_bus
 from apiary.http_server import HttpServer
 from apiary.settings import Settings
@@ -55,10 +55,28 @@ async def _health(settings: Settings, checks: dict[str, Check]) -> HttpServer | 
     return await serve_health(settings.health_host, settings.health_port, checks)
 
 
+async def _metrics(settings: Settings, service_name: str, *, own_server: bool = True) -> HttpServer | None:
+    """Metrics on as APIARY_METRICS says; with Prometheus, `/metrics` served on APIARY_METRICS_PORT (unless
+    `own_server` is False: the tracker serves it on its HTTP API)."""
+    if not metrics.setup(service_name, settings.metrics) or not metrics.prometheus_enabled() or not own_server:
+        return None
+    server = HttpServer(metrics.MetricsApp(), settings.metrics_host, settings.metrics_port, what="metrics",
+                        setting="APIARY_METRICS_PORT")
+    await server.start()
+    log.info("metrics on http://%s:%d/metrics", settings.metrics_host, server.port)
+    return server
+
+
+async def _stop(server: HttpServer | None) -> None:
+    if server is not None:
+        await server.stop()
+
+
 async def serve_service(name: str, settings: Settings) -> None:
     """Run one service until SIGTERM; its in-flight messages finish or go back to their queues."""
     telemetry.setup(f"apiary-{name}")
     ports = Ports(settings)
+    metrics_server = await _metrics(settings, f"apiary-{name}", own_server=name != "tracker")
     # Ready once its own queue answers (declared by start()) and the database does.
     health = await _health(settings, {"bus": bus_check(ports.bus, name), "database": database_check(ports.db)})
     await ports.open()
@@ -69,10 +87,11 @@ async def serve_service(name: str, settings: Settings) -> None:
         await _until_signalled()
         log.info("%s stopping", name)
     finally:
-        if health is not None:
-            await health.stop()
+        await _stop(health)
         await service.stop()
         await ports.close()
+        await _stop(metrics_server)
+        metrics.shutdown()
         telemetry.shutdown()
 
 
@@ -85,16 +104,18 @@ async def serve_worker(settings: Settings) -> None:
                    delivery_limit=settings.queue_delivery_limit)
     await bus.connect()
     worker = Worker(bus, settings)
+    metrics_server = await _metrics(settings, "apiary-worker")
     health = await _health(settings, {"bus": bus_check(bus, worker.control_queue)})
     try:
         await worker.start()
         await _until_signalled()
         log.info("worker %s stopping", worker.worker_id)
     finally:
-        if health is not None:
-            await health.stop()
+        await _stop(health)
         await worker.stop()
         await bus.close()
+        await _stop(metrics_server)
+        metrics.shutdown()
         telemetry.shutdown()
 
 

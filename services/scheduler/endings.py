@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 
+from apiary import metrics as operational_metrics
 from apiary import telemetry
 from apiary.component import from_json
 from apiary.contracts import JobFailed
@@ -28,6 +29,7 @@ async def close_round(tx: Executor, job_id: str, round_index: int, attempt: int,
                       "apiary.shards": len(from_json(row["shards"], [])), "apiary.round.status": str(status)}
         telemetry.recorded_span(f"round {round_index}", int(row["trace_id"], 16), int(row["span_id"], 16),
                                 int(row["started_at"] * 1e9), attributes, error=reason)
+        operational_metrics.round_ended(str(status), time.time() - float(row["started_at"]))
     await store.close_round(tx, job_id, round_index, attempt, status, time.time(), reason=reason,
                             weights_key=weights_key, metrics=metrics)
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeAlias, TypeVar
 
-from apiary import telemetry
+from apiary import metrics, telemetry
 from apiary.bus import Bus, Delivery, Unroutable, publish_event
 from apiary.bus.identity import worker_of
 from apiary.contracts import (
@@ -187,6 +187,11 @@ class SchedulerHandlers:
                 async with self._db.transaction() as tx:
                     await self._start_round(tx, _target(job, job.round, job.attempt))
             await self._outbox.flush()
+
+    def online_since(self) -> float:
+        """Since when a worker must have been seen to count as online now (the fleet's pace stretches it)."""
+        now = time.time()
+        return now - self._pace.offline_after(now)
 
     async def check_pace(self) -> None:
         """Count the workers online and, if the pace their number calls for changed, tell every worker
@@ -396,6 +401,7 @@ class SchedulerHandlers:
         queued.append(Pending(RoundTimeout(job_id=target.job_id, round=target.round, attempt=target.attempt),
                               delay=plan.timeout, headers=trace))
         await self._outbox.add_all(tx, queued)
+        metrics.round_started()
         log.info("job %s: round %d/%d (attempt %d) started on %d shards", target.job_id, target.round,
                  target.spec.distributed.num_rounds, target.attempt, len(plan.chosen))
         if (target.round, target.attempt) == (1, 1) and evaluation_due(target.spec, 0, None):

@@ -7,11 +7,12 @@ import contextlib
 import logging
 from typing import Any
 
+from apiary import metrics
 from apiary.bus import EventHandler, Raw
 from apiary.component import Component
 from apiary.contracts import AdapterMerged, WeightsInitialized, WorkerEvaluated
 from apiary.outbox import Outbox
-from services.scheduler import task_proofs
+from services.scheduler import gauges, task_proofs
 from services.scheduler.handlers import SchedulerHandlers
 from services.scheduler.store import MIGRATIONS, OUTBOX
 
@@ -65,13 +66,16 @@ class Scheduler(Component):
         await self.outbox.close()
 
     async def _pace(self) -> None:
-        """Every heartbeat interval (at least a second), count the fleet and announce its pace if it changed."""
+        """Every heartbeat interval (at least a second), count the fleet and announce its pace if it changed; and,
+        while metrics are on, sample the operational gauges (services.scheduler.gauges)."""
         every = max(1.0, self.settings.heartbeat_interval)
         while True:
             try:
                 await self.handlers.check_pace()
+                if metrics.enabled():
+                    await gauges.sample(self.db, self.bus, self.handlers.online_since())
             except Exception as e:  # the database or the broker is away: the next check tries again
-                log.warning("presence pace not checked: %s", e)
+                log.warning("presence pace (or gauges) not checked: %s", e)
             await asyncio.sleep(every)
 
     async def fail_unfinished(self, reason: str) -> list[str]:

@@ -13,7 +13,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from apiary import bundle
+from apiary import bundle, metrics
 from apiary.bus import Bus
 from apiary.bus.base import Unroutable
 from apiary.bus.typed import publish_event
@@ -204,12 +204,21 @@ def _worker_routes(tracker: ApiTracker) -> APIRouter:
 
 
 def _dashboard_routes() -> APIRouter:
-    """The dashboard's page (its scripts and styles are mounted under /static)."""
+    """The dashboard's page (its scripts and styles are mounted under /static), and the process's metrics for
+    Prometheus (no token, as a probe: what it shows has no job's data; 404 unless APIARY_METRICS=prometheus)."""
     router = APIRouter(include_in_schema=False)
 
     @router.get("/")
     async def dashboard() -> FileResponse:
         return FileResponse(STATIC / "index.html")
+
+    @router.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        try:
+            body, content_type = metrics.exposition()
+        except LookupError as e:
+            raise HTTPException(404, str(e)) from e
+        return Response(body, media_type=content_type)
 
     return router
 

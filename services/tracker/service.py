@@ -19,6 +19,7 @@ from apiary.http_server import HttpServer
 from apiary.pace import PaceWindow
 from services.tracker import forgery, store
 from services.tracker.beats import Heartbeats, beat_of
+from services.tracker.experiments import Experiments
 from services.tracker.forgery import WorkerReport
 from services.tracker.handlers import VIEWS, decoded, summary
 
@@ -55,6 +56,8 @@ class Tracker(Component):
         self.closing = asyncio.Event()
         self.serve_http = http
         self._http: HttpServer | None = None
+        # MLflow and TensorBoard, fed from the applied events (none unless the settings ask).
+        self.experiments = Experiments([])
 
     @property
     def http_url(self) -> str | None:
@@ -64,6 +67,7 @@ class Tracker(Component):
     async def start(self) -> None:
         self.closing.clear()
         await self.db.migrate(self.name, store.MIGRATIONS)
+        await self._start_experiments()  # before the first event is applied
         await self.consume("tracker", {"#": Raw(self.on_event)})
         self._sweeper = asyncio.create_task(self._sweep_offline(), name="tracker:offline-sweep")
         self._beat_writer = asyncio.create_task(self._beats.run(), name="tracker:heartbeats")
@@ -99,6 +103,16 @@ class Tracker(Component):
         self._sweeper = self._beat_writer = None
         with contextlib.suppress(Exception):
             await self._beats.write()  # the beats kept since the last write
+        await self.experiments.close()
+
+    async def _start_experiments(self) -> None:
+        if not (self.settings.mlflow_tracking_uri or self.settings.tensorboard):
+            return
+        from services.tracker.experiment_sinks import sinks_of
+
+        sinks = await asyncio.to_thread(sinks_of, self.settings, self.storage)  # importing mlflow takes seconds
+        self.experiments = Experiments(sinks)
+        self.experiments.start()
 
     async def _notify(self) -> None:
         async with self.changed:
@@ -140,6 +154,7 @@ class Tracker(Component):
             await view(tx, event, ts)
         except ValueError as e:
             raise Poison(f"{key} message lacks what the tracker needs: {e}") from e
+        self.experiments.hear(key, event, ts)
         if isinstance(event, WorkerHeartbeat):
             self._beats.keep(beat_of(event, ts))  # its worker's row, with the next batched write
 

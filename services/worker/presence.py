@@ -10,7 +10,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from apiary import proof
+from apiary import metrics, proof
 from apiary.bus import Bus, Delivery, Unroutable, publish_event
 from apiary.contracts import PresencePace, WorkerHeartbeat, WorkerOffline, WorkerOnline
 from apiary.pace import MAX_FACTOR
@@ -62,11 +62,12 @@ class Presence:
 
     def heartbeat(self) -> WorkerHeartbeat:
         """This worker's heartbeat now: what its slot runs, its throughput, its GPU and its pace."""
-        a, slot = self._slot.current, self._slot
+        a, slot, reading = self._slot.current, self._slot, self._gpu()
+        metrics.gpu(self._worker_id, reading)
         return WorkerHeartbeat(
             worker_id=self._worker_id, state=slot.state, job_id=a.job_id if a else None,
             round=a.round if a else None, shard=a.shard if a else None,
-            gpu=self._gpu(), samples_per_s=slot.samples_per_s,
+            gpu=reading, samples_per_s=slot.samples_per_s,
             kind=self._settings.worker_kind, token=proof.progress_token(a.secret) if a and a.secret else None,
             interval=self.beat_every,
         )

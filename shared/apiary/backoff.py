@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from apiary import metrics
 from apiary.errors import DependencyUnavailable
 
 T = TypeVar("T")
@@ -74,6 +75,7 @@ async def while_unavailable(call: Callable[[], Awaitable[T]], backoff: Backoff, 
             result = await call()
         except DependencyUnavailable as e:
             failures += 1
+            metrics.dependency_retry(e.dependency)
             delay = backoff.delay(failures)
             now = loop.time()
             if delay > backoff.delay(failures - 1) or failures == 1 or now - logged >= STILL_WAITING_EVERY:

@@ -17,7 +17,7 @@ from typing import Any, Unpack
 
 from pydantic import BaseModel
 
-from apiary import telemetry
+from apiary import metrics, telemetry
 from apiary.backoff import Backoff, while_unavailable
 from apiary.bus import Bus
 from apiary.bus.typed import Routing
@@ -123,12 +123,14 @@ class Outbox:
                 f"SELECT id, routing_key, body, headers, deliver_at FROM {self._table} ORDER BY id"
             )
             if not rows:
+                metrics.outbox_backlog(self._table, 0)
                 return 0, None
             results = await asyncio.gather(*(self._publish(row) for row in rows), return_exceptions=True)
             sent = [row["id"] for row, result in zip(rows, results, strict=True) if result is None]
             if sent:
                 marks = ", ".join(f"${i}" for i in range(1, len(sent) + 1))
                 await self._db.execute(f"DELETE FROM {self._table} WHERE id IN ({marks})", *sent)
+            metrics.outbox_backlog(self._table, len(rows) - len(sent))
             failures = [r for r in results if isinstance(r, BaseException)]
             # A failure that waiting will not cure is the one to report.
             failures.sort(key=lambda r: isinstance(r, DependencyUnavailable))

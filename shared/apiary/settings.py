@@ -6,10 +6,11 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from apiary.backoff import Backoff
+from apiary.metrics import exporters as metric_exporters
 from apiary.policy import LIMITS
 
 
@@ -88,6 +89,27 @@ class Settings(BaseSettings):
                                            "built-in trainers and code bundles need none.")
     data_roots: list[Path] = Field(default_factory=list, description="Folders (JSON list) local dataset and model "
                                    "paths must resolve under (none: the current folder).")
+    metrics: str = Field(default="", description="Operational metrics (docs/metrics.md): `prometheus` (GET /metrics: "
+                         "the tracker's on its HTTP API, any other process's on metrics_host:metrics_port), `otlp` "
+                         "(OTEL_EXPORTER_OTLP_*), both comma-separated, or none (empty).")
+    metrics_host: str = Field(default="0.0.0.0", description="The address a process other than the tracker serves "
+                              "/metrics on.")
+    metrics_port: int = Field(default=9464, ge=0, le=65535, description="The port a process other than the tracker "
+                              "serves /metrics on (the tracker's is its HTTP API's).")
+    mlflow_tracking_uri: str | None = Field(default=None, description="Where the tracker logs an MLflow run per job "
+                                            "(e.g. sqlite:///mlflow.db or http://mlflow:5000; needs "
+                                            "`pip install 'apiary[mlflow]'`); off when unset.")
+    mlflow_experiment: str = Field(default="apiary", description="The MLflow experiment the jobs' runs go in.")
+    tensorboard: bool = Field(default=False, description="Write TensorBoard event files per job (needs "
+                              "`pip install 'apiary[tensorboard]'`).")
+    tensorboard_dir: Path | None = Field(default=None, description="Where the event files go, under <dir>/<job_id> "
+                                         "(default: the job's folder in local storage, else APIARY_HOME/tensorboard).")
+
+    @field_validator("metrics")
+    @classmethod
+    def _known_exporters(cls, value: str) -> str:
+        metric_exporters(value)  # a ValueError naming the bad exporter
+        return value
 
     def dependency_backoff(self) -> Backoff:
         """How long work waits between tries while a dependency is away (no limit on tries)."""

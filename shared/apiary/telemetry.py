@@ -80,18 +80,24 @@ def setup(service_name: str, *, exporter: SpanExporter | None = None) -> TracerP
     return provider
 
 
-def _otlp_exporter() -> SpanExporter:
-    protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+def otlp_grpc(signal: str) -> bool:
+    """Whether OTLP for `signal` (TRACES, METRICS) goes over gRPC (else HTTP/protobuf), as OpenTelemetry's
+    variables say; ValueError for another protocol."""
+    protocol = (os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL")
                 or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")).strip().lower()
-    if protocol == "grpc":
+    if protocol not in ("grpc", "http/protobuf"):
+        raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported: use grpc or http/protobuf")
+    return protocol == "grpc"
+
+
+def _otlp_exporter() -> SpanExporter:
+    if otlp_grpc("TRACES"):
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
 
         return Grpc()
-    if protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
 
-        return Http()
-    raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported: use grpc or http/protobuf")
+    return Http()
 
 
 def shutdown() -> None:

@@ -22,6 +22,7 @@ from urllib.parse import unquote, urlparse
 
 import httpx
 
+from apiary import metrics
 from apiary.backoff import Backoff, retry
 from apiary.storage.base import sha256_file
 from apiary.storage.local import atomic_copy
@@ -207,9 +208,11 @@ async def download(url: str, target: Path, sha256: str | None = None, *, deadlin
     if sha256 is not None and digest != sha256:
         target.unlink(missing_ok=True)
         raise TransferError(f"sha256 mismatch for {target.name}: expected {sha256[:12]}…, got {digest[:12]}…")
+    metrics.transferred("download", target.stat().st_size)
 
 
 async def upload(url: str, source: Path, *, deadline: float | None = None) -> None:
     """PUT a file to a URL, streamed from disk, retrying transient failures (until `deadline`, epoch
     seconds, if given)."""
     await asyncio.to_thread(_upload, url, source, deadline)
+    metrics.transferred("upload", source.stat().st_size)

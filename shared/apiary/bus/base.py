@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from apiary import metrics
 from apiary.contracts import MSGPACK, DecodeError
 from apiary.errors import DependencyUnavailable
 
@@ -109,11 +110,13 @@ class Delivery:
 Handler = Callable[[Delivery], Awaitable[None]]
 
 
-def judge(error: BaseException | None, delivery: Delivery, queue: str,
-          logger: logging.Logger) -> tuple[Outcome, str | None]:
+def judge(error: BaseException | None, delivery: Delivery, queue: str, logger: logging.Logger, *,
+          system: str, started: float) -> tuple[Outcome, str | None]:
     """`decide`, logged alike by every adapter: a requeue as a warning (a Decline, a consumer handing
-    a message on, is routine), a dead letter as an error."""
+    a message on, is routine), a dead letter as an error; and counted, with the handler's time since
+    `started` (time.perf_counter()), in the messaging metrics of `system`."""
     outcome, reason = decide(error, delivery.redelivered)
+    metrics.message_handled(system, queue, delivery.routing_key, outcome.value, started)
     if outcome is Outcome.REROUTE:
         logger.debug("reroute %s from %s: %s", delivery.routing_key, queue, reason)
     elif outcome is Outcome.REQUEUE:
@@ -156,6 +159,8 @@ class Bus(ABC):
     # What `_publish` raises when the broker is away; `publish` raises BrokerUnavailable for them. An
     # adapter adds its client's own connection and channel errors.
     unavailable: tuple[type[Exception], ...] = (ConnectionError, TimeoutError)
+    # OpenTelemetry's `messaging.system` of the adapter's metrics.
+    system = "apiary.memory"
     # Queues (logical name -> bindings) declared on connect, so no message waits for its consumer's first
     # start (an Apiary process's bus: apiary.bus.layout.SERVICE_QUEUES; make_bus sets it).
     layout: Mapping[str, Sequence[str]] = {}
@@ -206,12 +211,15 @@ class Bus(ABC):
                            content_type=content_type, message_id=message_id, persistent=persistent)
         try:
             await self._publish(message, delay if delay and delay > 0 else None)
-        except (Unroutable, DependencyUnavailable):
+        except (Unroutable, DependencyUnavailable) as e:
+            metrics.message_sent(self.system, routing_key, type(e).__name__)
             raise
         except self.unavailable as e:
+            metrics.message_sent(self.system, routing_key, BrokerUnavailable.__name__)
             reason = str(e) or type(e).__name__
             raise BrokerUnavailable(f"cannot publish {routing_key}: the broker is unreachable: {reason}",
                                     dependency="the message broker", reason=reason) from e
+        metrics.message_sent(self.system, routing_key)
 
     @abstractmethod
     async def _publish(self, message: Delivery, delay: float | None) -> None:

@@ -7,6 +7,7 @@ import contextlib
 import copy
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -62,6 +63,7 @@ class _MemorySubscription(Subscription):
 
     async def _handle(self, delivery: Delivery) -> None:
         error: BaseException | None = None
+        started = time.perf_counter()
         try:
             await self._handler(delivery)
         except asyncio.CancelledError:
@@ -75,7 +77,7 @@ class _MemorySubscription(Subscription):
                 await self._bus._settle(self._queue, delivery, Outcome.REQUEUE, None)
                 return
             error = e
-        outcome, reason = judge(error, delivery, self._queue.name, log)
+        outcome, reason = judge(error, delivery, self._queue.name, log, system=self._bus.system, started=started)
         await self._bus._settle(self._queue, delivery, outcome, reason)
         self._inflight.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
         self._slots.release()

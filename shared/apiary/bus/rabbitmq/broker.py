@@ -15,6 +15,7 @@ from apiary.bus.rabbitmq.publisher import Publisher
 from apiary.bus.rabbitmq.rehold import Lease
 from apiary.bus.rabbitmq.subscriber import RabbitSubscription
 from apiary.bus.rabbitmq.topology import Topology
+from apiary.telemetry import MESSAGING_SYSTEM
 
 
 class RabbitBus(Bus):
@@ -31,6 +32,7 @@ class RabbitBus(Bus):
 
     # What a publish raises once the broker has been away past its timeout: the broker is unavailable.
     unavailable = wire.TRANSIENT
+    system = MESSAGING_SYSTEM
 
     def __init__(
         self,

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Callable
 
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustChannel, AbstractRobustQueue
@@ -22,6 +23,7 @@ from apiary.bus.base import Delivery, Handler, Outcome, Retryable, Subscription,
 from apiary.bus.rabbitmq import wire
 from apiary.bus.rabbitmq.publisher import Publisher
 from apiary.bus.rabbitmq.rehold import Held, Lease
+from apiary.telemetry import MESSAGING_SYSTEM
 
 log = logging.getLogger("apiary.bus.rabbitmq")
 
@@ -99,6 +101,7 @@ class RabbitSubscription(Subscription):
     async def _handle(self, held: Held, delivery: Delivery) -> bool:
         """Run the handler and settle the delivery; False if it failed while stopping (left unacked)."""
         error: Exception | None = None
+        started = time.perf_counter()
         try:
             await self._handler(delivery)
         except Exception as e:
@@ -107,7 +110,7 @@ class RabbitSubscription(Subscription):
                 return False
             error = e
         await held.finish()
-        outcome, reason = judge(error, delivery, self._queue.name, log)
+        outcome, reason = judge(error, delivery, self._queue.name, log, system=MESSAGING_SYSTEM, started=started)
         if outcome is Outcome.REQUEUE and isinstance(error, Retryable):
             # A dependency is down: do not spin on it.
             await asyncio.sleep(self._retry_delay)

@@ -44,9 +44,10 @@ from apiary.storage import ObjectNotFound, Storage
 from apiary.weights import WeightsError
 from services.scheduler import endings, store, task_proofs
 from services.scheduler.commands import JobCommands
-from services.scheduler.evaluation import DONE, FAILED, NONE, PENDING, evaluation_due, task_timeout
+from services.scheduler.evaluation import DONE, FAILED, NONE, PENDING, evaluation_due, planned_rounds, task_timeout
 from services.scheduler.finishing import JobFinisher
 from services.scheduler.initial_and_final import checked_initial_weights, initial_weights, no_initial_weights
+from services.scheduler.job_machine import Next, after_aggregated, after_failed, is_current, too_many_failures
 from services.scheduler.presence import FleetPace, PaceReminders, PresenceFilter
 from services.scheduler.round_plan import (
     NO_WEIGHTS,
@@ -59,7 +60,6 @@ from services.scheduler.round_plan import (
     waiting_for_workers,
 )
 from services.scheduler.routing import AssignmentRouter
-from services.scheduler.job_machine import Next, after_aggregated, after_failed, is_current, too_many_failures
 from services.scheduler.store import Job
 from services.scheduler.task_assignments import TaskQueue
 
@@ -211,7 +211,7 @@ class SchedulerHandlers:
         spec = job.spec
         if job.last_round is not None:
             return  # a redelivered last round: it was handled
-        decision = after_aggregated(event.round, spec.distributed.num_rounds)
+        decision = after_aggregated(event.round, planned_rounds(spec))
         async with self._db.transaction() as tx:
             await endings.close_round(tx, event.job_id, event.round, event.attempt, RoundStatus.AGGREGATED,
                                       weights_key=event.weights.key, metrics=event.metrics)

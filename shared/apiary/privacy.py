@@ -90,7 +90,7 @@ class DifferentialPrivacy(BaseModel):
     @property
     def clipping_start(self) -> float:
         """The clipping norm of the first round."""
-        return float(self.clipping_norm if self.clipping == "fixed" else self.initial_clipping_norm)
+        return self.initial_clipping_norm if self.clipping_norm is None else self.clipping_norm
 
     def adaptive_noise(self) -> tuple[float, float]:
         """(the count's noise std, the update's noise multiplier) for adaptive clipping, as Flower 1.42's

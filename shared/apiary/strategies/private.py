@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from apiary.privacy import DifferentialPrivacy, spent
-from apiary.strategies.base import Contribution, RoundResult, Strategy, StoredContributions
+from apiary.strategies.base import Contribution, RoundResult, StoredContributions, Strategy
 from apiary.strategies.clipping import clipped, over_bound, update_norm
 from apiary.strategies.format import UpdateFormat
 from apiary.strategies.validation import InvalidContribution, validate

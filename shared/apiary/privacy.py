@@ -53,7 +53,9 @@ class DifferentialPrivacy(BaseModel):
         if self.clipping == "fixed":
             if self.clipping_norm is None:
                 raise ValueError("clipping 'fixed' needs clipping_norm (the L2 norm updates are clipped to)")
-            given = sorted(ADAPTIVE_ONLY & self.model_fields_set)
+            # Only a value other than the default counts: a stored spec, dumped whole, validates again.
+            given = sorted(name for name in ADAPTIVE_ONLY
+                           if getattr(self, name) != type(self).model_fields[name].default)
             if given:
                 raise ValueError(f"{', '.join(given)}: for clipping 'adaptive' only (fixed clipping takes "
                                  "clipping_norm)")

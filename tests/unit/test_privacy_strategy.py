@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from dp_accounting import dp_event
@@ -37,7 +36,7 @@ from apiary.privacy import DifferentialPrivacy
 from apiary.strategies.base import Contribution, ContributionList, RoundResult, create
 from apiary.strategies.clipping import clip_for_upload, update_norm
 from apiary.strategies.format import UpdateFormat
-from apiary.strategies.private import EPSILON, NORM, NOISE_STD, DifferentiallyPrivate, adapted_norm
+from apiary.strategies.private import EPSILON, NOISE_STD, NORM, DifferentiallyPrivate, adapted_norm, seeded
 from apiary.strategies.validation import InvalidContribution
 from apiary.weights import spec_of_tensors
 from tests.unit.test_strategies_flower import as_flower, assert_matches, model
@@ -159,11 +158,11 @@ def test_noise_has_std_z_c_over_m_in_float64_and_a_seed_reproduces_it() -> None:
 
     std = 1.5 * 3.0 / WORKERS
     assert result.metrics[NOISE_STD] == pytest.approx(std, rel=1e-15)
-    # The same draws, from (seed, release 0), added to the float64 mean and rounded once.
-    rng = np.random.default_rng([1234, 0])
+    # The same draws, from (seed, release 0, name), added to the float64 mean and rounded once.
     mean = noise_free_mean(round_in, global_weights, 3.0)
     for name, tensor in result.weights.items():
-        expected = (mean[name] + torch.from_numpy(rng.normal(0.0, std, tuple(tensor.shape)))).float()
+        noise = seeded(1234, 0, name).normal(0.0, std, tuple(tensor.shape))
+        expected = (mean[name] + torch.from_numpy(noise)).float()
         assert torch.equal(tensor, expected), name
         assert torch.equal(tensor, again.weights[name])
     residual = torch.cat([(result.weights[n].double() - mean[n]).flatten() for n in mean])
@@ -191,10 +190,10 @@ def test_a_server_optimiser_steps_from_the_noised_mean() -> None:
 
     result, _ = private_round("fedavgm", params, dp, global_weights, round_in, {})
 
-    rng = np.random.default_rng([99, 0])
     mean = noise_free_mean(round_in, global_weights, 2.0)
     for name, tensor in result.weights.items():
-        noised = (mean[name] + torch.from_numpy(rng.normal(0.0, 1.0 * 2.0 / WORKERS, tuple(tensor.shape)))).float()
+        noise = seeded(99, 0, name).normal(0.0, 1.0 * 2.0 / WORKERS, tuple(tensor.shape))
+        noised = (mean[name] + torch.from_numpy(noise)).float()
         expected = global_weights[name] - 0.5 * (global_weights[name] - noised)
         assert torch.allclose(tensor, expected, rtol=0, atol=1e-6), name
 
@@ -210,10 +209,7 @@ def test_adaptive_clipping_follows_the_papers_rule_round_after_round() -> None:
         unclipped = sum(update_norm(c.weights, global_weights) <= norm for c in round_in)
         result, state = private_round("federated_averaging", {}, dp, global_weights, round_in, state)
 
-        rng = np.random.default_rng([7, round_number])
-        for tensor in global_weights.values():
-            rng.normal(0.0, z_update * norm / WORKERS, tuple(tensor.shape))  # the update's noise comes first
-        fraction = (unclipped + rng.normal(0.0, 2.0)) / WORKERS
+        fraction = (unclipped + seeded(7, round_number).normal(0.0, 2.0)) / WORKERS
         expected = norm * math.exp(-0.3 * (fraction - 0.6))
         assert result.metrics[NORM] == norm
         assert result.metrics[NOISE_STD] == pytest.approx(z_update * norm / WORKERS, rel=1e-15)
@@ -288,7 +284,6 @@ def test_adapter_rounds_clip_and_noise_the_adapter_tensors_only() -> None:
 
     assert torch.equal(result.weights["conv.weight"], global_weights["conv.weight"])
     mean = noise_free_mean(round_in, {n: global_weights[n] for n in adapter}, 2.0)
-    rng = np.random.default_rng([5, 0])
     for name in adapter:
-        noise = torch.from_numpy(rng.normal(0.0, 2.0 / WORKERS, tuple(global_weights[name].shape)))
+        noise = torch.from_numpy(seeded(5, 0, name).normal(0.0, 2.0 / WORKERS, tuple(global_weights[name].shape)))
         assert torch.equal(result.weights[name], (mean[name] + noise).float())

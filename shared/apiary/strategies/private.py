@@ -19,11 +19,12 @@ docs/privacy.md); it also noises the update with the norm after its update, wher
 
 Server state (with the wrapped strategy's own, under `strategy.`): the clipping norm the next round uses and the
 releases made so far, from which ε follows (apiary.privacy.epsilon). Noise comes from a generator seeded from the
-operating system's entropy at each release, or from (seed, release) with the test-only `seed` setting.
+operating system's entropy at each release, or from (seed, release, tensor name) with the test-only `seed` setting.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 
@@ -112,8 +113,7 @@ class DifferentiallyPrivate(Strategy):
         if settings.clipping == "fixed":
             z_update = settings.noise_multiplier
         std = z_update * norm / settings.sampled
-        rng = self._generator()
-        noise = _Noise(rng, std)
+        noise = _Noise(settings.seed, self.releases, std)
         inner = self.inner
         if inner.perturbs_mean:
             inner.perturb = noise
@@ -128,7 +128,8 @@ class DifferentiallyPrivate(Strategy):
                     weights[name] = noise.added(name, weights[name])
         metrics = dict(result.metrics)
         if settings.clipping == "adaptive":
-            noised = (self._unclipped + rng.normal(0.0, count_std) if count_std > 0 else self._unclipped)
+            count_noise = seeded(settings.seed, self.releases).normal(0.0, count_std) if count_std > 0 else 0.0
+            noised = self._unclipped + count_noise
             fraction = float(noised) / settings.sampled
             self.clipping_norm = adapted_norm(norm, fraction, settings.target_clipped_quantile, settings.clip_norm_lr)
             metrics[UNCLIPPED] = fraction
@@ -138,11 +139,6 @@ class DifferentiallyPrivate(Strategy):
             metrics[EPSILON] = epsilon
         metrics[NORM], metrics[NOISE_STD] = norm, std
         return RoundResult(weights, result.total_samples, metrics)
-
-    def _generator(self) -> np.random.Generator:
-        """OS entropy (numpy's default: 128 bits from the OS) for every release; (seed, release) with `seed`."""
-        seed = self.settings.seed
-        return np.random.default_rng(None if seed is None else [seed, self.releases])
 
     @property
     def spoiled(self) -> str | None:
@@ -174,22 +170,36 @@ def adapted_norm(norm: float, unclipped_fraction: float, target_quantile: float,
 class _Noise:
     """Gaussian noise of one std for a round's tensors, drawn in float64 and added before rounding."""
 
-    def __init__(self, rng: np.random.Generator, std: float) -> None:
-        self._rng, self.std = rng, std
+    def __init__(self, seed: int | None, release: int, std: float) -> None:
+        self._seed, self._release, self.std = seed, release, std
+        self._rng = np.random.default_rng() if seed is None else None  # 128 bits of the OS's entropy
 
     def __call__(self, name: str, mean: torch.Tensor) -> None:
         """Add noise to a mean in place (float64 where the sum is wide: rounded to the dtype afterwards)."""
         if self.std > 0:
-            mean.add_(self._draw(mean))
+            mean.add_(self._draw(name, mean))
 
     def added(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` with noise added in float64, rounded once to its dtype."""
         if self.std <= 0:
             return tensor
-        return tensor.double().add_(self._draw(tensor)).to(tensor.dtype)
+        return tensor.double().add_(self._draw(name, tensor)).to(tensor.dtype)
 
-    def _draw(self, like: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self._rng.normal(0.0, self.std, tuple(like.shape)))
+    def _draw(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        # Seeded, each tensor's noise has a generator of its own: the same whatever order the tensors come in.
+        rng = self._rng if self._rng is not None else seeded(self._seed, self._release, name)
+        return torch.from_numpy(rng.normal(0.0, self.std, tuple(like.shape)))
+
+
+def seeded(seed: int | None, release: int, name: str | None = None) -> np.random.Generator:
+    """The test-only generator of a release's noise: for tensor `name`, or (None) for the count; OS entropy
+    where `seed` is None."""
+    if seed is None:
+        return np.random.default_rng()
+    material = [seed, release]
+    if name is not None:
+        material.append(int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big"))
+    return np.random.default_rng(material)
 
 
 class ClippedContributions:

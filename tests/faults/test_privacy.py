@@ -93,7 +93,7 @@ def test_aggregator_killed_mid_job_resumes_with_the_same_clipping_norm_and_epsil
     weights = faults.final_weights(job_id)
     assert all(torch.equal(weights[name], final[name]) for name in final), (weights, final)
     _, text = faults.status_cli(job_id)
-    assert "dp_epsilon" in text
+    assert f"differential privacy: ε {metrics[-1][EPSILON]:.4g} at δ 1e-05 after round 4" in text
     double = faults.double_counted(job_id)
     assert double == 0
     outcome("aggregator kill -9 mid-job with adaptive differential privacy (seeded noise)",

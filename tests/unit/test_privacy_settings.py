@@ -45,7 +45,8 @@ def test_flowers_defaults_and_num_sampled_clients_from_max_workers() -> None:
 
 
 def test_a_stored_spec_validates_again_as_it_was() -> None:
-    for settings in ({"noise_multiplier": 1.0, "clipping_norm": 0.5}, {"clipping": "adaptive", "noise_multiplier": 0.1}):
+    fixed, adaptive = {"noise_multiplier": 1.0, "clipping_norm": 0.5}, {"clipping": "adaptive", "noise_multiplier": 0.1}
+    for settings in (fixed, adaptive):
         spec = JobSpec.model_validate(request(settings))
 
         assert JobSpec.model_validate(spec.model_dump()) == spec

@@ -40,9 +40,10 @@ from apiary.weights import WeightSpec
 
 CLIPPING_NORM, RELEASES = "dp.clipping_norm", "dp.releases"  # this wrapper's state entries
 INNER = "strategy."  # the prefix of the wrapped strategy's state entries
-# Round metrics: ε spent so far (at target_delta; absent without noise), the norm this round clipped to, the
+# Round metrics: ε spent so far at δ (target_delta; ε absent without noise), the norm this round clipped to, the
 # noise's std on the aggregate, and (adaptive) the noised fraction of unclipped updates.
-EPSILON, NORM, NOISE_STD, UNCLIPPED = "dp_epsilon", "dp_clipping_norm", "dp_noise_std", "dp_unclipped_fraction"
+EPSILON, DELTA, NORM, NOISE_STD = "dp_epsilon", "dp_delta", "dp_clipping_norm", "dp_noise_std"
+UNCLIPPED = "dp_unclipped_fraction"
 
 
 class DifferentiallyPrivate(Strategy):
@@ -136,7 +137,7 @@ class DifferentiallyPrivate(Strategy):
         self.releases += 1
         epsilon = spent(settings, self.releases)["epsilon"]
         if epsilon is not None:
-            metrics[EPSILON] = epsilon
+            metrics[EPSILON], metrics[DELTA] = epsilon, settings.target_delta
         metrics[NORM], metrics[NOISE_STD] = norm, std
         return RoundResult(weights, result.total_samples, metrics)
 

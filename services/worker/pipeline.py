@@ -18,7 +18,6 @@ from apiary.bus import publish_event
 from apiary.contracts import TRAIN, Assignment, ObjectRef, WorkerDone
 from apiary.jobspec import parse_entrypoint
 from apiary.trainers import TrainCall, TrainerError, TrainResult
-from apiary.trainers.clip_upload import clip_result
 from services.worker import transfers
 from services.worker.bundles import BundleError, code_for
 from services.worker.host import Host, Workspace
@@ -56,8 +55,6 @@ class AssignmentRun:
             return None
         call = self._call(data_root)
         result = await self._train(call)
-        if result is not None:
-            result = await self._clip(result)
         if result is None or not await self._upload(result):
             return None
         return await self._report(result, time.monotonic() - started)
@@ -127,6 +124,7 @@ class AssignmentRun:
             job={"id": a.job_id, "name": a.job_name},
             model_path=str(self.model_path) if self.model_path is not None else None,
             code_path=str(self.code_path) if self.code_path is not None else None,
+            clipping_norm=a.clipping_norm,
         )
 
     async def _code(self) -> bool:
@@ -164,19 +162,6 @@ class AssignmentRun:
             await worker.failed(a, f"{call.function} returned samples={result.samples!r}: expected a positive int")
             return None
         return result
-
-    async def _clip(self, result: TrainResult) -> TrainResult | None:
-        """The result with its update clipped to the assignment's norm (differential privacy, clip_on worker);
-        None (reported) where it cannot be."""
-        norm = self.a.clipping_norm
-        if norm is None:
-            return result
-        try:
-            size, sha256 = await asyncio.to_thread(clip_result, self.space.result, self.space.weights, norm)
-        except (ValueError, OSError) as e:
-            await self.worker.failed(self.a, f"the update cannot be clipped for differential privacy: {e}")
-            return None
-        return replace(result, size=size, sha256=sha256)
 
     async def _upload(self, result: TrainResult) -> bool:
         """Upload the trained weights and the run's files; False (reported) if that failed."""

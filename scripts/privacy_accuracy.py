@@ -1,14 +1,14 @@
 """What central differential privacy costs the digits example: held-out accuracy and ε after 5 and 20 rounds,
 fixed clipping at noise multipliers 0.5, 1 and 2 next to the same job without privacy.
 
-Each setting runs end to end through `apiary run` (its own APIARY_HOME under .apiary/privacy/), the example's
-3-worker job file with 20 rounds and an evaluation after every round (its `fl_evaluate_model`, on a worker);
-ε at δ 1e-5 is the one the aggregator reported with each round. `--clipping-norm` defaults to the median
-update norm measured in the run without privacy (printed), so that about half the updates are clipped.
-Writes docs/privacy-accuracy.md.
+Each setting runs end to end through `apiary run` (its own APIARY_HOME under .apiary/privacy/), on the example's
+3-worker job file and on its 8-worker one, 20 rounds with an evaluation after every round (its
+`fl_evaluate_model`, on a worker); ε at δ 1e-5 is the one the aggregator reported with each round. The clipping
+norm is the median update norm measured in the same job's run without privacy (printed), so that about half the
+updates are clipped. Writes docs/privacy-accuracy.md.
 
-    python scripts/privacy_accuracy.py                     # the four settings, one after the other
-    python scripts/privacy_accuracy.py --rounds 5          # a quicker look
+    python scripts/privacy_accuracy.py                     # 3 and 8 workers, four settings each, one at a time
+    python scripts/privacy_accuracy.py --workers 3 --rounds 5   # a quicker look
 """
 
 from __future__ import annotations
@@ -34,19 +34,23 @@ NOISE_MULTIPLIERS = (0.5, 1.0, 2.0)
 REPORTED_ROUNDS = (5, 20)
 
 
-def job_request(name: str, rounds: int, privacy: dict[str, Any] | None) -> dict[str, Any]:
-    """The example's 3-worker job with absolute paths, `rounds` rounds evaluated each, and `privacy` if given."""
-    request = yaml.safe_load((DIGITS / "job.yaml").read_text())
+JOB_FILES = {3: "job.yaml", 8: "job-8workers.yaml"}  # the example's job file for each worker count
+
+
+def job_request(name: str, workers: int, rounds: int, privacy: dict[str, Any] | None) -> dict[str, Any]:
+    """The example's job for `workers` with absolute paths, `rounds` rounds evaluated each, and `privacy` if given
+    (every worker takes part in every round: min_workers = max_workers)."""
+    request = yaml.safe_load((DIGITS / JOB_FILES[workers]).read_text())
     request["name"] = name
     request["dataset"] = str(DIGITS / request["dataset"])
     request["config"] = {**request["config"], "heldout": str(DIGITS / request["config"]["heldout"]), "seed": 0}
-    request["distributed"].update(num_rounds=rounds, min_workers=3, max_workers=3, evaluate_every=1)
+    request["distributed"].update(num_rounds=rounds, min_workers=workers, max_workers=workers, evaluate_every=1)
     if privacy is not None:
         request["distributed"]["differential_privacy"] = privacy
     return request
 
 
-def run(name: str, request: dict[str, Any]) -> dict[str, Any]:
+def run(name: str, request: dict[str, Any], workers: int) -> dict[str, Any]:
     """One `apiary run` of the request: each round's accuracy and metrics, the run's wall time and its folder."""
     folder = WORK / name
     shutil.rmtree(folder, ignore_errors=True)
@@ -56,7 +60,7 @@ def run(name: str, request: dict[str, Any]) -> dict[str, Any]:
     env = {**os.environ, "APIARY_HOME": str(folder / "home"), "APIARY_HTTP_PORT": "0", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO / "shared"), str(REPO)])}
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "services.app.cli", "run", str(job_file), "--workers", "3",
+    done = subprocess.run([sys.executable, "-m", "services.app.cli", "run", str(job_file), "--workers", str(workers),
                            "--json", "--gpus", "none"], cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.monotonic() - started
     if done.returncode != 0:
@@ -89,39 +93,47 @@ def update_norms(job_folder: Path, rounds: int) -> list[float]:
     return norms
 
 
+def measure(workers: int, rounds: int) -> tuple[str, str]:
+    """The four settings on `workers` workers: the markdown table, and how the clipping norm was chosen."""
+    outcomes: list[tuple[str, float | None, dict[str, Any]]] = []
+    plain = run(f"{workers}w-no-dp", job_request(f"privacy-{workers}w-no-dp", workers, rounds, None), workers)
+    outcomes.append(("no differential privacy", None, plain))
+    norms = update_norms(plain["job_folder"], rounds)
+    clipping_norm = round(statistics.median(norms), 3) if norms else 1.0
+    how = (f"{workers} workers ({JOB_FILES[workers]}), clipping norm {clipping_norm}: the median of the run without "
+           f"privacy's {len(norms)} update norms (min {min(norms, default=0):.3f}, max {max(norms, default=0):.3f}); "
+           f"noise std per parameter `z * {clipping_norm} / {workers}`")
+    print(how, file=sys.stderr)
+    for z in NOISE_MULTIPLIERS:
+        privacy = {"clipping": "fixed", "noise_multiplier": z, "clipping_norm": clipping_norm}
+        outcomes.append((f"fixed clipping, z={z}", z, run(f"{workers}w-z{z}", job_request(
+            f"privacy-{workers}w-z{z}", workers, rounds, privacy), workers)))
+    shown = [r for r in REPORTED_ROUNDS if r <= rounds]
+    lines = [f"| {workers} workers | accuracy after {' / '.join(map(str, shown))} rounds | "
+             f"ε after {' / '.join(map(str, shown))} rounds (δ 1e-5) | wall time (s) |",
+             "| --- | ---: | ---: | ---: |"]
+    for name, z, outcome in outcomes:
+        accuracy = " / ".join(f"{outcome['accuracy'].get(r, float('nan')):.3f}" for r in shown)
+        epsilons = " / ".join(f"{outcome['rounds'].get(r, {}).get('dp_epsilon', float('inf')):.2f}" for r in shown)
+        lines.append(f"| {name} | {accuracy} | {epsilons if z else '∞ (no privacy)'} | {outcome['wall_s']:.0f} |")
+    return "\n".join(lines), how
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=max(REPORTED_ROUNDS))
-    parser.add_argument("--clipping-norm", type=float, default=None)
+    parser.add_argument("--workers", type=int, choices=sorted(JOB_FILES), action="append")
     args = parser.parse_args(argv)
 
-    outcomes: list[tuple[str, float | None, dict[str, Any]]] = []
-    plain = run("no-dp", job_request("privacy-no-dp", args.rounds, None))
-    outcomes.append(("no differential privacy", None, plain))
-    norms = update_norms(plain["job_folder"], args.rounds)
-    clipping_norm = args.clipping_norm or (round(statistics.median(norms), 3) if norms else 1.0)
-    print(f"update norms without privacy: {len(norms)} measured, median {statistics.median(norms) if norms else 0:.3f}"
-          f", min {min(norms, default=0):.3f}, max {max(norms, default=0):.3f}; clipping norm {clipping_norm}",
-          file=sys.stderr)
-    for z in NOISE_MULTIPLIERS:
-        privacy = {"clipping": "fixed", "noise_multiplier": z, "clipping_norm": clipping_norm}
-        outcomes.append((f"fixed clipping, z={z}", z, run(f"z{z}", job_request(f"privacy-z{z}", args.rounds,
-                                                                                privacy))))
-    lines = [f"| setting | accuracy after {' / '.join(map(str, REPORTED_ROUNDS))} rounds | "
-             f"ε after {' / '.join(map(str, REPORTED_ROUNDS))} rounds (δ 1e-5) | wall time (s) |",
-             "| --- | ---: | ---: | ---: |"]
-    for name, _, outcome in outcomes:
-        shown = [r for r in REPORTED_ROUNDS if r <= args.rounds]
-        accuracy = " / ".join(f"{outcome['accuracy'].get(r, float('nan')):.3f}" for r in shown)
-        epsilons = " / ".join(f"{outcome['rounds'].get(r, {}).get('dp_epsilon', float('inf')):.2f}" for r in shown)
-        lines.append(f"| {name} | {accuracy} | {epsilons if _ else '∞ (no privacy)'} | {outcome['wall_s']:.0f} |")
-    text = "\n".join(lines)
-    print(text)
+    parts = []
+    for workers in args.workers or sorted(JOB_FILES):
+        table, how = measure(workers, args.rounds)
+        print(table)
+        parts.append(f"{how}.\n\n{table}\n")
     (REPO / "docs" / "privacy-accuracy.md").write_text(
         "# Differential privacy on the digits example\n\n"
-        f"Written by `python scripts/privacy_accuracy.py` (3 workers, {args.rounds} rounds, fixed clipping at norm "
-        f"{clipping_norm}: the median update norm of the run without privacy, {len(norms)} updates measured; "
-        "noise std `z * C / 3` per parameter, seeded from the OS).\n\n" + text + "\n")
+        f"Written by `python scripts/privacy_accuracy.py`: {args.rounds} rounds, every worker in every round, "
+        "fixed clipping, noise seeded from the OS, ε as the aggregator reported it.\n\n" + "\n".join(parts))
     return 0
 
 

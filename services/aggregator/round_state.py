@@ -31,8 +31,8 @@ class Round:
     strategy: str
     strategy_params: Mapping[str, Any]
     update_format: UpdateFormat
-    secret_digests: str
-    privacy: DifferentialPrivacy | None = None  # the row's JSON text as stored: judge_sender parses it once per round
+    secret_digests: str  # the row's JSON text as stored: judge_sender parses it once per round
+    privacy: DifferentialPrivacy | None = None  # central differential privacy around the strategy, if asked for
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> Round:

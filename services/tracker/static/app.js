@@ -364,13 +364,16 @@ function jobPage(jobId) {
     return params ? `${job.strategy} (${params})` : job.strategy;
   }
 
-  /* What differential privacy has spent, as `apiary status` prints it, from the last aggregated round's metrics. */
+  /* What differential privacy has spent, as `apiary status` prints it, from the last aggregated round's metrics
+     (its numbers as Python's `:.4g` and `:g` write them). */
   function privacyText(job) {
     const last = job.rounds.slice().reverse().find((r) => r.status === "aggregated" && "dp_clipping_norm" in r.metrics);
     if (!last) return "";
     const m = last.metrics;
-    const spent = typeof m.dp_epsilon === "number" ? `ε ${num(m.dp_epsilon)} at δ ${m.dp_delta}` : "ε unbounded (no noise)";
-    return `differential privacy: ${spent} after round ${last.round}, clipping norm ${num(m.dp_clipping_norm)}`;
+    const g4 = (x) => String(Number(x.toPrecision(4)));
+    const g = (x) => (x < 1e-4 ? x.toExponential().replace(/e-(\d)$/, "e-0$1") : String(x));
+    const spent = typeof m.dp_epsilon === "number" ? `ε ${g4(m.dp_epsilon)} at δ ${g(m.dp_delta)}` : "ε unbounded (no noise)";
+    return `differential privacy: ${spent} after round ${last.round}, clipping norm ${g4(m.dp_clipping_norm)}`;
   }
 
   function renderHead(job) {

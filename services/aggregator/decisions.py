@@ -10,6 +10,7 @@ from typing import Any
 from apiary import keys, proof
 from apiary.component import from_json
 from apiary.contracts import WorkerDone, WorkerFailed
+from apiary.privacy import DifferentialPrivacy
 from apiary.status import ContributionStatus, RoundStatus
 from apiary.strategies.format import UpdateFormat
 
@@ -104,6 +105,12 @@ def update_format(aggregation: Mapping[str, Any]) -> UpdateFormat:
 def strategy_of(aggregation: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     """A round's strategy name and parameters."""
     return aggregation["strategy"], from_json(aggregation["strategy_params"])
+
+
+def privacy_of(aggregation: Mapping[str, Any]) -> DifferentialPrivacy | None:
+    """A round's differential privacy settings, if it has any."""
+    stored = aggregation.get("privacy")
+    return None if stored is None else DifferentialPrivacy.model_validate_json(stored)
 
 
 def ended_status(cancelled: bool) -> RoundStatus:

@@ -13,6 +13,7 @@ from apiary.contracts import ObjectRef
 from apiary.status import ContributionStatus
 from apiary.storage import Storage
 from apiary.strategies.base import Contribution, create
+from apiary.strategies.private import private
 from apiary.weights import WeightSpec, spec_of
 from apiary.weights import loads as load_weights
 from services.aggregator.decisions import Verdict, judge_round
@@ -165,8 +166,11 @@ class OpenRounds:
     async def _fresh(self, round_: Round, spec: WeightSpec) -> RoundState:
         """A round's state with nothing taken in: the strategy its row names, begun on the round's spec,
         with the server state the job's previous round left (so a restarted aggregator resumes exactly)."""
-        strategy = create(round_.strategy, round_.strategy_params)
-        strategy.begin(spec, round_.update_format)
+        strategy = private(create(round_.strategy, round_.strategy_params), round_.privacy)
+        global_weights = None
+        if strategy.needs_start_weights():
+            global_weights = load_weights(await self._storage.get_bytes(round_.weights.key))
+        strategy.begin(spec, round_.update_format, global_weights)
         job_id, round_index, _ = round_.key
         state_key = await self._previous_state_key(job_id, round_index)
         if state_key is not None:

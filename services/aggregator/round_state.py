@@ -8,11 +8,12 @@ from typing import Any
 
 from apiary.component import from_json
 from apiary.contracts import ObjectRef
+from apiary.privacy import DifferentialPrivacy
 from apiary.status import ContributionStatus
 from apiary.strategies.base import Contribution, Strategy
 from apiary.strategies.format import UpdateFormat
 from apiary.strategies.validation import InvalidContribution
-from services.aggregator.decisions import strategy_of, update_format
+from services.aggregator.decisions import privacy_of, strategy_of, update_format
 
 RoundKey = tuple[str, int, int]  # (job, round, attempt)
 
@@ -31,6 +32,7 @@ class Round:
     strategy_params: Mapping[str, Any]
     update_format: UpdateFormat
     secret_digests: str  # the row's JSON text as stored: judge_sender parses it once per round
+    privacy: DifferentialPrivacy | None = None  # central differential privacy around the strategy, if asked for
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> Round:
@@ -41,7 +43,7 @@ class Round:
                    weights=ObjectRef(key=row["weights_key"], size=row["weights_size"], sha256=row["weights_sha256"]),
                    deadline=row["deadline"], traceparent=row["traceparent"], strategy=strategy,
                    strategy_params=params, update_format=update_format(row),
-                   secret_digests=row["secret_digests"])
+                   secret_digests=row["secret_digests"], privacy=privacy_of(row))
 
     @property
     def digests_row(self) -> Mapping[str, Any]:

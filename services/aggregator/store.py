@@ -28,6 +28,8 @@ MIGRATIONS = [
       deadline DOUBLE PRECISION NOT NULL,
       -- The round's update format, strategy and the strategy's parameters (JSON).
       update_format TEXT NOT NULL, strategy TEXT NOT NULL, strategy_params TEXT NOT NULL,
+      -- Central differential privacy around the strategy (JSON of apiary.privacy.DifferentialPrivacy; NULL: none).
+      privacy TEXT,
       -- Where the strategy's server state after the round is stored (NULL: it keeps none).
       state_key TEXT,
       -- Each shard's assignment-secret digest (JSON, shard -> digest).
@@ -51,7 +53,7 @@ MIGRATIONS = [
 
 COLUMNS = ("job_id", "round", "attempt", "shards", "min_workers", "weights_key", "weights_size", "weights_sha256",
            "status", "opened_at", "traceparent", "deadline", "update_format", "strategy", "strategy_params",
-           "secret_digests")
+           "privacy", "secret_digests")
 
 
 def opened_row(event: RoundStart) -> dict[str, Any]:
@@ -63,6 +65,7 @@ def opened_row(event: RoundStart) -> dict[str, Any]:
         "traceparent": telemetry.headers_for().get("traceparent"), "deadline": event.deadline,
         "update_format": str(event.update_format), "strategy": event.strategy,
         "strategy_params": to_json(event.strategy_params),
+        "privacy": None if event.differential_privacy is None else event.differential_privacy.model_dump_json(),
         "secret_digests": to_json({str(shard): d for shard, d in event.secret_digests.items()}),
         "result_key": None, "reason": None, "closed_at": None, "settled": 0,
     }

@@ -30,6 +30,8 @@ def render_job(view: dict[str, Any], started: float | None = None) -> Group:
     parts: list[Text | Table] = [title]
     if view.get("code"):
         parts.append(Text(code_text(view["code"]), style="dim"))
+    if (spent := privacy_text(view.get("rounds", []))) is not None:
+        parts.append(Text(spent, style="dim"))
     parts += [_shards_table(view), _rounds_table(view)]
     if view.get("data_shards"):
         parts.append(data_table(view))
@@ -41,6 +43,19 @@ def code_text(code: dict[str, Any]) -> str:
     size = code.get("size")
     shown = f" ({_bytes(size)})" if isinstance(size, int) else ""
     return f"code {str(code.get('sha256') or '?')[:12]}{shown}, entrypoint {code.get('entrypoint') or '?'}"
+
+
+def privacy_text(rounds: list[dict[str, Any]]) -> str | None:
+    """What differential privacy has spent, from the last aggregated round's metrics: `differential privacy:
+    ε 3.189 at δ 1e-05 after round 2, clipping norm 1`; None for a job without it."""
+    last = next((r for r in reversed(rounds) if r["status"] == "aggregated"
+                 and "dp_clipping_norm" in (r.get("metrics") or {})), None)
+    if last is None:
+        return None
+    metrics = last["metrics"]
+    spent = (f"ε {metrics['dp_epsilon']:.4g} at δ {metrics.get('dp_delta', 0):g}" if "dp_epsilon" in metrics
+             else "ε unbounded (no noise)")
+    return f"differential privacy: {spent} after round {last['round']}, clipping norm {metrics['dp_clipping_norm']:.4g}"
 
 
 def _bytes(size: int) -> str:
@@ -141,6 +156,7 @@ def summary(view: dict[str, Any], duration: float) -> dict[str, Any]:
         "final_model": view.get("final_model"),
         "metrics": view.get("metrics") or {},
         "reason": view.get("reason"),
+        "privacy": privacy_text(view.get("rounds", [])),
         "errors": view.get("errors") or [],
         "evaluation": before_and_after(view.get("rounds", [])),
         "duration_s": round(duration, 2),
@@ -168,6 +184,8 @@ def print_summary(result: dict[str, Any]) -> None:
     for side, evaluated in (result.get("evaluation") or {}).items():
         metrics = ", ".join(f"{k}={v:.4g}" for k, v in evaluated["metrics"].items())
         results.print(f"evaluation {side} (round {evaluated['round']}): {metrics}")
+    if result.get("privacy"):
+        results.print(result["privacy"])
     if result["final_model"]:
         results.print(f"final model: {result['final_model']}")
     if result["reason"]:

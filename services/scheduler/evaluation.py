@@ -10,6 +10,7 @@ from typing import Any
 
 from apiary.early_stopping import EarlyStopping, best_round, decide, missing_metric
 from apiary.jobspec import JobSpec
+from apiary.privacy import BUDGET_REACHED, epsilon, rounds_within_budget
 
 PENDING, DONE, FAILED, NONE = "pending", "done", "failed", "none"  # an evaluation's status; none: no function
 # The least time an init or evaluate task is given (the user's code, and a worker to take it): a round's
@@ -49,7 +50,24 @@ def evaluation_due(spec: JobSpec, round_index: int, evaluates: bool | None) -> b
     every = spec.distributed.evaluate_every
     if round_index == 0:
         return built_in is not None and every > 0
-    return round_index == spec.distributed.num_rounds or (every > 0 and round_index % every == 0)
+    return round_index == planned_rounds(spec) or (every > 0 and round_index % every == 0)
+
+
+def planned_rounds(spec: JobSpec) -> int:
+    """How many rounds the job runs: num_rounds, or fewer where its privacy budget (max_epsilon) ends it first."""
+    settings, num_rounds = spec.distributed.differential_privacy, spec.distributed.num_rounds
+    return num_rounds if settings is None else rounds_within_budget(settings, num_rounds)
+
+
+def budget_reason(spec: JobSpec, last_round: int) -> str | None:
+    """Why a job with a privacy budget ends after `last_round`, before its num_rounds; None if it did not."""
+    settings = spec.distributed.differential_privacy
+    if settings is None or settings.max_epsilon is None or last_round >= spec.distributed.num_rounds:
+        return None
+    now = epsilon(settings.noise_multiplier, last_round, settings.target_delta)
+    after = epsilon(settings.noise_multiplier, last_round + 1, settings.target_delta)
+    return (f"{BUDGET_REACHED}: ε {now:.4g} after round {last_round}, round {last_round + 1} would spend {after:.4g} "
+            f"> max_epsilon {settings.max_epsilon:g} (δ {settings.target_delta:g})")
 
 
 def task_timeout(spec: JobSpec) -> float:
@@ -118,6 +136,7 @@ def ending(spec: JobSpec, last_round: int | None, by_evaluation: bool, rounds: M
         kept = best_round(seen, rule) or last_round
     final = next((e for e in evaluations if e.round == last_round), None)
     reason = f"evaluation of round {last_round} failed: {final.error}" if final and final.status == FAILED else None
+    reason = "; ".join(why for why in (budget_reason(spec, last_round), reason) if why) or None
     return Ending(last_round, kept, reason=reason)
 
 

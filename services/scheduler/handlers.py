@@ -44,7 +44,7 @@ from apiary.storage import ObjectNotFound, Storage
 from apiary.weights import WeightsError
 from services.scheduler import endings, store, task_proofs
 from services.scheduler.commands import JobCommands
-from services.scheduler.evaluation import DONE, FAILED, NONE, PENDING, evaluation_due, task_timeout
+from services.scheduler.evaluation import DONE, FAILED, NONE, PENDING, evaluation_due, planned_rounds, task_timeout
 from services.scheduler.finishing import JobFinisher
 from services.scheduler.initial_and_final import checked_initial_weights, initial_weights, no_initial_weights
 from services.scheduler.job_machine import Next, after_aggregated, after_failed, is_current, too_many_failures
@@ -216,7 +216,7 @@ class SchedulerHandlers:
         spec = job.spec
         if job.last_round is not None:
             return  # a redelivered last round: it was handled
-        decision = after_aggregated(event.round, spec.distributed.num_rounds)
+        decision = after_aggregated(event.round, planned_rounds(spec))
         async with self._db.transaction() as tx:
             await endings.close_round(tx, event.job_id, event.round, event.attempt, RoundStatus.AGGREGATED,
                                       weights_key=event.weights.key, metrics=event.metrics)

@@ -149,6 +149,7 @@ def round_start(target: RoundTarget, plan: RoundPlan) -> RoundStart:
         shards=[s.index for s in plan.chosen], min_workers=spec.distributed.min_workers, weights=target.weights,
         deadline=plan.deadline, update_format=UpdateFormat.of(adapter_only=spec.adapter_only),
         strategy=spec.distributed.strategy, strategy_params=spec.distributed.strategy_params,
+        differential_privacy=spec.distributed.differential_privacy,
         secret_digests={shard: proof.digest(secret) for shard, secret in plan.secrets.items()},
         progress_digests={shard: proof.digest(proof.progress_token(secret)) for shard, secret in plan.secrets.items()},
     )
@@ -168,4 +169,11 @@ def assignment(target: RoundTarget, plan: RoundPlan, shard: ShardInfo, urls: Ass
         base_model=urls.base_model, env=spec.env(target.round),
         deadline=plan.deadline, pinned_worker=pinned[shard.index] if pinned else None,
         issued_at=plan.started_at, ended_url=urls.ended, secret=plan.secrets.get(shard.index),
+        clipping_norm=worker_clipping_norm(spec),
     )
+
+
+def worker_clipping_norm(spec: JobSpec) -> float | None:
+    """The norm a worker clips its update to before upload (differential privacy with clip_on worker), else None."""
+    settings = spec.distributed.differential_privacy
+    return settings.clipping_norm if settings is not None and settings.clip_on == "worker" else None

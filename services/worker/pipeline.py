@@ -124,6 +124,7 @@ class AssignmentRun:
             job={"id": a.job_id, "name": a.job_name},
             model_path=str(self.model_path) if self.model_path is not None else None,
             code_path=str(self.code_path) if self.code_path is not None else None,
+            clipping_norm=a.clipping_norm,
         )
 
     async def _code(self) -> bool:

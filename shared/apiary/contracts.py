@@ -11,6 +11,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from apiary.jobspec import FieldError, JobSpec
 from apiary.policy import LIMITS
+from apiary.privacy import DifferentialPrivacy
 from apiary.strategies import DEFAULT_STRATEGY
 from apiary.strategies.format import UpdateFormat
 
@@ -133,6 +134,8 @@ class RoundStart(RoundEvent):
     # The aggregation strategy by registered name, and its parameters (checked by the strategy).
     strategy: str = DEFAULT_STRATEGY
     strategy_params: dict[str, Any] = Field(default_factory=dict)
+    # Central differential privacy around the strategy (resolved: num_sampled_clients set), if the job asks for it.
+    differential_privacy: DifferentialPrivacy | None = None
     # Per shard, the sha256 of its assignment's one-time secret and of the progress token derived from it
     # (apiary.proof): a report proves it comes from the assignment's worker by presenting what hashes to them.
     secret_digests: dict[int, str] = Field(default_factory=dict)
@@ -218,6 +221,8 @@ class Assignment(RoundEvent):
     secret: str | None = None
     # Seconds between the worker's heartbeats, stretched for a large fleet (apiary.pace); None: its own setting.
     heartbeat_interval: float | None = Field(default=None, gt=0)
+    # Differential privacy with clip_on worker: the L2 norm the worker clips its update to before upload.
+    clipping_norm: float | None = Field(default=None, gt=0)
 
 
 class WorkerProgress(RoundEvent):

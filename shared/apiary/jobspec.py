@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -21,6 +22,7 @@ from apiary.bundle import requirement_error
 from apiary.early_stopping import BUILT_IN_METRICS, EarlyStopping
 from apiary.jobspec_builtin import built_in_errors, did_you_mean, merged_errors
 from apiary.policy import Policy, job_errors
+from apiary.privacy import PRIVACY_EXTRA, DifferentialPrivacy, accounting_available, epsilon, rounds_within_budget
 from apiary.strategies import DEFAULT_STRATEGY
 from apiary.trainers.causal_lm_config import CausalLMConfig
 
@@ -86,6 +88,9 @@ class DistributedConfig(BaseModel):
                                 "only after the last")
     early_stopping: EarlyStopping | None = Field(default=None, description="end the job once a metric stops "
                                                  "improving")
+    differential_privacy: DifferentialPrivacy | None = Field(default=None, description="central differential "
+                                                             "privacy around the strategy: clipping, noise and an "
+                                                             "accountant (docs/privacy.md)")
 
     @model_validator(mode="after")
     def _min_le_max(self) -> DistributedConfig:
@@ -96,6 +101,13 @@ class DistributedConfig(BaseModel):
             raise ValueError(
                 f"min_workers ({self.min_workers}) must not exceed max_workers ({self.max_workers})"
             )
+        if self.differential_privacy is not None:
+            if not accounting_available():
+                raise ValueError(f"differential_privacy needs the dp-accounting package: {PRIVACY_EXTRA}")
+            try:
+                self.differential_privacy = self.differential_privacy.resolved(self.max_workers)
+            except ValueError as e:
+                raise ValueError(f"differential_privacy: {e}") from None
         return self
 
 
@@ -380,11 +392,19 @@ def _did_you_mean(loc: tuple[int | str, ...]) -> str:
     model: type[BaseModel] = JobSpec
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
-        annotation = field.annotation if field is not None else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        annotation = _block(field.annotation) if field is not None else None
+        if annotation is None:
             return ""
         model = annotation
     return did_you_mean(str(loc[-1]), list(model.model_fields)) if loc else ""
+
+
+def _block(annotation: Any) -> type[BaseModel] | None:
+    """The model of a nested block (`Block` or `Block | None`), or None for any other field."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
 
 
 def describe_errors(errors: list[FieldError]) -> str:
@@ -407,4 +427,15 @@ def strategy_errors(spec: JobSpec) -> list[FieldError]:
         strategy.check_job(spec.num_shards, distributed.min_workers)
     except ValueError as e:
         return [FieldError(field="distributed.strategy_params", message=str(e))]
-    return []
+    return privacy_errors(spec)
+
+
+def privacy_errors(spec: JobSpec) -> list[FieldError]:
+    """A privacy budget that not even one round fits (computing ε loads dp-accounting: the scheduler calls it)."""
+    settings = spec.distributed.differential_privacy
+    if settings is None or settings.max_epsilon is None or rounds_within_budget(settings, 1) > 0:
+        return []
+    one = epsilon(settings.noise_multiplier, 1, settings.target_delta)
+    return [FieldError(field="distributed.differential_privacy.max_epsilon",
+                       message=f"{settings.max_epsilon:g} is below the ε of a single round ({one:.4g} at target_delta "
+                               f"{settings.target_delta:g}): raise max_epsilon or noise_multiplier")]

@@ -283,6 +283,7 @@ function jobPage(jobId) {
   const parts = {
     title: h("h1", {}), id: h("div", { class: "muted mono small" }, jobId), status: h("span", {}),
     strategy: h("div", { class: "muted small", id: "strategy" }),
+    privacy: h("div", { class: "muted small", id: "privacy" }),
     code: h("div", { class: "muted small mono", id: "code" }),
     actions: h("div", { class: "actions" }), banner: h("div", {}),
     round: h("div", { class: "stat-value", id: "round-counter" }, "–"), roundBar: h("div", {}),
@@ -312,7 +313,7 @@ function jobPage(jobId) {
   app.replaceChildren(
     h("a", { class: "back", href: "#/" }, "← All jobs"),
     h("section", { class: "job-head" },
-      h("div", {}, h("div", { class: "title-row" }, parts.title, parts.status), parts.id, parts.strategy, parts.code),
+      h("div", {}, h("div", { class: "title-row" }, parts.title, parts.status), parts.id, parts.strategy, parts.privacy, parts.code),
       parts.actions),
     parts.banner,
     h("section", { class: "stats" },
@@ -363,11 +364,24 @@ function jobPage(jobId) {
     return params ? `${job.strategy} (${params})` : job.strategy;
   }
 
+  /* What differential privacy has spent, as `apiary status` prints it, from the last aggregated round's metrics
+     (its numbers as Python's `:.4g` and `:g` write them). */
+  function privacyText(job) {
+    const last = job.rounds.slice().reverse().find((r) => r.status === "aggregated" && "dp_clipping_norm" in r.metrics);
+    if (!last) return "";
+    const m = last.metrics;
+    const g4 = (x) => String(Number(x.toPrecision(4)));
+    const g = (x) => (x < 1e-4 ? x.toExponential().replace(/e-(\d)$/, "e-0$1") : String(x));
+    const spent = typeof m.dp_epsilon === "number" ? `ε ${g4(m.dp_epsilon)} at δ ${g(m.dp_delta)}` : "ε unbounded (no noise)";
+    return `differential privacy: ${spent} after round ${last.round}, clipping norm ${g4(m.dp_clipping_norm)}`;
+  }
+
   function renderHead(job) {
     document.title = `${job.name || job.job_id} · Apiary`;
     parts.title.textContent = job.name || job.job_id;
     parts.status.replaceChildren(badge(job.status));
     parts.strategy.textContent = job.strategy ? `strategy ${strategyText(job)}` : "";
+    parts.privacy.textContent = privacyText(job);
     parts.code.textContent = job.code ? codeText(job.code) : "";
     parts.actions.replaceChildren(TERMINAL.includes(job.status) ? "" :
       h("button", { class: "danger", id: "cancel", onclick: (e) => cancel(e.currentTarget) }, "Cancel job"));

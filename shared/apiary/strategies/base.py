@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from apiary.strategies import DEFAULT_STRATEGY
 from apiary.strategies.format import UpdateFormat
 from apiary.strategies.validation import validate
+from apiary.strategies.weighted_sum import Perturb
 from apiary.weights import WeightSpec
 
 DEFAULT = DEFAULT_STRATEGY
@@ -95,6 +96,9 @@ class Strategy(ABC):
     name: ClassVar[str]
     aliases: ClassVar[tuple[str, ...]] = ()
     Params: ClassVar[type[BaseModel]] = NoParams
+    # True for strategies whose aggregate is a mean that `perturb` reaches before anything else reads it (the
+    # FedAvg family): differential privacy's noise goes there, and on the result for any other strategy.
+    perturbs_mean: ClassVar[bool] = False
     # False for strategies that need every contribution at once (median, trimmed mean, Krum): they keep
     # nothing while contributions arrive, and `finish` reads them back through `stored`.
     streaming: ClassVar[bool] = True
@@ -106,13 +110,21 @@ class Strategy(ABC):
         self.total_samples = 0
         self._keys: frozenset[str] | None = None
         self._metrics: list[tuple[int, Mapping[str, float]]] = []
+        # Set by a privacy wrapper: changes each aggregated float mean in place (strategies with perturbs_mean).
+        self.perturb: Perturb | None = None
 
     def check_job(self, num_shards: int, min_workers: int) -> None:
         """Raise ValueError (one line) when a job with these sizes can never meet this strategy's needs."""
         return None  # most strategies fit any job
 
-    def begin(self, spec: WeightSpec, update_format: UpdateFormat) -> None:
-        """Start a round whose global weights have `spec` and whose updates come as `update_format`."""
+    def needs_start_weights(self) -> bool:
+        """Whether `begin` needs the round's global weights (a strategy that reads each update as it arrives)."""
+        return False
+
+    def begin(self, spec: WeightSpec, update_format: UpdateFormat,
+              global_weights: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Start a round whose global weights have `spec` (and are `global_weights`, where
+        `needs_start_weights()` says so) and whose updates come as `update_format`."""
         self.spec, self.format = spec, update_format
         self.total_samples, self._keys, self._metrics = 0, None, []
         self._begin()

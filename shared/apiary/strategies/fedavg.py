@@ -19,6 +19,7 @@ class FedAvg(Strategy):
 
     name = "federated_averaging"
     aliases: ClassVar[tuple[str, ...]] = ("fedavg",)  # its subclasses name themselves only
+    perturbs_mean = True
 
     def __init__(self, params: BaseModel | None = None) -> None:
         super().__init__(params)
@@ -33,7 +34,7 @@ class FedAvg(Strategy):
 
     def _aggregate(self, global_weights: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         # In place in the accumulator: no second model in memory.
-        return self._sum.finish()
+        return self._sum.finish(perturb=self.perturb)
 
     @property
     def spoiled(self) -> str | None:

@@ -41,7 +41,7 @@ class ServerOptimizer(FedAvg):
         if global_weights is None:
             raise ValueError(f"strategy {self.name!r} needs the round's global weights to take its step")
         dtypes = self._sum.dtypes
-        means = self._sum.finish(cast=False)
+        means = self._sum.finish(cast=False, perturb=self.perturb)
         for name, mean in means.items():
             if mean.is_floating_point():
                 current = global_weights[name].to(mean.dtype)

@@ -17,7 +17,7 @@ for half floats), where the order of arrival shows in the last bits.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NoReturn
 
 import torch
@@ -29,6 +29,7 @@ from apiary.weights import WeightSpec
 # to 16 MiB). The digits CNN needs 120 KiB; issue 16's benchmark adapter (28 MiB float32) stays narrow.
 WIDE_SUM_MAX_BYTES = 32 * 2**20
 _HALF = (torch.float16, torch.bfloat16)
+Perturb = Callable[[str, torch.Tensor], None]  # changes tensor `name`'s mean in place (differential privacy's noise)
 
 
 class WeightedSum:
@@ -93,16 +94,21 @@ class WeightedSum:
         if self.spoiled:
             raise ValueError(f"this sum is spoiled: {self.spoiled}; rebuild it from the accepted contributions")
 
-    def finish(self, cast: bool = True) -> dict[str, torch.Tensor]:
+    def finish(self, cast: bool = True, perturb: Perturb | None = None) -> dict[str, torch.Tensor]:
         """The weighted average, computed in place in the accumulator (no second model in memory);
         the accumulator cannot be folded into afterwards.
 
         With `cast=False` each mean is in `step_dtype` of its tensor's dtype (`as_dtype` with `dtypes`
         casts it back later), for strategies that compute further on it; either way it is rounded from
-        the accumulator once.
+        the accumulator once. `perturb` (differential privacy's noise) changes each float mean in place in
+        the accumulator's precision (float64 while `wide`), before that rounding.
         """
         self._readable()
         out = {name: acc.div_(self.total_samples) for name, acc in self._sum.items()}
+        if perturb is not None:
+            for name, mean in out.items():
+                if self._dtypes[name].is_floating_point:
+                    perturb(name, mean)
         out = {name: as_dtype(mean, self._dtypes[name]) if cast else mean.to(step_dtype(self._dtypes[name]))
                for name, mean in out.items()}
         self._sum = {}

@@ -39,6 +39,8 @@ class TrainCall:
     model_path: str | None = None
     # The job's code bundle unpacked in the worker's cache: the child runs with it first on sys.path.
     code_path: str | None = None
+    # Differential privacy with clip_on worker: the result's update is clipped to this L2 norm before upload.
+    clipping_norm: float | None = None
 
 
 @dataclass

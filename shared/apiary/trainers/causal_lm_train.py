@@ -191,8 +191,8 @@ def mean_loss(model: Any, examples: list[data.Example], batch_size: int, device:
 
 def run_train(call: TrainCall, conn: Connection) -> dict[str, Any]:
     """The child's `causal_lm.train` call: train, write the result file, and say what it holds."""
-    from apiary.trainers.child import ChildLogger, save_result, training_device
+    from apiary.trainers.child import ChildLogger, save_trained, training_device
 
     tensors, samples, metrics = run_round(call, training_device(conn), ChildLogger(conn).log_metrics)
-    size, sha256 = save_result(call.result_path, tensors, "causal_lm")
+    size, sha256 = save_trained(call, tensors, "causal_lm")
     return {"samples": samples, "metrics": metrics, "size": size, "sha256": sha256}

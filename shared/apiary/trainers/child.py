@@ -117,7 +117,7 @@ def _run_train(call: TrainCall, conn: Connection) -> dict[str, Any]:
     result = fn(payload, call.out_dir, ChildLogger(conn))
     if not isinstance(result, dict) or "weights" not in result or "samples" not in result:
         raise UserCodeError(f"{call.function} must return a dict with 'weights' and 'samples'")
-    size, sha256 = save_result(call.result_path, result["weights"], call.function)
+    size, sha256 = save_trained(call, result["weights"], call.function)
     samples = result["samples"]
     if isinstance(samples, bool) or not isinstance(samples, int):
         with contextlib.suppress(Exception):
@@ -133,6 +133,21 @@ def save_result(result_path: str, weights: Any, function: str) -> tuple[int, str
     tmp.write_bytes(data)
     tmp.replace(result_path)
     return len(data), hashlib.sha256(data).hexdigest()
+
+
+def save_trained(call: TrainCall, weights: Any, function: str) -> tuple[int, str]:
+    """Write a training result (`save_result`), its update clipped to `call.clipping_norm` where the job's
+    differential privacy clips on workers: the aggregator never receives the unclipped update."""
+    size, sha256 = save_result(call.result_path, weights, function)
+    if call.clipping_norm is None:
+        return size, sha256
+    from apiary.trainers.clip_upload import clip_result
+
+    try:
+        return clip_result(call.result_path, call.weights_path, call.clipping_norm)
+    except ValueError as e:
+        raise UserCodeError(f"{function} returned weights whose update cannot be clipped for differential "
+                            f"privacy: {e}") from None
 
 
 def _saved_weights(function: str, weights: Any) -> bytes:

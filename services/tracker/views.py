@@ -30,6 +30,16 @@ async def record_requested(db: Executor, job_id: str, name: str | None, num_roun
     )
 
 
+async def job_request(db: Executor, job_id: str) -> dict[str, Any] | None:
+    """The request a job was submitted with (from the event log), without its job id; None if none is logged."""
+    body = await db.fetchval("SELECT body FROM events WHERE job_id = $1 AND routing_key = 'job.requested'"
+                             " ORDER BY seq LIMIT 1", job_id)
+    request = from_json(body)
+    if not isinstance(request, dict):
+        return None
+    return {k: v for k, v in request.items() if k not in ("job_id", "v")}
+
+
 async def job_view(db: Executor, job_id: str) -> dict[str, Any] | None:
     """Everything known about one job: status, rounds, and every shard of the current round."""
     job = await db.fetchrow("SELECT * FROM job_views WHERE job_id = $1", job_id)

@@ -227,9 +227,9 @@ function jobFormPage(fromJob) {
     const online = state.workers.filter((w) => w.kind === kind && w.status === "online");
     const box = h("fieldset", { class: "picker", id: `f-${leaf}`, dataset: { field, kind } },
       h("legend", {}, `${label} (${leaf})`),
-      online.length ? online.map((w) => h("label", { class: "pick" },
-        h("input", { type: "checkbox", value: w.worker_id, dataset: { worker: w.worker_id } }), ` ${w.worker_id}`,
-        w.hostname ? h("span", { class: "muted small" }, ` ${w.hostname}`) : null))
+      online.length ? online.map((w) => h("span", { class: "pick" }, h("label", {},
+        h("input", { type: "checkbox", value: w.worker_id, dataset: { worker: w.worker_id } }), ` ${w.worker_id}`),
+        w.hostname ? h("span", { class: "muted small" }, w.hostname) : null))
         : h("p", { class: "muted small" }, `no ${kind} worker is online`),
       slot(field));
     inputs.set(field, box);

@@ -36,7 +36,7 @@ function registryPage(kind) {
   function render() {
     if (items === null) { list.replaceChildren(h("p", { class: "empty" }, "Loading…")); return; }
     if (!items.length) { list.replaceChildren(h("p", { class: "empty" }, `No ${what} is registered yet.`)); return; }
-    list.replaceChildren(h("table", { class: "grid", id: `${kind}-table` },
+    list.replaceChildren(h("div", { class: "scroll" }, h("table", { class: "grid", id: `${kind}-table` },
       h("thead", {}, h("tr", {}, ["Id", "Name", "Kind", "Size", "sha256", ""].map((c) => h("th", {}, c)))),
       h("tbody", {}, items.flatMap((item) => {
         const id = item[spec.id];
@@ -52,7 +52,7 @@ function registryPage(kind) {
           h("td", { class: "num" }, `#${id}`), h("td", { class: "strong" }, item.name), h("td", {}, spec.kind(item)),
           h("td", { class: "num" }, sizeText(item.size)), h("td", { class: "mono small", title: item.sha256 }, (item.sha256 || "").slice(0, 12)),
           h("td", {}, toggle)), more];
-      }))));
+      })))));
   }
 
   async function load() {

@@ -30,7 +30,7 @@ function registryPage(kind) {
       .filter(([, v]) => v !== undefined && v !== null);
     const config = item.hf_config || null;
     if (config) for (const k of CONFIG_FACTS) if (config[k] !== undefined) facts.push([`config ${k}`, Array.isArray(config[k]) ? config[k].join(", ") : config[k]]);
-    return h("dl", { class: "facts" }, facts.map(([k, v]) => [h("dt", {}, k), h("dd", { class: k === "sha256" ? "mono" : "" }, String(v))]));
+    return h("dl", { class: "facts" }, facts.flatMap(([k, v]) => [h("dt", {}, k), h("dd", { class: k === "sha256" ? "mono" : "" }, String(v))]));
   }
 
   function render() {

@@ -26,6 +26,7 @@ from services.tracker.auth import Tokens, guard, may_cancel, principal_of
 from services.tracker.body_limit import BodyLimit, Limit, LimitOf
 from services.tracker.code_routes import code_errors, code_routes
 from services.tracker.form_routes import form_routes
+from services.tracker.upload_routes import MAX_CHUNK_BYTES, Uploads, upload_routes
 from services.tracker.publish import publish_job_request
 from services.tracker.registry_routes import Registries, RegistryTracker, registry_routes
 from services.tracker.registry_store import Kind
@@ -76,8 +77,10 @@ def create_app(tracker: ApiTracker) -> FastAPI:
     tokens = Tokens(tracker.db)
     # Every API route needs a token (see services.tracker.auth); the live streams also take it as ?token=.
     authorised, streaming = [Depends(guard(tokens))], [Depends(guard(tokens, query=True))]
+    uploads = Uploads(tracker.settings.home / "uploads", registries)
     for router in (_job_commands(tracker, registries, tokens), _job_reads(tracker), _worker_routes(tracker),
-                   registry_routes(registries), code_routes(tracker), form_routes(tracker, tokens)):
+                   registry_routes(registries), upload_routes(uploads), code_routes(tracker),
+                   form_routes(tracker)):
         app.include_router(router, prefix=PREFIX, dependencies=authorised, responses=API_ERRORS)
     app.include_router(stream_routes(tracker), prefix=PREFIX, dependencies=streaming, responses=API_ERRORS)
     app.include_router(_dashboard_routes())
@@ -94,6 +97,8 @@ def body_limits(settings: Settings) -> LimitOf:
             return Limit(bundle.MAX_BUNDLE_BYTES, f"leave data and checkpoints out with {bundle.IGNORE_FILE}")
         if method == "POST" and path in (f"{PREFIX}/models", f"{PREFIX}/datasets"):
             return None
+        if method == "PUT" and path.startswith(f"{PREFIX}/uploads/"):
+            return Limit(MAX_CHUNK_BYTES, "send a file in chunks of the upload's chunk_size")
         return Limit(settings.http_body_limit, "send less, or ask the operator to raise APIARY_HTTP_BODY_LIMIT")
 
     return limit_of

@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 from apiary.early_stopping import EarlyStopping
 from apiary.jobspec import DistributedConfig, SplitConfig, WorkerSelection
 from apiary.trainers.causal_lm_config import CausalLMConfig
-from services.tracker.auth import Tokens, principal_of
+from services.tracker.auth import principal_of
 from services.tracker.registry_routes import RegistryTracker
 from services.tracker.schemas import JOB_ID, NOT_FOUND, PREFIX, no_job
 from services.tracker.token_store import Role
@@ -38,7 +38,7 @@ class JobDefaults(BaseModel):
                                                         "causal-LM trainer)")
 
 
-def form_routes(tracker: RegistryTracker, tokens: Tokens) -> APIRouter:
+def form_routes(tracker: RegistryTracker) -> APIRouter:
     """`GET /token`, `GET /job-defaults` and `GET /training-jobs/{job_id}/request`."""
     router = APIRouter()
 

@@ -6,12 +6,16 @@ back as it was; no page scrolls sideways at 1280 px, nor at 390 px."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import json
 from pathlib import Path
 
 import pytest
-from playwright.async_api import Browser
+from playwright.async_api import Browser, Route
 
 from services.tracker import token_store
+from services.tracker.upload_routes import CHUNK_BYTES
 from tests.e2e.jobform_helpers import API, dashboard
 from tests.fixtures.llm import jsonl_dataset, llama_folder
 
@@ -54,6 +58,48 @@ async def test_a_dataset_uploaded_through_the_page_is_registered_and_a_bad_file_
     assert [d["name"] for d in listed] == ["my-records"]
     assert listed[0]["sha256"] in details and "JSONL" in row and "my-records" in row
     assert progress == "100"
+    assert board.problems == []
+
+
+async def test_a_large_upload_cut_off_mid_way_resumes_and_an_admin_deletes_it_after_a_confirmation(
+        browser: Browser, tmp_path: Path) -> None:
+    # Prepare: a file of two chunks, and a connection that drops the first try of the second
+    big = tmp_path / "big.jsonl"
+    line = json.dumps({"text": "x" * 1000}) + "\n"
+    big.write_text(line * (CHUNK_BYTES // len(line) + 500))
+    async with dashboard(tmp_path) as board:
+        page = await board.open(browser, "admin", "#/datasets")
+        await page.wait_for_selector("#upload-form")
+        chunks: list[str] = []
+
+        async def cut_once(route: Route) -> None:
+            chunks.append(route.request.url)
+            if "offset=0" not in route.request.url and len(chunks) == 2:
+                await route.abort("connectionreset")
+            else:
+                await route.continue_()
+
+        await page.route("**/api/v1/uploads/*?offset=*", cut_once)
+
+        # Execute
+        await page.get_by_label("File (the dataset to register)").set_input_files(str(big))
+        await page.get_by_role("button", name="Upload dataset").click()
+        await page.wait_for_selector("#datasets-table tbody tr[data-id]", timeout=60_000)
+        async with board.http("viewer") as http:
+            listed = (await http.get(f"{API}/datasets")).json()
+        await page.get_by_role("button", name="Details").click()
+        delete = page.get_by_role("button", name="Delete dataset")
+        page.once("dialog", lambda dialog: asyncio.ensure_future(dialog.accept()))
+        await delete.click()
+        await page.wait_for_selector("text=No dataset is registered yet.")
+        async with board.http("viewer") as http:
+            after = (await http.get(f"{API}/datasets")).json()
+        await page.close()
+
+    # Assert
+    assert len(chunks) == 3 and chunks[1] == chunks[2]  # the cut chunk, sent again at the same offset
+    assert [d["sha256"] for d in listed] == [hashlib.sha256(big.read_bytes()).hexdigest()]
+    assert after == []
     assert board.problems == []
 
 

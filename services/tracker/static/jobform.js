@@ -393,9 +393,11 @@ function jobFormPage(fromJob) {
     summary.replaceChildren();
   }
 
-  /* The slot an error's field is shown in: the field's own, else its nearest block's (config.lora_rr ->
-     config), else the form's summary alone. */
+  /* The slot an error's field is shown in: the field's own, else its nearest block's (an unknown config key:
+     the other keys' JSON), else the form's summary alone. */
   function slotFor(field) {
+    // A built-in job has no entrypoint input: "entrypoint: Field required" there means it names no model.
+    if (field === "entrypoint" && builtIn()) return "model_id";
     const parts = field.split(".");
     for (let n = parts.length; n > 0; n--) {
       const path = parts.slice(0, n).join(".");

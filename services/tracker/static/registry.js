@@ -33,6 +33,25 @@ function registryPage(kind) {
     return h("dl", { class: "facts" }, facts.flatMap(([k, v]) => [h("dt", {}, k), h("dd", { class: k === "sha256" ? "mono" : "" }, String(v))]));
   }
 
+  /* The jobs whose request names it (GET /{kind}/{id}: used_by), and for an admin a Delete that asks first. */
+  async function usage(item, cell) {
+    const id = item[spec.id];
+    const response = await api(`${API}/${kind}/${id}`);
+    if (!response.ok) return;
+    const used = (await response.json()).used_by || [];
+    const problem = h("div", { class: "error-text", role: "alert" });
+    cell.append(h("div", { class: "used-by" }, h("strong", {}, "Used by: "),
+      used.length ? used.map((j, i) => [i ? ", " : "", h("a", { href: `#/jobs/${encodeURIComponent(j.job_id)}` },
+        j.name || j.job_id), ` (${j.status})`]) : "no job"),
+      me && me.may_administer ? h("div", { class: "actions" }, h("button", { type: "button", class: "danger",
+        id: `delete-${what}-${id}`, onclick: async () => {
+          if (!confirm(`Delete ${what} #${id} (${item.name}) and its files? Jobs can no longer name it.`)) return;
+          const answer = await api(`${API}/${kind}/${id}`, { method: "DELETE" });
+          if (answer.status === 204) { load(); return; }
+          problem.textContent = (await answer.json().catch(() => ({}))).detail || `delete failed (${answer.status})`;
+        } }, `Delete ${what}`), problem) : null);
+  }
+
   function render() {
     if (items === null) { list.replaceChildren(h("p", { class: "empty" }, "Loading…")); return; }
     if (!items.length) { list.replaceChildren(h("p", { class: "empty" }, `No ${what} is registered yet.`)); return; }
@@ -40,10 +59,11 @@ function registryPage(kind) {
       h("thead", {}, h("tr", {}, ["Id", "Name", "Kind", "Size", "sha256", ""].map((c) => h("th", {}, c)))),
       h("tbody", {}, items.flatMap((item) => {
         const id = item[spec.id];
-        const more = h("tr", { class: "details", hidden: true, id: `${what}-${id}-details` },
-          h("td", { colspan: 6 }, details(item)));
+        const cell = h("td", { colspan: 6 }, details(item));
+        const more = h("tr", { class: "details", hidden: true, id: `${what}-${id}-details` }, cell);
         const toggle = h("button", { type: "button", class: "toggle", "aria-expanded": "false", "aria-controls": more.id,
           onclick: (e) => {
+            if (more.hidden && !cell.querySelector(".used-by")) usage(item, cell);
             more.hidden = !more.hidden;
             e.currentTarget.setAttribute("aria-expanded", String(!more.hidden));
             e.currentTarget.textContent = more.hidden ? "Details" : "Hide";
@@ -72,53 +92,112 @@ function registryPage(kind) {
   return { stop: () => {} };
 }
 
-/* Upload a file as a new model or dataset: the file is the request's body (streamed to disk by the tracker),
-   with a progress bar; the server's 422 says why a file is refused. */
+/* Upload a file as a new model or dataset in resumable chunks (POST /uploads, PUT each chunk at the offset the
+   tracker holds, POST .../complete), with a progress bar. A chunk that fails is retried from what the tracker
+   holds; past a few tries the upload waits, kept for this tab, and pressing Upload with the same file resumes
+   it. The server's 422 says why a file is refused; only a completed upload is registered. */
+const UPLOAD_TRIES = 4;
+
 function uploadForm(kind, spec, done) {
   const what = kind.slice(0, -1);
   const file = h("input", { type: "file", id: "upload-file", accept: spec.accept, "aria-describedby": "upload-hint" });
   const name = h("input", { type: "text", id: "upload-name", autocomplete: "off", pattern: "[\\w.\\-]{1,200}" });
   const progress = h("progress", { id: "upload-progress", max: 100, value: 0, hidden: true, "aria-label": "upload progress" });
   const status = h("div", { role: "status", id: "upload-status", class: "form-notice" });
+  const button = h("button", { type: "submit", class: "primary", id: "upload-submit" }, `Upload ${what}`);
   file.addEventListener("change", () => {
     const chosen = file.files[0];
     if (chosen && !name.value) name.value = chosen.name.replace(/\.(zip|jsonl|gguf|safetensors)$/i, "").replace(/[^\w.\-]/g, "-");
   });
-  const form = h("form", { id: "upload-form", class: "job-form", onsubmit: (e) => { e.preventDefault(); send(); } },
+  const form = h("form", { id: "upload-form", class: "job-form", onsubmit: (e) => { e.preventDefault(); run(); } },
     h("div", { class: "grid-fields" },
       h("div", { class: "field" }, h("label", { for: "upload-file" }, `File (the ${what} to register)`), file,
         h("div", { class: "hint", id: "upload-hint" }, spec.hint)),
       h("div", { class: "field" }, h("label", { for: "upload-name" }, "Name (name)"), name)),
-    h("div", { class: "form-actions" }, h("button", { type: "submit", class: "primary", id: "upload-submit" }, `Upload ${what}`),
-      progress, status));
+    h("div", { class: "form-actions" }, button, progress, status));
 
-  function send() {
+  /* One JSON call; a 401 brings the token prompt (the upload stays resumable). */
+  async function call(url, options) {
+    const response = await api(url, options);
+    const answer = await response.json().catch(() => ({}));
+    return { status: response.status, ok: response.ok, answer };
+  }
+
+  /* PUT one chunk at the offset the upload holds, reporting its bytes as they go. */
+  function putChunk(state, chunk) {
+    return new Promise((resolve, reject) => {
+      const xhr = new XMLHttpRequest();
+      xhr.open("PUT", `${API}/uploads/${state.upload_id}?offset=${state.received}`);
+      xhr.setRequestHeader("Authorization", `Bearer ${token()}`);
+      xhr.setRequestHeader("Content-Type", "application/octet-stream");
+      xhr.upload.onprogress = (e) => { progress.value = (100 * (state.received + e.loaded)) / Math.max(state.size, 1); };
+      xhr.onerror = () => reject(new Error("the connection was cut"));
+      xhr.onload = () => {
+        const answer = (() => { try { return JSON.parse(xhr.responseText); } catch (e) { return {}; } })();
+        if (xhr.status === 200) resolve(answer);
+        else reject(Object.assign(new Error(answer.detail || `the API answered ${xhr.status}`), { status: xhr.status }));
+      };
+      xhr.send(chunk);
+    });
+  }
+
+  async function run() {
     const chosen = file.files[0];
     if (!chosen) { status.textContent = "choose a file first"; return; }
     const filename = chosen.name.replace(/[^\w.\-]/g, "-");
-    const query = new URLSearchParams({ filename, name: name.value.trim() || filename });
-    const xhr = new XMLHttpRequest();
-    xhr.open("POST", `${API}/${kind}?${query}`);
-    xhr.setRequestHeader("Authorization", `Bearer ${token()}`);
-    xhr.setRequestHeader("Content-Type", "application/octet-stream");
+    const key = `apiary-upload:${kind}:${filename}:${chosen.size}:${chosen.lastModified}`;
+    button.disabled = true;
     progress.hidden = false;
-    progress.value = 0;
-    status.textContent = `uploading ${chosen.name} (${sizeText(chosen.size)})…`;
-    xhr.upload.onprogress = (e) => { if (e.lengthComputable) progress.value = (100 * e.loaded) / e.total; };
-    xhr.onerror = () => { status.textContent = "the upload was cut off: nothing was registered; upload it again"; };
-    xhr.onload = () => {
-      const answer = (() => { try { return JSON.parse(xhr.responseText); } catch (e) { return {}; } })();
-      if (xhr.status === 401) { askToken(answer.detail || "the API refused the token"); return; }
-      if (xhr.status !== 201) { status.textContent = `refused: ${answer.detail || xhr.status}`; progress.hidden = true; return; }
+    try {
+      let state = null;
+      const saved = sessionStorage.getItem(key);
+      if (saved) {
+        const found = await call(`${API}/uploads/${saved}`);
+        if (found.ok) state = found.answer;
+      }
+      if (!state) {
+        const started = await call(`${API}/uploads`, { method: "POST", headers: { "Content-Type": "application/json" },
+          body: JSON.stringify({ kind, filename, name: name.value.trim() || filename, size: chosen.size }) });
+        if (started.status === 401) return;
+        if (!started.ok) { status.textContent = `refused: ${started.answer.detail || started.status}`; return; }
+        state = started.answer;
+        sessionStorage.setItem(key, state.upload_id);
+      }
+      let tries = 0;
+      while (state.received < state.size) {
+        status.textContent = `uploading ${chosen.name}: ${sizeText(state.received)} of ${sizeText(state.size)}…`;
+        try {
+          state = await putChunk(state, chosen.slice(state.received, state.received + state.chunk_size));
+          tries = 0;
+        } catch (e) {
+          if (e.status === 401) { askToken("the API refused the token: the upload resumes with the next one"); return; }
+          tries += 1;
+          if (tries >= UPLOAD_TRIES) {
+            status.textContent = `cut off at ${sizeText(state.received)} of ${sizeText(state.size)} (${e.message}): `
+              + "nothing is registered yet; press Upload again with the same file to resume";
+            return;
+          }
+          await new Promise((wake) => setTimeout(wake, 250 * 2 ** tries));
+          const found = await call(`${API}/uploads/${state.upload_id}`); // resume from what the tracker holds
+          if (!found.ok) { sessionStorage.removeItem(key); status.textContent = `the upload is gone (${found.answer.detail || found.status}): upload it again`; return; }
+          state = found.answer;
+        }
+      }
+      status.textContent = `checking ${chosen.name}…`;
+      const registered = await call(`${API}/uploads/${state.upload_id}/complete`, { method: "POST" });
+      if (registered.status === 401) return;
+      sessionStorage.removeItem(key);
+      if (!registered.ok) { status.textContent = `refused: ${registered.answer.detail || registered.status}`; progress.hidden = true; return; }
       progress.value = 100;
-      status.textContent = `registered ${what} #${answer[spec.id]} (${answer.name})`;
+      status.textContent = `registered ${what} #${registered.answer[spec.id]} (${registered.answer.name})`;
       done();
-    };
-    xhr.send(chosen);
+    } finally {
+      button.disabled = false;
+    }
   }
 
   return h("section", { class: "card" }, h("div", { class: "card-head" }, h("h2", {}, `Upload a ${what}`),
-    h("span", { class: "muted small" }, `POST ${API}/${kind}`)), form);
+    h("span", { class: "muted small" }, `POST ${API}/uploads`)), form);
 }
 
 function workersPage() {

@@ -26,12 +26,12 @@ from services.tracker.auth import Tokens, guard, may_cancel, principal_of
 from services.tracker.body_limit import BodyLimit, Limit, LimitOf
 from services.tracker.code_routes import code_errors, code_routes
 from services.tracker.form_routes import form_routes
-from services.tracker.upload_routes import MAX_CHUNK_BYTES, Uploads, upload_routes
 from services.tracker.publish import publish_job_request
 from services.tracker.registry_routes import Registries, RegistryTracker, registry_routes
 from services.tracker.registry_store import Kind
 from services.tracker.schemas import API_ERRORS, CHANGES, JOB_ID, NOT_FOUND, PREFIX, UNPARSED, no_job
 from services.tracker.stream import LiveTracker, stream_routes
+from services.tracker.upload_routes import MAX_CHUNK_BYTES, Uploads, upload_routes
 from services.tracker.views import (
     TERMINAL,
     job_metrics,

@@ -53,7 +53,7 @@ def form_routes(tracker: RegistryTracker) -> APIRouter:
     async def job_defaults() -> JobDefaults:
         """The value each field of a job request takes when it is left out."""
         return JobDefaults(distributed=DistributedConfig(), worker_selection=WorkerSelection(), split=SplitConfig(),
-                           early_stopping=EarlyStopping(), built_in_config=CausalLMConfig())
+                           early_stopping=EarlyStopping(), built_in_config=CausalLMConfig.model_validate({}))
 
     @router.get("/training-jobs/{job_id}/request", responses=NOT_FOUND)
     async def get_request(job_id: str = JOB_ID) -> dict[str, Any]:

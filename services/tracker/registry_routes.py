@@ -147,9 +147,9 @@ def _kind_routes(router: APIRouter, registries: Registries, kind: Kind) -> None:
         await registered(item_id)
         needing = [j for j in await jobs_using(registries.db, f"{what}_id", item_id) if j["status"] not in TERMINAL]
         if needing:
-            raise HTTPException(409, f"{what} {item_id} is needed by job {needing[0]['job_id']} ({needing[0]['status']})"
-                                     f"{f' and {len(needing) - 1} more' if len(needing) > 1 else ''}: cancel them "
-                                     "or wait until they end")
+            first, more = needing[0], f" and {len(needing) - 1} more" if len(needing) > 1 else ""
+            raise HTTPException(409, f"{what} {item_id} is needed by job {first['job_id']} ({first['status']}){more}: "
+                                     "cancel them or wait until they end")
         await registries.delete(kind, item_id)
         return Response(status_code=204)
 

@@ -5,7 +5,6 @@ errors beside them, from the server's own validation; a viewer is offered no act
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 from pathlib import Path
@@ -80,6 +79,8 @@ async def test_the_form_posts_the_documented_request_field_by_field_and_the_job_
             await page.get_by_role("group", name=group).get_by_label(worker, exact=True).check()
         await page.get_by_role("button", name="Show request").click()
         shown = json.loads(await page.inner_text("#request-json"))
+        await page.get_by_role("button", name="Copy as curl").click()
+        curl = await page.inner_text("#request-json")
         await page.get_by_role("button", name="Submit job").click()
         await page.wait_for_url(lambda url: "#/jobs/" in url and not url.endswith("#/jobs/new"))
         job_id = page.url.rsplit("/", 1)[1]
@@ -116,14 +117,16 @@ async def test_the_form_posts_the_documented_request_field_by_field_and_the_job_
     for key in ("name", "model_id", "dataset_id"):
         assert body[key] == expected[key], key
     assert shown == body
+    assert curl.startswith(f"curl -X POST '{board.url}{API}/training-jobs' -H \"Authorization: Bearer $APIARY_TOKEN\"")
+    assert json.loads(curl.split(" -d '", 1)[1].removesuffix("'")) == body
     assert cancels_after_decline == 0 and len(cancels) == 1
     assert again == expected
     assert board.problems == []
 
 
 async def _answer_next_dialog(page: Page, *, accept: bool) -> None:
-    def answer(dialog: Dialog) -> None:
-        asyncio.ensure_future(dialog.accept() if accept else dialog.dismiss())
+    async def answer(dialog: Dialog) -> None:
+        await (dialog.accept() if accept else dialog.dismiss())
 
     page.once("dialog", answer)
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from playwright.async_api import Browser
@@ -23,12 +24,17 @@ ARTIFACTS = REPO / "test-artifacts"
 DIGITS = REPO / "examples/digits"
 
 
-async def test_the_digits_example_submitted_from_the_form_runs_live_to_completion(
-        browser: Browser, tmp_path: Path) -> None:
-    # Prepare
+@pytest.fixture(scope="module")
+def example() -> dict[str, Any]:
+    """The digits example's job file as a request, its data prepared."""
     if not (DIGITS / "data/manifest.json").is_file():
         subprocess.run([sys.executable, "examples/digits/prepare.py"], cwd=REPO, check=True, capture_output=True)
-    example = load_job_file(DIGITS / "job.yaml")
+    return load_job_file(DIGITS / "job.yaml")
+
+
+async def test_the_digits_example_submitted_from_the_form_runs_live_to_completion(
+        browser: Browser, tmp_path: Path, example: dict[str, Any]) -> None:
+    # Prepare
     heldout = example["config"]["heldout"]
     other = {k: v for k, v in example["config"].items() if k not in ("epochs", "batch_size", "learning_rate")}
     async with dashboard(tmp_path, workers=3) as board:

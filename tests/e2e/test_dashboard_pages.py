@@ -6,13 +6,12 @@ back as it was; no page scrolls sideways at 1280 px, nor at 390 px."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 from pathlib import Path
 
 import pytest
-from playwright.async_api import Browser, Route
+from playwright.async_api import Browser, Dialog, Route
 
 from services.tracker import token_store
 from services.tracker.upload_routes import CHUNK_BYTES
@@ -89,7 +88,7 @@ async def test_a_large_upload_cut_off_mid_way_resumes_and_an_admin_deletes_it_af
             listed = (await http.get(f"{API}/datasets")).json()
         await page.get_by_role("button", name="Details").click()
         delete = page.get_by_role("button", name="Delete dataset")
-        page.once("dialog", lambda dialog: asyncio.ensure_future(dialog.accept()))
+        page.once("dialog", accept)
         await delete.click()
         await page.wait_for_selector("text=No dataset is registered yet.")
         async with board.http("viewer") as http:
@@ -189,6 +188,11 @@ async def test_an_expired_token_asks_for_another_and_the_form_comes_back_as_it_w
     # Assert
     assert (name, epochs) == ("kept-across-tokens", "7")
     assert board.problems == []
+
+
+async def accept(dialog: Dialog) -> None:
+    """Answer a confirmation with OK."""
+    await dialog.accept()
 
 
 @pytest.mark.parametrize("width", [1280, 390])

@@ -1,7 +1,8 @@
 """The dashboard's training job form in a real browser (Debian's headless Chromium, driven by Playwright): the
 documented LLM request typed into labelled inputs is POSTed field for field as documented, the job page
 follows it and cancels it after a confirmation, "Run again" brings the request back; three bad fields get three
-errors beside them, from the server's own validation; a viewer is offered no action it may not take."""
+errors beside them, from the server's own validation; a viewer is offered no action it may not take; a user-code
+job brings its bundle, uploaded from the form."""
 
 from __future__ import annotations
 
@@ -11,13 +12,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from playwright.async_api import Browser, Dialog, Page
 
+from apiary import bundle
 from apiary.settings import Settings
+from apiary.weights import dumps
 from services.app.runtime import Embedded
 from services.worker import Worker
-from tests.e2e.jobform_helpers import API, Dashboard, dashboard, fill_by_label, posted_jobs
+from tests.e2e.jobform_helpers import API, Dashboard, dashboard, fill_by_label, posted_jobs, zip_folder
 from tests.fixtures.llm import jsonl_dataset, llama_folder
+from tests.toyjobs.toy import make_dataset
 from tests.unit.test_jobspec_documented import DOCUMENTED
 
 pytestmark = pytest.mark.slow
@@ -201,8 +206,48 @@ async def test_a_viewer_is_offered_no_new_job_nor_job_actions(browser: Browser, 
 
 
 def _toy_request(tmp_path: Path) -> dict[str, Any]:
-    from tests.toyjobs.toy import make_dataset
-
     return {"name": "toy", "entrypoint": "tests.toyjobs.toy:fl_train_model",
             "dataset": str(make_dataset(tmp_path / "toy-data", 6)), "config": {"mode": "ok"},
             "distributed": {"num_rounds": 1, "min_workers": 1, "max_workers": 1}}
+
+
+TRAIN_PY = '''
+def fl_train_model(payload, out_dir, logger=None):
+    return {"weights": dict(payload["initial_weights"]), "samples": 1}
+'''
+
+
+async def test_a_user_code_job_brings_its_bundle_uploaded_from_the_form(browser: Browser, tmp_path: Path) -> None:
+    # Prepare: a folder packed as apiary does, a registered checkpoint and dataset
+    (tmp_path / "src" / "formtoy").mkdir(parents=True)
+    (tmp_path / "src" / "formtoy" / "train.py").write_text(TRAIN_PY)
+    packed = tmp_path / "formtoy.zip"
+    packed.write_bytes(bundle.pack(tmp_path / "src").data)
+    (tmp_path / "init.safetensors").write_bytes(dumps({"w": torch.zeros(2)}))
+    async with dashboard(tmp_path, workers=1) as board:
+        model = await board.register("models", tmp_path / "init.safetensors", "init")
+        data = zip_folder(make_dataset(tmp_path / "data", 4), tmp_path / "data.zip")
+        dataset = await board.register("datasets", data, "toy")
+        page = await board.open(browser, "submitter", "#/jobs/new")
+        await page.wait_for_selector("#f-name:focus")
+        posted = posted_jobs(page)
+
+        # Execute
+        await page.get_by_label("What trains (entrypoint, or none for the built-in trainer)").select_option("code")
+        await fill_by_label(page, {"Job name (name)": "bundled", "Entrypoint (entrypoint)": "formtoy.train:fl_train_model"})
+        await page.get_by_label("Code bundle, a zip of your folder (code)").set_input_files(str(packed))
+        await page.wait_for_function("document.querySelector('#code-info').textContent.startsWith('code ')")
+        await page.get_by_label("Model (model_id)").select_option(str(model["model_id"]))
+        await page.get_by_label("Dataset (dataset_id)").select_option(str(dataset["dataset_id"]))
+        await page.get_by_role("button", name="Submit job").click()
+        await page.wait_for_function("document.querySelector('.job-head .badge')?.textContent === 'completed'",
+                                     timeout=120_000)
+        shown = await page.text_content("#code")
+        await page.close()
+
+    # Assert
+    body = [p["body"] for p in posted if not p["dry_run"]][0]
+    assert body["code"]["key"].startswith("code/") and body["code"]["sha256"] in body["code"]["key"]
+    assert body["entrypoint"] == "formtoy.train:fl_train_model" and body["model_id"] == model["model_id"]
+    assert shown is not None and shown.startswith(f"code {body['code']['sha256'][:12]}")
+    assert board.problems == []

@@ -234,7 +234,8 @@ async def test_a_user_code_job_brings_its_bundle_uploaded_from_the_form(browser:
 
         # Execute
         await page.get_by_label("What trains (entrypoint, or none for the built-in trainer)").select_option("code")
-        await fill_by_label(page, {"Job name (name)": "bundled", "Entrypoint (entrypoint)": "formtoy.train:fl_train_model"})
+        await fill_by_label(page, {"Job name (name)": "bundled",
+                                   "Entrypoint (entrypoint)": "formtoy.train:fl_train_model"})
         await page.get_by_label("Code bundle, a zip of your folder (code)").set_input_files(str(packed))
         await page.wait_for_function("document.querySelector('#code-info').textContent.startsWith('code ')")
         await page.get_by_label("Model (model_id)").select_option(str(model["model_id"]))
@@ -246,7 +247,7 @@ async def test_a_user_code_job_brings_its_bundle_uploaded_from_the_form(browser:
         await page.close()
 
     # Assert
-    body = [p["body"] for p in posted if not p["dry_run"]][0]
+    body = next(p["body"] for p in posted if not p["dry_run"])
     assert body["code"]["key"].startswith("code/") and body["code"]["sha256"] in body["code"]["key"]
     assert body["entrypoint"] == "formtoy.train:fl_train_model" and body["model_id"] == model["model_id"]
     assert shown is not None and shown.startswith(f"code {body['code']['sha256'][:12]}")

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["tests.fixtures.services", "tests.fixtures.cluster", "tests.fixtures.embedded"]
+pytest_plugins = ["tests.fixtures.services", "tests.fixtures.cluster", "tests.fixtures.embedded",
+                  "tests.fixtures.served"]
 
 # What the test suite's jobs may reach (apiary.policy): the examples and the toy jobs, and data under the
 # temporary folder (pytest's tmp_path) and the repository. Set before any Settings() is read; the cluster

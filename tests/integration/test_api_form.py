@@ -7,75 +7,45 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from apiary.settings import Settings
 from apiary.trainers.causal_lm_config import CausalLMConfig
-from services.app.runtime import Embedded
-from services.tracker import token_store
+from tests.fixtures.served import Served
 from tests.toyjobs.toy import make_dataset
 
-REPO = Path(__file__).resolve().parents[2]
 API = "/api/v1"
 
 
-@dataclass
-class Served:
-    """A running stack's tracker over HTTP, a token per role, and a toy dataset."""
-
-    url: str
-    tokens: dict[str, str]
-    dataset: Path
-
-    def client(self, who: str) -> httpx.AsyncClient:
-        """An HTTP client carrying `who`'s token."""
-        return httpx.AsyncClient(base_url=self.url, headers={"Authorization": f"Bearer {self.tokens[who]}"},
-                                 timeout=30)
-
-    def request(self) -> dict[str, Any]:
-        """A valid toy job request."""
-        return {"name": "toy", "entrypoint": "tests.toyjobs.toy:fl_train_model", "dataset": str(self.dataset),
-                "config": {"mode": "ok"}, "distributed": {"num_rounds": 1, "min_workers": 1, "max_workers": 1}}
+@pytest.fixture
+def toy(tmp_path: Path) -> dict[str, Any]:
+    """A valid toy job request."""
+    return {"name": "toy", "entrypoint": "tests.toyjobs.toy:fl_train_model",
+            "dataset": str(make_dataset(tmp_path / "toy-data", 6)), "config": {"mode": "ok"},
+            "distributed": {"num_rounds": 1, "min_workers": 1, "max_workers": 1}}
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-async def served(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Served]:
-    database_url = (f"sqlite:///{tmp_path / 'apiary.db'}" if request.param == "sqlite"
-                    else request.getfixturevalue("postgres_url"))
-    settings = Settings(home=tmp_path / ".apiary", database_url=database_url, http_port=0,
-                        heartbeat_interval=0.5, progress_interval=0.0)
-    async with Embedded(settings, workers=1, code_paths=[str(REPO)]) as stack:
-        url = await stack.tracker.start_http()
-        await token_store.migrate(stack.ports.db)
-        tokens = {role: await token_store.create(stack.ports.db, f"{role}-1", role)
-                  for role in ("viewer", "submitter", "admin")}
-        yield Served(url, tokens, make_dataset(tmp_path / "toy-data", 6))
-
-
-async def test_a_dry_run_checks_a_request_and_submits_nothing(served: Served) -> None:
+async def test_a_dry_run_checks_a_request_and_submits_nothing(served: Served, toy: dict[str, Any]) -> None:
     # Execute
     async with served.client("submitter") as http:
-        checked = await http.post(f"{API}/training-jobs", params={"dry_run": "true"}, json=served.request())
+        checked = await http.post(f"{API}/training-jobs", params={"dry_run": "true"}, json=toy)
         jobs = (await http.get(f"{API}/training-jobs")).json()
     async with served.client("viewer") as viewer:
-        refused = await viewer.post(f"{API}/training-jobs", params={"dry_run": "true"}, json=served.request())
+        refused = await viewer.post(f"{API}/training-jobs", params={"dry_run": "true"}, json=toy)
 
     # Assert
     assert checked.status_code == 200, checked.text
-    assert checked.json() == {"valid": True, "request": served.request()}
+    assert checked.json() == {"valid": True, "request": toy}
     assert jobs == []
     assert refused.status_code == 403
 
 
-async def test_every_bad_field_comes_back_at_once_an_unknown_one_with_its_closest_name(served: Served) -> None:
+async def test_every_bad_field_comes_back_at_once_an_unknown_one_with_its_closest_name(
+        served: Served, toy: dict[str, Any]) -> None:
     # Prepare
-    body = {**served.request(), "distributed": {"num_rounds": 0, "min_workers": 4, "max_workers": 2,
+    body = {**toy, "distributed": {"num_rounds": 0, "min_workers": 4, "max_workers": 2,
                                                  "num_round": 3}}
 
     # Execute
@@ -114,10 +84,10 @@ async def test_the_defaults_are_the_request_models_own(served: Served) -> None:
     assert defaults["early_stopping"]["metric"] == "val_loss"
 
 
-async def test_a_job_s_request_can_be_read_back_to_run_it_again(served: Served) -> None:
+async def test_a_job_s_request_can_be_read_back_to_run_it_again(served: Served, toy: dict[str, Any]) -> None:
     # Prepare
     async with served.client("submitter") as http:
-        job_id = (await http.post(f"{API}/training-jobs", json=served.request())).json()["job_id"]
+        job_id = (await http.post(f"{API}/training-jobs", json=toy)).json()["job_id"]
 
         # Execute
         deadline = time.monotonic() + 30
@@ -128,6 +98,6 @@ async def test_a_job_s_request_can_be_read_back_to_run_it_again(served: Served) 
         unknown = await http.get(f"{API}/training-jobs/nope/request")
 
     # Assert
-    assert response.json() == served.request()
+    assert response.json() == toy
     assert again.status_code == 202 and again.json()["job_id"] != job_id
     assert unknown.status_code == 404 and "no job 'nope'" in unknown.json()["detail"]

@@ -9,50 +9,16 @@ import asyncio
 import hashlib
 import time
 import zipfile
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
-from apiary.settings import Settings
-from services.app.runtime import Embedded
-from services.tracker import token_store
+from tests.fixtures.served import Served
 from tests.toyjobs.toy import make_dataset
 
-REPO = Path(__file__).resolve().parents[2]
 API = "/api/v1"
-
-
-@dataclass
-class Served:
-    """A running stack's tracker over HTTP and a token per role (plus a second submitter)."""
-
-    stack: Embedded
-    url: str
-    tokens: dict[str, str]
-
-    def client(self, who: str) -> httpx.AsyncClient:
-        """An HTTP client carrying `who`'s token."""
-        return httpx.AsyncClient(base_url=self.url, headers={"Authorization": f"Bearer {self.tokens[who]}"},
-                                 timeout=30)
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-async def served(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Served]:
-    database_url = (f"sqlite:///{tmp_path / 'apiary.db'}" if request.param == "sqlite"
-                    else request.getfixturevalue("postgres_url"))
-    settings = Settings(home=tmp_path / ".apiary", database_url=database_url, http_port=0,
-                        heartbeat_interval=0.5, progress_interval=0.0)
-    async with Embedded(settings, workers=0, code_paths=[str(REPO)]) as stack:
-        url = await stack.tracker.start_http()
-        await token_store.migrate(stack.ports.db)
-        tokens = {role: await token_store.create(stack.ports.db, f"{role}-1", role)
-                  for role in ("viewer", "submitter", "admin")}
-        tokens["other"] = await token_store.create(stack.ports.db, "submitter-2", "submitter")
-        yield Served(stack, url, tokens)
+WORKERS = 0  # a job on a dataset waits, unfinished, for workers that never come
 
 
 def records(count: int) -> bytes:

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 from apiary.jobspec import INT64_MAX
 from services.tracker.auth import principal_of
 from services.tracker.registry_routes import SAFE_NAME, Registries
-from services.tracker.schemas import CHANGES, PREFIX, Problem
+from services.tracker.schemas import CHANGES, PREFIX, UNPARSED, Problem
 
 CHUNK_BYTES = 8 * 2**20  # what a client sends per request
 MAX_CHUNK_BYTES = 16 * 2**20  # the chunk route's body limit (services.tracker.api.body_limits)
@@ -118,7 +118,7 @@ def upload_routes(uploads: Uploads) -> APIRouter:
         principal = principal_of(http)
         return None if principal.may("admin") else principal.name
 
-    @router.post("/uploads", status_code=201, response_model=UploadState, responses=CHANGES)
+    @router.post("/uploads", status_code=201, response_model=UploadState, responses={**CHANGES, **UNPARSED})
     async def start_upload(upload: NewUpload, http: Request) -> UploadState:
         """Begin a resumable upload of a model or dataset file: then PUT its chunks, then complete it."""
         return uploads.start(upload, principal_of(http).name)

@@ -193,10 +193,13 @@ function jobFormPage(fromJob) {
         h("div", { id: "code-fields" },
           control("entrypoint", "Entrypoint", text({ placeholder: "package.module:fl_train_model" }), "module:function of your code"),
           h("div", { class: "field" }, h("label", { for: "f-code-file" }, "Code bundle, a zip of your folder (code)"), codeFile,
-            codeInfo, slot("code"))),
+            codeInfo, slot("code")),
+          control("requirements", "Requirements, comma-separated", text({ placeholder: "torch>=2.3, scikit-learn>=1.4" }),
+            "checked on the workers, never installed; default: the bundle's requirements.txt"),
+          control("model", "Or a checkpoint path or URI", text(), "a safetensors file the operator's data roots allow")),
         control("model_id", "Model", select(modelOptions), "registered models: id, kind and size"),
         control("dataset_id", "Dataset", select(datasetOptions), "registered datasets: id, kind, samples and size"),
-        slot("dataset")),
+        control("dataset", "Or a dataset path or URI", text(), "a folder, zip or JSONL file the operator's data roots allow")),
       h("fieldset", {}, h("legend", {}, "Training (config)"), slot("config"),
         h("div", { class: "grid-fields" },
           CODE_MAIN.map((k) => configControl(k, "value")),
@@ -281,10 +284,14 @@ function jobFormPage(fromJob) {
     } else {
       if (read("entrypoint").trim()) body.entrypoint = read("entrypoint").trim();
       if (state.code) body.code = state.code;
+      const requirements = read("requirements").split(",").map((r) => r.trim()).filter(Boolean);
+      if (requirements.length) body.requirements = requirements;
+      if (read("model").trim()) body.model = read("model").trim();
       for (const key of CODE_MAIN) config[key] = configValue(key);
     }
     const datasetId = read("dataset_id"), modelId = read("model_id");
     if (datasetId) body.dataset_id = Number(datasetId);
+    if (read("dataset").trim()) body.dataset = read("dataset").trim();
     if (modelId) body.model_id = Number(modelId);
     Object.assign(config, jsonValue(read("config.other"), "config.other", problems) || {});
     for (const [k, v] of Object.entries(config)) if (v === undefined) delete config[k];
@@ -352,6 +359,9 @@ function jobFormPage(fromJob) {
     if (state.code) state.codeInfo.textContent = `code ${state.code.sha256.slice(0, 12)} (${sizeText(state.code.size)})`;
     setValue(inputs.get("model_id"), body.model_id);
     setValue(inputs.get("dataset_id"), body.dataset_id);
+    setValue(inputs.get("dataset"), body.dataset);
+    setValue(inputs.get("model"), body.model);
+    setValue(inputs.get("requirements"), body.requirements || []);
     const known = body.entrypoint ? CODE_MAIN : [...BUILT_IN_MAIN, ...BUILT_IN_MORE];
     for (const key of known) {
       if (key in config) { setValue(inputs.get(`config.${key}`), config[key]); delete config[key]; }

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from services.tracker.upload_routes import MAX_CHUNK_BYTES
 from tests.fixtures.served import Served
 from tests.toyjobs.toy import make_dataset
 
@@ -148,3 +149,21 @@ async def _until_used(http: httpx.AsyncClient, url: str, timeout: float = 30) ->
         assert time.monotonic() < deadline, detail
         await asyncio.sleep(0.1)
     return dict(detail)
+
+
+async def test_a_chunk_past_the_chunk_limit_or_the_declared_size_is_refused_and_keeps_nothing(served: Served) -> None:
+    # Prepare
+    async with served.client("submitter") as http:
+        started = (await http.post(f"{API}/uploads", json={"kind": "datasets", "filename": "d.jsonl", "name": "d",
+                                                          "size": 10})).json()
+        upload = f"{API}/uploads/{started['upload_id']}"
+
+        # Execute
+        huge = await http.put(upload, params={"offset": 0}, content=b"x" * (MAX_CHUNK_BYTES + 1))
+        past_size = await http.put(upload, params={"offset": 0}, content=b"x" * 11)
+        held = (await http.get(upload)).json()["received"]
+
+    # Assert
+    assert huge.status_code == 413 and "chunk_size" in huge.json()["detail"]
+    assert past_size.status_code == 413 and "declared size of 10 bytes" in past_size.json()["detail"]
+    assert held == 0

@@ -12,6 +12,7 @@ import pytest
 
 pytest_plugins = [
     "tests.fixtures.services", "tests.fixtures.cluster", "tests.fixtures.embedded", "tests.fixtures.metrics",
+    "tests.fixtures.served",
 ]
 
 # What the test suite's jobs may reach (apiary.policy): the examples and the toy jobs, and data under the

@@ -18,18 +18,20 @@ from apiary.bus import Bus
 from apiary.bus.base import Unroutable
 from apiary.bus.typed import publish_event
 from apiary.contracts import JobCancelRequested, JobRequested
-from apiary.jobspec import INT64_MAX, FieldError, describe_errors, policy_errors
+from apiary.jobspec import INT64_MAX, FieldError, cross_field_errors, describe_errors, policy_errors, unknown_field
 from apiary.policy import Policy
 from apiary.settings import Settings
 from services.tracker import schemas, token_store
 from services.tracker.auth import Tokens, guard, may_cancel, principal_of
 from services.tracker.body_limit import BodyLimit, Limit, LimitOf
 from services.tracker.code_routes import code_errors, code_routes
+from services.tracker.form_routes import form_routes
 from services.tracker.publish import publish_job_request
 from services.tracker.registry_routes import Registries, RegistryTracker, registry_routes
 from services.tracker.registry_store import Kind
 from services.tracker.schemas import API_ERRORS, CHANGES, JOB_ID, NOT_FOUND, PREFIX, UNPARSED, no_job
 from services.tracker.stream import LiveTracker, stream_routes
+from services.tracker.upload_routes import MAX_CHUNK_BYTES, Uploads, upload_routes
 from services.tracker.views import (
     TERMINAL,
     job_metrics,
@@ -75,8 +77,10 @@ def create_app(tracker: ApiTracker) -> FastAPI:
     tokens = Tokens(tracker.db)
     # Every API route needs a token (see services.tracker.auth); the live streams also take it as ?token=.
     authorised, streaming = [Depends(guard(tokens))], [Depends(guard(tokens, query=True))]
+    uploads = Uploads(tracker.settings.home / "uploads", registries)
     for router in (_job_commands(tracker, registries, tokens), _job_reads(tracker), _worker_routes(tracker),
-                   registry_routes(registries), code_routes(tracker)):
+                   registry_routes(registries), upload_routes(uploads), code_routes(tracker),
+                   form_routes(tracker)):
         app.include_router(router, prefix=PREFIX, dependencies=authorised, responses=API_ERRORS)
     app.include_router(stream_routes(tracker), prefix=PREFIX, dependencies=streaming, responses=API_ERRORS)
     app.include_router(_dashboard_routes())
@@ -93,6 +97,8 @@ def body_limits(settings: Settings) -> LimitOf:
             return Limit(bundle.MAX_BUNDLE_BYTES, f"leave data and checkpoints out with {bundle.IGNORE_FILE}")
         if method == "POST" and path in (f"{PREFIX}/models", f"{PREFIX}/datasets"):
             return None
+        if method == "PUT" and path.startswith(f"{PREFIX}/uploads/"):
+            return Limit(MAX_CHUNK_BYTES, "send a file in chunks of the upload's chunk_size")
         return Limit(settings.http_body_limit, "send less, or ask the operator to raise APIARY_HTTP_BODY_LIMIT")
 
     return limit_of
@@ -104,10 +110,14 @@ def _job_commands(tracker: ApiTracker, registries: Registries, tokens: Tokens) -
     router = APIRouter()
 
     @router.post("/training-jobs", status_code=202, response_model=schemas.JobSubmitted,
-                 responses={422: {"model": schemas.Problem, "description": "each bad field, named"},
+                 responses={200: {"model": schemas.JobChecked, "description": "dry_run: the request would be "
+                                  "accepted; nothing was submitted"},
+                            422: {"model": schemas.Problem, "description": "each bad field, named"},
                             409: {"model": schemas.Problem, "description": "the job id is taken"}, **NO_SCHEDULER,
                             **CHANGES, **UNPARSED})
-    async def submit_job(request: JobRequested, http: Request) -> JSONResponse:
+    async def submit_job(request: JobRequested, http: Request, dry_run: bool = Query(
+            False, description="only check the request as a submission would (every bad field named, 422), "
+                               "and submit nothing")) -> JSONResponse:
         """Publish a job request (`job.requested`); the job id is the request's, or a new one."""
         body = request.model_dump(mode="json", exclude_unset=True, exclude={"v"})
         unknown = (policy_errors(request, Policy.of(tracker.settings)) or await _unregistered(registries, request)
@@ -117,6 +127,8 @@ def _job_commands(tracker: ApiTracker, registries: Registries, tokens: Tokens) -
             return JSONResponse(problem.model_dump(), status_code=422)
         if request.job_id is not None and await job_status(tracker.db, request.job_id) is not None:
             raise HTTPException(409, f"job id {request.job_id!r} is already taken: choose another")
+        if dry_run:
+            return JSONResponse(schemas.JobChecked(request=body).model_dump(), status_code=200)
         try:
             job_id = await publish_job_request(tracker.bus, body)
         except (RuntimeError, Unroutable) as e:
@@ -224,8 +236,12 @@ def _dashboard_routes() -> APIRouter:
 
 
 async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-    """422 with one entry per bad field, in the request's own terms (as the scheduler rejects it)."""
+    """422 with one entry per bad field, in the request's own terms (as the scheduler rejects it), all at once:
+    also the rules across fields that pydantic skipped because a field of their block was bad."""
     errors = request_errors(exc.errors())
+    if request.url.path == f"{PREFIX}/training-jobs":
+        seen = {(e.field, e.message) for e in errors}
+        errors += [e for e in cross_field_errors(exc.body) if (e.field, e.message) not in seen]
     problem = schemas.Problem(detail=f"request rejected: {describe_errors(errors)}", errors=errors)
     return JSONResponse(problem.model_dump(), status_code=422)
 
@@ -239,15 +255,17 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> Response
 
 
 def request_errors(items: Sequence[Any]) -> list[FieldError]:
-    """FastAPI's validation errors as FieldErrors: `distributed.num_rounds`, not `body.distributed...`."""
+    """FastAPI's validation errors as FieldErrors: `distributed.num_rounds`, not `body.distributed...`; an unknown
+    field of a job request names the known one it is closest to."""
     out = []
     for item in items:
         loc = [str(part) for part in item.get("loc", ())]
+        in_body = bool(loc) and loc[0] == "body"
         if loc and loc[0] in ("body", "query", "path", "header"):
             loc = loc[1:]
         message = str(item.get("msg", "invalid")).removeprefix("Value error, ")
         if item.get("type") == "extra_forbidden":
-            message = "unknown field"
+            message = unknown_field(tuple(loc)) if in_body else "unknown field"
         if item.get("type") == "json_invalid":
             loc, message = [], f"body is not valid JSON ({item.get('ctx', {}).get('error', message)})"
         out.append(FieldError(field=".".join(loc) or "(request)", message=message))

@@ -45,6 +45,12 @@ async def abandon(tx: Executor, kind: Kind, item_id: int) -> None:
     await tx.execute(f"DELETE FROM {table} WHERE {column} = $1 AND info IS NULL", item_id)
 
 
+async def remove(tx: Executor, kind: Kind, item_id: int) -> None:
+    """Drop a registered id (its files are removed from storage by the caller; the id is never given again)."""
+    table, column = TABLES[kind]
+    await tx.execute(f"DELETE FROM {table} WHERE {column} = $1", item_id)
+
+
 async def listed(db: Executor, kind: Kind) -> list[dict[str, Any]]:
     """Every registered model or dataset, newest first."""
     table, column = TABLES[kind]

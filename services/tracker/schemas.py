@@ -47,6 +47,13 @@ class JobSubmitted(BaseModel):
     events_url: str
 
 
+class JobChecked(BaseModel):
+    """A request checked with `dry_run`: it would be accepted as it stands (nothing was submitted)."""
+
+    valid: bool = True
+    request: dict[str, Any] = Field(description="the request as it would be published")
+
+
 class CancelJob(BaseModel):
     """Why a job is cancelled (shown with its status)."""
 

@@ -30,6 +30,32 @@ async def record_requested(db: Executor, job_id: str, name: str | None, num_roun
     )
 
 
+async def job_request(db: Executor, job_id: str) -> dict[str, Any] | None:
+    """The request a job was submitted with (from the event log), without its job id; None if none is logged."""
+    body = await db.fetchval("SELECT body FROM events WHERE job_id = $1 AND routing_key = 'job.requested'"
+                             " ORDER BY seq LIMIT 1", job_id)
+    request = from_json(body)
+    if not isinstance(request, dict):
+        return None
+    return {k: v for k, v in request.items() if k not in ("job_id", "v")}
+
+
+async def jobs_using(db: Executor, field: str, item_id: int) -> list[dict[str, Any]]:
+    """The jobs whose request names a registered model or dataset (`field`: model_id or dataset_id; a dataset
+    also as config.eval_dataset_id), oldest first: id, name, status."""
+    rows = await db.fetch(
+        "SELECT e.job_id, e.body, j.name, j.status FROM events e JOIN job_views j ON j.job_id = e.job_id"
+        " WHERE e.routing_key = 'job.requested' ORDER BY e.seq")
+    used = []
+    for row in rows:
+        request = from_json(row["body"], {})
+        config = request.get("config") if isinstance(request.get("config"), dict) else {}
+        named = [request.get(field)] + ([config.get("eval_dataset_id")] if field == "dataset_id" else [])
+        if any(str(value) == str(item_id) for value in named if value is not None):
+            used.append({"job_id": row["job_id"], "name": row["name"], "status": row["status"]})
+    return used
+
+
 async def job_view(db: Executor, job_id: str) -> dict[str, Any] | None:
     """Everything known about one job: status, rounds, and every shard of the current round."""
     job = await db.fetchrow("SELECT * FROM job_views WHERE job_id = $1", job_id)

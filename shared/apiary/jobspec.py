@@ -369,7 +369,7 @@ def field_errors(error: ValidationError, request: Any = None) -> list[FieldError
         field = ".".join(str(part) for part in item["loc"]) or "(request)"
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
-            message = f"unknown field{_did_you_mean(item['loc'])}"
+            message = unknown_field(item["loc"])
         out.append(FieldError(field=field, message=message))
     seen = {(e.field, e.message) for e in out}
     return out + [e for e in cross_field_errors(request) if (e.field, e.message) not in seen]
@@ -385,6 +385,11 @@ def cross_field_errors(request: Any) -> list[FieldError]:
     if type(low) is int and type(high) is int and low > high:
         return [FieldError(field="distributed", message=f"min_workers ({low}) must not exceed max_workers ({high})")]
     return []
+
+
+def unknown_field(loc: tuple[int | str, ...]) -> str:
+    """The message for an unknown field of a request at `loc`: `unknown field (did you mean num_rounds?)`."""
+    return f"unknown field{_did_you_mean(loc)}"
 
 
 def _did_you_mean(loc: tuple[int | str, ...]) -> str:

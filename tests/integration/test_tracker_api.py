@@ -362,7 +362,9 @@ async def test_the_openapi_schema_documents_every_endpoint(api: Api) -> None:
         f"{API}/training-jobs", f"{API}/training-jobs/{{job_id}}", f"{API}/training-jobs/{{job_id}}/metrics",
         f"{API}/training-jobs/{{job_id}}/cancel", f"{API}/training-jobs/{{job_id}}/events", f"{API}/workers",
         f"{API}/stream", f"{API}/models", f"{API}/models/{{item_id}}", f"{API}/datasets",
-        f"{API}/datasets/{{item_id}}", f"{API}/code",
+        f"{API}/datasets/{{item_id}}", f"{API}/code", f"{API}/token", f"{API}/job-defaults",
+        f"{API}/training-jobs/{{job_id}}/request", f"{API}/uploads", f"{API}/uploads/{{upload_id}}",
+        f"{API}/uploads/{{upload_id}}/complete",
     }
     submit = schema["paths"][f"{API}/training-jobs"]["post"]
     body_schema = submit["requestBody"]["content"]["application/json"]["schema"]

@@ -5,6 +5,7 @@ const API = "/api/v1";
 const TERMINAL = ["completed", "failed", "cancelled", "rejected"];
 const app = document.getElementById("app");
 let page = null; // the page shown now: {stop()}
+let me = null; // the token's name and role (GET /api/v1/token): the pages offer only what it may do
 
 /* ---------- small DOM helpers (text always goes through textContent: names come from users) ---------- */
 
@@ -197,7 +198,7 @@ const KIND_TITLE = { own: "the user's own machine", platform: "a platform worker
 function workersTable(workers, receivedAt) {
   if (!workers.length) return h("p", { class: "empty" }, "No worker has announced itself yet.");
   const age = (w) => w.seconds_since_heartbeat + (Date.now() - receivedAt) / 1000;
-  return h("table", { class: "grid", id: "workers-table" },
+  return h("div", { class: "scroll" }, h("table", { class: "grid", id: "workers-table" },
     h("thead", {}, h("tr", {},
       ["Worker", "Kind", "Status", "Assignment", "GPU utilisation", "GPU memory", "Throughput", "Last heartbeat"]
         .map((c) => h("th", {}, c)))),
@@ -225,23 +226,31 @@ function workersTable(workers, receivedAt) {
         h("td", { class: "num" }, typeof w.samples_per_s === "number"
           ? `${w.samples_per_s.toFixed(w.samples_per_s < 100 ? 1 : 0)} samples/s` : h("span", { class: "muted" }, "—")),
         h("td", { class: "muted", dataset: { age: age(w) } }, ago(age(w))));
-    })));
+    }))));
 }
 
 /* ---------- jobs list ---------- */
 
 function jobsPage() {
   let jobs = null, workers = [], workersAt = Date.now();
+  // The heads stay (a focused "New training job" keeps its focus); render() refreshes the counts and tables.
+  const count = h("span", { class: "muted push" }), list = h("div", {});
+  const online = h("span", { class: "muted" }), workersPart = h("div", {});
+  document.title = "Apiary";
+  app.replaceChildren(
+    h("section", { class: "card" },
+      h("div", { class: "card-head" }, h("h1", {}, "Training jobs"), count,
+        me && me.may_submit ? h("a", { class: "button primary", id: "new-job", href: "#/jobs/new" }, "New training job") : null),
+      list),
+    h("section", { class: "card" }, h("div", { class: "card-head" }, h("h2", {}, "Workers"), online), workersPart));
   const render = scheduler(() => {
-    app.replaceChildren(
-      h("section", { class: "card" },
-        h("div", { class: "card-head" }, h("h1", {}, "Training jobs"),
-          h("span", { class: "muted" }, jobs ? `${jobs.length} job${jobs.length === 1 ? "" : "s"}` : "")),
+    count.textContent = jobs ? `${jobs.length} job${jobs.length === 1 ? "" : "s"}` : "";
+    list.replaceChildren(
         jobs === null ? h("p", { class: "empty" }, "Loading…")
           : !jobs.length ? h("p", { class: "empty" },
             "No jobs yet. Run one with ", h("code", {}, "apiary run job.yaml"), " or submit it with ",
             h("code", {}, "POST /api/v1/training-jobs"), ".")
-            : h("table", { class: "grid", id: "jobs-table" },
+            : h("div", { class: "scroll" }, h("table", { class: "grid", id: "jobs-table" },
               h("thead", {}, h("tr", {}, ["Job", "Status", "Round", "Aggregated loss", "Started", "Updated"]
                 .map((c) => h("th", {}, c)))),
               h("tbody", {}, jobs.map((j) => {
@@ -257,11 +266,9 @@ function jobsPage() {
                 h("td", { class: "num" }, num(loss)),
                 h("td", { class: "muted" }, ago(now - j.created_at)),
                 h("td", { class: "muted" }, ago(now - j.updated_at)));
-              })))),
-      h("section", { class: "card" },
-        h("div", { class: "card-head" }, h("h2", {}, "Workers"),
-          h("span", { class: "muted" }, `${workers.filter((w) => w.status === "online").length} online`)),
-        workersTable(workers, workersAt)));
+              })))));
+    online.textContent = `${workers.filter((w) => w.status === "online").length} online`;
+    workersPart.replaceChildren(workersTable(workers, workersAt));
   });
   const source = subscribe(`${API}/stream`, {
     jobs: (data) => { jobs = data; render(); },
@@ -339,6 +346,7 @@ function jobPage(jobId) {
     parts.final);
 
   async function cancel(button) {
+    if (!confirm(`Cancel job ${state.job ? state.job.name || jobId : jobId}? No further round starts; the job ends cancelled.`)) return;
     button.disabled = true;
     button.textContent = "Cancelling…";
     const response = await api(`${url}/cancel`, { method: "POST" });
@@ -383,8 +391,15 @@ function jobPage(jobId) {
     parts.strategy.textContent = job.strategy ? `strategy ${strategyText(job)}` : "";
     parts.privacy.textContent = privacyText(job);
     parts.code.textContent = job.code ? codeText(job.code) : "";
-    parts.actions.replaceChildren(TERMINAL.includes(job.status) ? "" :
-      h("button", { class: "danger", id: "cancel", onclick: (e) => cancel(e.currentTarget) }, "Cancel job"));
+    // Redrawn only when they change, so a focused button keeps its focus.
+    const mayChange = Boolean(me && me.may_submit), ended = TERMINAL.includes(job.status);
+    if (parts.actions.dataset.ended !== String(ended)) {
+      parts.actions.dataset.ended = String(ended);
+      parts.actions.replaceChildren(
+        mayChange ? h("a", { class: "button", id: "run-again", href: `#/jobs/new?from=${encodeURIComponent(jobId)}` }, "Run again") : "",
+        ended || !mayChange ? "" :
+          h("button", { class: "danger", id: "cancel", onclick: (e) => cancel(e.currentTarget) }, "Cancel job"));
+    }
     const banner = [];
     if (job.reason) {
       banner.push(h("div", { class: `banner ${job.status === "completed" ? "warn" : job.status === "cancelled" ? "info" : "error"}` },
@@ -650,9 +665,19 @@ async function route() {
   if (!token()) { askToken(""); return; }
   setLive("connecting", "connecting");
   // A token that the API refuses is asked for again before any stream opens (a stream cannot tell why).
-  if ((await api(`${API}/training-jobs?limit=1`)).status === 401) return;
-  const match = location.hash.match(/^#\/jobs\/(.+)$/);
-  page = match ? jobPage(decodeURIComponent(match[1])) : jobsPage();
+  const who = await api(`${API}/token`);
+  if (who.status === 401) return;
+  me = who.ok ? await who.json() : null;
+  for (const link of document.querySelectorAll(".topbar nav a")) {
+    link.toggleAttribute("aria-current", link.getAttribute("href") === (location.hash || "#/").split("?")[0]);
+  }
+  const hash = location.hash;
+  const again = hash.match(/^#\/jobs\/new\?from=(.+)$/);
+  const match = hash.match(/^#\/jobs\/(.+)$/);
+  if (hash === "#/jobs/new" || again) page = me && me.may_submit ? jobFormPage(again ? decodeURIComponent(again[1]) : null) : jobsPage();
+  else if (hash === "#/models" || hash === "#/datasets") page = registryPage(hash.slice(2));
+  else if (hash === "#/workers") page = workersPage();
+  else page = match ? jobPage(decodeURIComponent(match[1])) : jobsPage();
   window.scrollTo(0, 0);
 }
 

@@ -15,7 +15,7 @@ from tests.fixtures.policy import foreign
 
 def _apiary(*args: str, home: Path, **env: str) -> subprocess.CompletedProcess[str]:
     environment = {k: v for k, v in os.environ.items() if not foreign(k)}
-    environment.update({"APIARY_HOME": str(home), **env})
+    environment.update({"APIARY_HOME": str(home), "APIARY_HTTP_PORT": "0", **env})
     return subprocess.run([sys.executable, "-m", "services.app.cli", *args], cwd=REPO, env=environment,
                           capture_output=True, text=True, timeout=120)
 

@@ -25,7 +25,7 @@ NOISE = ("Traceback", "KeyboardInterrupt")  # what no spawned process may print
 
 def _environment(home: Path) -> dict[str, str]:
     environment = {k: v for k, v in os.environ.items() if not foreign(k)}
-    environment.update({"APIARY_HOME": str(home), "PYTHONPATH": str(REPO)})
+    environment.update({"APIARY_HOME": str(home), "PYTHONPATH": str(REPO), "APIARY_HTTP_PORT": "0"})
     return environment
 
 

@@ -165,7 +165,7 @@ def test_apiary_run_packs_and_ships_a_job_files_code_folder(tmp_path: Path) -> N
     request = _request(make_dataset(project / "data", 6), Path("init.safetensors"), "src")
     (project / "job.json").write_text(json.dumps(request))
     environment = {k: v for k, v in os.environ.items() if not foreign(k)}
-    environment.update({"APIARY_HOME": str(tmp_path / ".apiary"), "PYTHONPATH": str(REPO)})
+    environment.update({"APIARY_HOME": str(tmp_path / ".apiary"), "PYTHONPATH": str(REPO), "APIARY_HTTP_PORT": "0"})
 
     run = subprocess.run([sys.executable, "-m", "services.app.cli", "run", "job.json", "--workers", "1", "--json",
                           "--gpus", "none"], cwd=project, env=environment, capture_output=True, text=True,
@@ -185,7 +185,7 @@ def test_apiary_run_names_an_entrypoint_absent_from_the_code_folder(tmp_path: Pa
                        entrypoint="shippedtoy.missing:fl_train_model")
     (tmp_path / "job.json").write_text(json.dumps(request))
     environment = {k: v for k, v in os.environ.items() if not foreign(k)}
-    environment.update({"APIARY_HOME": str(tmp_path / ".apiary"), "PYTHONPATH": str(REPO)})
+    environment.update({"APIARY_HOME": str(tmp_path / ".apiary"), "PYTHONPATH": str(REPO), "APIARY_HTTP_PORT": "0"})
 
     run = subprocess.run([sys.executable, "-m", "services.app.cli", "run", str(tmp_path / "job.json")],
                          env=environment, capture_output=True, text=True, timeout=120)

@@ -30,6 +30,7 @@ def _job_file(tmp_path: Path, dataset: Path, **distributed: int) -> Path:
 def _start(job: Path, home: Path, *args: str) -> subprocess.Popen[str]:
     environment = {k: v for k, v in os.environ.items() if not foreign(k)}
     environment["APIARY_HOME"] = str(home)
+    environment["APIARY_HTTP_PORT"] = "0"  # a free port: other tests run `apiary run` at the same time
     # Ctrl-C reaches the run as at a terminal, even where this test runs with SIGINT ignored.
     return subprocess.Popen(
         [sys.executable, "-m", "services.app.cli", "run", str(job), "--workers", "2", "--json", *args],

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _apiary(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not foreign(k)}
-    env.update({"APIARY_HOME": str(home), "PYTHONPATH": str(REPO)})
+    env.update({"APIARY_HOME": str(home), "PYTHONPATH": str(REPO), "APIARY_HTTP_PORT": "0"})
     return subprocess.run([sys.executable, "-m", "services.app.cli", "token", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
 

@@ -25,7 +25,7 @@ from apiary.db import Database
 from apiary.storage.local import LocalStorage
 from apiary.strategies.weighted_sum import WeightedSum
 from apiary.weights import dumps, loads
-from services.aggregator import Aggregator, rounds
+from services.aggregator import Aggregator, open_rounds
 from tests.fixtures.services import tap_aggregated
 
 JOB = "replicas"
@@ -176,7 +176,7 @@ async def test_a_timeout_racing_the_last_report_stores_the_result_it_announces(
 async def test_contributions_over_the_prefetch_limit_are_folded_one_at_a_time(
         database: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Every contribution counts as large here: the closing replica holds one at a time besides its sum
-    monkeypatch.setattr(rounds, "PREFETCH_MAX_BYTES", 100)
+    monkeypatch.setattr(open_rounds, "PREFETCH_MAX_BYTES", 100)
     cluster = Replicas(database, tmp_path)
     await cluster.start(min_workers=len(SAMPLES))
     for name, shard in ARRIVALS:

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from apiary import proof
-from apiary.contracts import WorkerDone, WorkerFailed, WorkerHeartbeat, WorkerProgress
+from apiary.contracts import RoundStart, WorkerDone, WorkerFailed, WorkerHeartbeat, WorkerProgress
 from apiary.db import Executor
 from services.tracker import store
 
@@ -45,8 +45,8 @@ DIGESTS_KEPT = 4096  # shards whose digests a tracker remembers
 
 
 class KnownDigests:
-    """Shards' digest rows a committed transaction read: round.start stores them once and nothing changes them, so
-    the round's other reports (result, failure, progress) need not read them again. A heartbeat's (the round's latest
+    """Shards' digest rows a committed transaction stored (round.start) or read: stored once, never changed, so the
+    round's reports (result, failure, progress) need not read them again. A heartbeat's (the round's latest
     attempt, which a new attempt changes) is never kept."""
 
     def __init__(self) -> None:
@@ -63,6 +63,13 @@ class KnownDigests:
                 self._rows[shard] = row
         while len(self._rows) > DIGESTS_KEPT:
             del self._rows[next(iter(self._rows))]
+
+
+def announced(start: RoundStart) -> list[tuple[ShardKey, Mapping[str, Any]]]:
+    """The digest rows a round.start stores, by shard (a round attempt announces them once, in its one round.start:
+    the rows its reports would read back)."""
+    return [((start.job_id, start.round, start.attempt, shard), {"secret_digest": secret, "progress_digest": token})
+            for shard, (secret, token) in store.announced_digests(start).items()]
 
 
 async def forged(tx: Executor, report: WorkerReport, user_id: str | None, ts: float,

@@ -12,7 +12,7 @@ from typing import Any
 
 from apiary.bus import Delivery, Poison, Raw
 from apiary.component import Component
-from apiary.contracts import DecodeError, PresencePace, WorkerHeartbeat, decode_body
+from apiary.contracts import DecodeError, PresencePace, RoundStart, WorkerHeartbeat, decode_body
 from apiary.db import Executor
 from apiary.db.group import GroupCommit
 from apiary.http_server import HttpServer
@@ -148,6 +148,9 @@ class Tracker(Component):
             await view(tx, event, ts)
         except ValueError as e:
             raise Poison(f"{key} message lacks what the tracker needs: {e}") from e
+        if isinstance(event, RoundStart):
+            # The digests its view stored, known once this commits: the round's reports need not read them back.
+            self._read.setdefault(id(arrival), []).extend(forgery.announced(event))
         if isinstance(event, WorkerHeartbeat):
             self._beats.keep(beat_of(event, ts))  # its worker's row, with the next batched write
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from apiary.component import to_json
-from apiary.contracts import ReportForged, WorkerDone, WorkerFailed, WorkerHeartbeat, WorkerProgress
+from apiary.contracts import ReportForged, RoundStart, WorkerDone, WorkerFailed, WorkerHeartbeat, WorkerProgress
 from apiary.db import Executor
 
 ShardReport = WorkerProgress | WorkerDone | WorkerFailed
@@ -159,6 +159,12 @@ async def running_round_ended(tx: Executor, job_id: str, status: str, reason: st
         "UPDATE round_views SET status = $2, reason = $3, ended_at = $4 WHERE job_id = $1 AND status = 'running'",
         job_id, status, reason, ts,
     )
+
+
+def announced_digests(start: RoundStart) -> dict[int, tuple[str, str]]:
+    """Each shard's (secret digest, progress-token digest) as a round.start announces them; a shard it announced no
+    digest for stores '': no report can prove it."""
+    return {s: (start.secret_digests.get(s, ""), start.progress_digests.get(s, "")) for s in start.shards}
 
 
 async def round_started(tx: Executor, job_id: str, round_index: int, attempt: int,

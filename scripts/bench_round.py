@@ -12,7 +12,7 @@ Reference (from the issue, same machines): Flower 1.42's simulation engine, 0.10
 0.21 s (K=16) per round for this model; the goal is a quarter of that or less.
 
 Usage: python scripts/bench_round.py [--k 4 16] [--rounds 20] [--storage s3|file] [--flower-python PY]
-                                    [--against REF [--pairs N]] [--metrics-pairs N]
+                                    [--against REF [--pairs N]]
 
 With --flower-python (a Python that has flwr[simulation], see scripts/bench_flower.py), Flower's
 figures are measured in the same session, first, and are the reference; without it, the issue's.
@@ -21,11 +21,6 @@ With --against REF (a commit), the same benchmark of that commit's code (its own
 worktree) runs beside this one's, in N pairs, alternating which goes first; it prints each pair's
 medians and, per K, the median of the pairs' ratios this/REF: on a shared machine only pairs measured
 back to back compare.
-
-With --metrics-pairs N, the cost of operational metrics: for each K, N pairs of runs of this code with
-APIARY_METRICS unset and =prometheus (every process's /metrics on a port of its own), alternating which goes
-first; it prints the Apiary processes' CPU per round (rounds 2..R) and the median round time of each, and the
-median of the pairs' ratios on/off.
 """
 
 from __future__ import annotations
@@ -33,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import inspect
 import json
 import os
 import statistics
@@ -57,7 +53,10 @@ from tests.toyjobs.toy import make_dataset  # noqa: E402
 AMQP = os.environ.get("APIARY_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 POSTGRES = os.environ.get("APIARY_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 FLOWER = {4: 0.10, 16: 0.21}
-BREAKDOWN = bool(os.environ.get("APIARY_BENCH_BREAKDOWN"))
+BREAKDOWN = bool(os.environ.get("APIARY_BENCH_BREAKDOWN"))  # each round's timeline, and CPU per process kind
+CPU = BREAKDOWN  # CPU per process kind (always with --against)
+CPU_LINE = "  CPU ms per round"
+LAST_CPU: dict[str, float] = {}  # the last run's CPU ms per round by process kind
 MOTO: list[subprocess.Popen[bytes]] = []
 
 
@@ -72,20 +71,31 @@ def admin(sql: str) -> None:
     asyncio.run(run())
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process and its live children (Linux /proc)."""
+def _children(pid: int) -> list[int]:
+    """The live children of a process, whichever of its threads started them (a worker starts its training
+    child from a thread)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+def _cpu_seconds(pid: int, children: bool = True) -> float:
+    """User + system CPU of a process and (unless `children` is False) of its live descendants (Linux /proc)."""
     tick = os.sysconf("SC_CLK_TCK")
-    pids = [pid]
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    if children.exists():
-        pids += [int(p) for p in children.read_text().split()]
-    total = 0.0
-    for p in pids:
+    pids, total = [pid], 0.0
+    while pids:
+        p = pids.pop()
         try:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         total += (int(fields[11]) + int(fields[12])) / tick
+        if children:
+            pids += _children(p)
     return total
 
 
@@ -116,8 +126,13 @@ def cpu_snapshot(processes: dict[str, subprocess.Popen[bytes]]) -> dict[str, dic
     (one process per connection), and the whole machine (pid 0)."""
     cpu: dict[str, dict[int, float]] = {}
     for name, process in processes.items():
-        kind = "worker" if name.startswith("worker") else name
-        cpu.setdefault(kind, {})[process.pid] = _cpu_seconds(process.pid)
+        if name.startswith("worker"):
+            # The worker's process alone, and its training child (the user's code, fed over a pipe) apart.
+            alone = _cpu_seconds(process.pid, children=False)
+            cpu.setdefault("worker", {})[process.pid] = alone
+            cpu.setdefault("trainer", {})[process.pid] = _cpu_seconds(process.pid) - alone
+        else:
+            cpu.setdefault(name, {})[process.pid] = _cpu_seconds(process.pid)
     servers = _cpu_by_command(("beam.smp", "postgres"))
     cpu["rabbitmq"], cpu["postgresql"] = servers["beam.smp"], servers["postgres"]
     cpu["machine"] = {0: _machine_busy_seconds()}
@@ -131,13 +146,28 @@ def cpu_spent(before: dict[str, dict[int, float]], after: dict[str, dict[int, fl
             for kind, pids in after.items()}
 
 
-APIARY_KINDS = ("scheduler", "sharder", "aggregator", "tracker", "worker")
+def _wait_row(database_url: str, sql: str, *args: Any, timeout: float = 600) -> None:
+    """Poll one connection every 20 ms until `sql` returns a row (a new connection per poll would cost the
+    database more CPU than the query, and a long interval would count the services' idle CPU)."""
+
+    async def wait() -> None:
+        conn = await asyncpg.connect(database_url)
+        try:
+            deadline = time.monotonic() + timeout
+            while await conn.fetchrow(sql, *args) is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no row from {sql} {args} after {timeout} s")
+                await asyncio.sleep(0.02)
+        finally:
+            await conn.close()
+
+    asyncio.run(wait())
 
 
-def run(k: int, rounds: int, tmp: Path, endpoint: str, storage: str = "s3", env: dict[str, str] | None = None,
-        cpu_out: dict[str, float] | None = None) -> list[float]:
-    """The round times (round 2 on) of one benchmark job, its processes started with `env` too; with `cpu_out`,
-    fills it with the CPU seconds per round (rounds 2..R) by process kind."""
+def run(k: int, rounds: int, tmp: Path, endpoint: str, storage: str = "s3",
+        env: dict[str, str] | None = None) -> list[float]:
+    """The durations of rounds 2..N, the processes started with `env` too; with CPU, the CPU ms per round each
+    process kind spent is in LAST_CPU."""
     db = f"apiary_bench_{uuid.uuid4().hex[:8]}"
     admin(f'CREATE DATABASE "{db}"')
     exchange = f"apiary_bench_{uuid.uuid4().hex[:8]}"
@@ -156,11 +186,13 @@ def run(k: int, rounds: int, tmp: Path, endpoint: str, storage: str = "s3", env:
             "distributed": {"num_rounds": rounds, "min_workers": k, "max_workers": k, "aggregation_timeout": 600},
         })
         before: dict[str, dict[int, float]] = {}
-        if BREAKDOWN or cpu_out is not None:
-            # CPU per round from round 2 on: round 1 pays imports and shard downloads.
-            cluster.wait_for(lambda: cluster.query(
-                "SELECT 1 FROM rounds WHERE job_id = $1 AND round = 2", job_id), 300, "round 2", interval=0.1)
+        if CPU:
+            # CPU per round from round 2 on (round 1 pays imports and shard downloads) to the job's end.
+            _wait_row(cluster.database_url, "SELECT 1 FROM rounds WHERE job_id = $1 AND round = 2", job_id)
             before = cpu_snapshot({**cluster.processes, "moto": MOTO[0]} if MOTO else cluster.processes)
+            _wait_row(cluster.database_url, "SELECT 1 FROM jobs WHERE job_id = $1 AND status = ANY($2::text[])",
+                      job_id, ["completed", "failed", "cancelled", "rejected"])
+            after = cpu_snapshot({**cluster.processes, "moto": MOTO[0]} if MOTO else cluster.processes)
         # Polled rarely: each poll is a new PostgreSQL connection, CPU the rounds would compete with.
         job = cluster.wait_job(job_id, timeout=600, interval=3)
         if job["status"] != "completed":
@@ -180,14 +212,16 @@ def run(k: int, rounds: int, tmp: Path, endpoint: str, storage: str = "s3", env:
                       f" last +{(got[-1] - start) * 1000:.0f} ms, closed +{(closed[i] - start) * 1000:.0f} ms"
                       + (f", next round +{(nxt - start) * 1000:.0f} ms" if nxt else ""))
         end = cluster.query("SELECT updated_at FROM jobs WHERE job_id = $1", job_id)[0]["updated_at"]
-        if BREAKDOWN or cpu_out is not None:
-            after = cpu_snapshot({**cluster.processes, "moto": MOTO[0]} if MOTO else cluster.processes)
+        LAST_CPU.clear()
+        if CPU:
             per_round = {kind: spent / max(1, len(starts) - 1) for kind, spent in cpu_spent(before, after).items()}
-            if cpu_out is not None:
-                cpu_out.update(per_round)
-        if BREAKDOWN:
-            print("  CPU ms per round (rounds 2..N; 2 cores give 2000 ms per wall second):",
-                  ", ".join(f"{k} {v * 1000:.0f}" for k, v in sorted(per_round.items(), key=lambda kv: -kv[1])))
+            print(f"{CPU_LINE} (rounds 2..N; 2 cores give 2000 ms per wall second):",
+                  ", ".join(f"{kind} {v * 1000:.0f}" for kind, v in sorted(per_round.items(), key=lambda kv: -kv[1])),
+                  flush=True)
+            print(f"  CPU ms per contribution (per round / K={k}):",
+                  ", ".join(f"{kind} {v * 1000 / k:.1f}" for kind, v in sorted(per_round.items(), key=lambda kv: -kv[1])
+                            if kind != "machine"), flush=True)
+            LAST_CPU.update({kind: v * 1000 for kind, v in per_round.items()})
         return [b - a for a, b in zip(starts, [*starts[1:], end], strict=True)][1:]
     finally:
         cluster.stop_all()
@@ -263,47 +297,96 @@ def checkout(ref: str, folder: Path) -> Path:
     return tree
 
 
-def run_other(tree: Path, k: int, rounds: int, storage: str) -> float:
-    """Median round time of the benchmark in another checkout (its own script and code), in seconds."""
+# Runs another checkout's bench_round.py with this one's CPU accounting (its training child counted, and apart).
+_OTHER = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("bench_round_other", sys.argv[1])
+other = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(other)
+exec(sys.argv[2], other.__dict__)
+sys.argv = [sys.argv[1], *sys.argv[3:]]
+other.main()
+"""
+
+
+def run_other(tree: Path, k: int, rounds: int, storage: str) -> tuple[float, dict[str, float]]:
+    """Median round time of the benchmark in another checkout (its own script and code), in seconds, and its CPU
+    milliseconds per round by process kind (empty without APIARY_BENCH_BREAKDOWN)."""
     env = {**os.environ, "PYTHONPATH": f"{tree / 'shared'}{os.pathsep}{tree}"}
-    out = subprocess.run([sys.executable, str(tree / "scripts" / "bench_round.py"), "--k", str(k), "--rounds",
-                          str(rounds), "--storage", storage], cwd=tree, env=env, capture_output=True, text=True,
-                         timeout=3600, check=False)
+    # Its run measured as here (its processes' CPU counted the same way, from round 2 to the job's end), its
+    # S3 floor left out (as here).
+    accounting = "\n\n".join([
+        "from __future__ import annotations",
+        f"CPU, CPU_LINE, LAST_CPU = True, {CPU_LINE!r}, {{}}",
+        *(inspect.getsource(f) for f in (_children, _cpu_seconds, cpu_snapshot, _wait_row, run)),
+        "def storage_floor(*args, **kwargs):\n    return 1.0, 0.0\n"])
+    out = subprocess.run([sys.executable, "-c", _OTHER, str(tree / "scripts" / "bench_round.py"), accounting,
+                          "--k", str(k), "--rounds", str(rounds), "--storage", storage], cwd=tree, env=env,
+                         capture_output=True, text=True, timeout=3600, check=False)
     if out.returncode != 0 or not out.stdout.strip():
         raise RuntimeError(f"bench_round.py of {tree.name} failed ({out.returncode}): {out.stderr.strip()[-2000:]}")
-    return float(json.loads(out.stdout.strip().splitlines()[-1])[str(k)]["median_s"])
+    cpu: dict[str, float] = {}
+    for line in out.stdout.splitlines():
+        if line.startswith(CPU_LINE):
+            items = (item.rsplit(" ", 1) for item in line.split(":", 1)[1].split(", "))
+            cpu = {kind.strip(): float(v) for kind, v in items}
+    return float(json.loads(out.stdout.strip().splitlines()[-1])[str(k)]["median_s"]), cpu
 
 
 def paired(args: argparse.Namespace, endpoint: str, tmp: Path) -> dict[int, dict[str, Any]]:
-    """`args.pairs` pairs of runs, this code and `args.against`'s, for each K; each pair's medians and ratio."""
-    tree = checkout(args.against, tmp)
-    pairs: dict[int, list[tuple[float, float]]] = {k: [] for k in args.k}
+    """`args.pairs` groups of runs, this code and each `args.against` commit's, for each K, the order rotating from
+    one group to the next; each group's medians and ratios this/REF, and the CPU each process kind spent per
+    contribution (median over the groups)."""
+    trees = {ref: checkout(ref, tmp) for ref in args.against}
+    names = ["this", *args.against]
+    medians: dict[int, dict[str, list[float]]] = {k: {name: [] for name in names} for k in args.k}
+    cpus: dict[int, dict[str, list[dict[str, float]]]] = {k: {name: [] for name in names} for k in args.k}
 
-    def ours(k: int) -> float:
-        return statistics.median(run(k, args.rounds, tmp, endpoint, args.storage))
+    def measure(name: str, k: int) -> tuple[float, dict[str, float]]:
+        if name == "this":
+            durations = run(k, args.rounds, tmp, endpoint, args.storage)
+            return statistics.median(durations), dict(LAST_CPU)
+        return run_other(trees[name], k, args.rounds, args.storage)
 
     try:
         for i in range(args.pairs):
             for k in args.k:
-                if i % 2 == 0:
-                    new = ours(k)
-                    old = run_other(tree, k, args.rounds, args.storage)
-                else:
-                    old = run_other(tree, k, args.rounds, args.storage)
-                    new = ours(k)
-                pairs[k].append((new, old))
-                print(f"pair {i + 1} K={k}: this {new * 1000:.1f} ms, {args.against} {old * 1000:.1f} ms,"
-                      f" ratio {new / old:.3f}", flush=True)
+                order = names[i % len(names):] + names[:i % len(names)]
+                for name in order:
+                    median, cpu = measure(name, k)
+                    medians[k][name].append(median)
+                    cpus[k][name].append(cpu)
+                print(f"group {i + 1} K={k}: " + ", ".join(
+                    f"{name} {medians[k][name][-1] * 1000:.1f} ms" for name in names) + "; ratios " + ", ".join(
+                    f"this/{ref} {medians[k]['this'][-1] / medians[k][ref][-1]:.3f}" for ref in args.against),
+                    flush=True)
     finally:
-        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
-    summary = {}
-    for k, measured in pairs.items():
-        ratio = statistics.median(new / old for new, old in measured)
-        summary[k] = {"this_s": round(statistics.median(n for n, _ in measured), 4),
-                      "against_s": round(statistics.median(o for _, o in measured), 4), "ratio": round(ratio, 3)}
-        print(f"K={k}: this {summary[k]['this_s'] * 1000:.1f} ms, {args.against} {summary[k]['against_s'] * 1000:.1f}"
-              f" ms (medians of {len(measured)} pairs); median ratio this/{args.against} {ratio:.3f}", flush=True)
+        for tree in trees.values():
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
+    summary: dict[int, dict[str, Any]] = {}
+    for k in args.k:
+        ms = medians[k]
+        summary[k] = {f"{name}_s": round(statistics.median(ms[name]), 4) for name in names}
+        for ref in args.against:
+            ratios = sorted(new / old for new, old in zip(ms["this"], ms[ref], strict=True))
+            summary[k][f"ratio_{ref}"] = round(statistics.median(ratios), 3)
+            print(f"K={k}: this {summary[k]['this_s'] * 1000:.1f} ms, {ref} {summary[k][f'{ref}_s'] * 1000:.1f} ms"
+                  f" (medians of {len(ratios)} runs); ratio this/{ref} median {statistics.median(ratios):.3f}"
+                  f" (min {ratios[0]:.3f}, max {ratios[-1]:.3f})", flush=True)
+        kinds = sorted({kind for name in names for cpu in cpus[k][name] for kind in cpu if kind != "machine"})
+        if kinds:
+            print(f"  K={k} CPU ms per contribution (median over runs; rabbitmq and postgresql are the servers'"
+                  " whole CPU, other clients' included):", flush=True)
+            for name in names:
+                per = {kind: statistics.median(cpu.get(kind, 0.0) for cpu in cpus[k][name]) / k for kind in kinds}
+                summary[k][f"{name}_cpu_ms_per_contribution"] = {kind: round(v, 2) for kind, v in per.items()}
+                print(f"    {name:>12}: " + ", ".join(f"{kind} {v:.1f}" for kind, v in per.items())
+                      + f", total {sum(per.values()):.1f}", flush=True)
     return summary
+
+
+# The processes whose CPU is Apiary's own (not moto's, RabbitMQ's or PostgreSQL's).
+APIARY_KINDS = ("scheduler", "sharder", "aggregator", "tracker", "worker", "trainer")
 
 
 def metrics_cost(args: argparse.Namespace, endpoint: str, tmp: Path) -> dict[int, dict[str, Any]]:
@@ -316,9 +399,9 @@ def metrics_cost(args: argparse.Namespace, endpoint: str, tmp: Path) -> dict[int
         for i in range(args.metrics_pairs):
             measured = {}
             for label in (("off", "on") if i % 2 == 0 else ("on", "off")):
-                cpu: dict[str, float] = {}
-                durations = run(k, args.rounds, tmp, endpoint, args.storage, on if label == "on" else None, cpu)
-                measured[label] = (sum(cpu.get(kind, 0.0) for kind in APIARY_KINDS), statistics.median(durations))
+                durations = run(k, args.rounds, tmp, endpoint, args.storage, on if label == "on" else None)
+                cpu_ms = sum(LAST_CPU.get(kind, 0.0) for kind in APIARY_KINDS)
+                measured[label] = (cpu_ms / 1000, statistics.median(durations))
             (cpu_off, round_off), (cpu_on, round_on) = measured["off"], measured["on"]
             pairs.append((cpu_on / cpu_off, round_on / round_off))
             print(f"pair {i + 1} K={k}: Apiary CPU per round off {cpu_off * 1000:.1f} ms, on {cpu_on * 1000:.1f} ms"
@@ -334,6 +417,7 @@ def metrics_cost(args: argparse.Namespace, endpoint: str, tmp: Path) -> dict[int
 
 
 def main() -> None:
+    global CPU
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--k", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--rounds", type=int, default=20)
@@ -341,8 +425,9 @@ def main() -> None:
     parser.add_argument("--storage", choices=["s3", "file"], default="s3",
                         help="s3: moto's S3 server (the benchmark); file: a shared local folder, to see what "
                              "the rest of the system costs without S3 requests")
-    parser.add_argument("--against", metavar="REF", help="a commit whose code runs the same benchmark in pairs")
-    parser.add_argument("--pairs", type=int, default=3, help="with --against: pairs of runs per K")
+    parser.add_argument("--against", metavar="REF", nargs="+",
+                        help="commits whose code runs the same benchmark beside this one's, in groups")
+    parser.add_argument("--pairs", type=int, default=3, help="with --against: groups of runs per K")
     parser.add_argument("--metrics-pairs", type=int, default=0,
                         help="pairs of runs per K with operational metrics off and on (APIARY_METRICS=prometheus)")
     args = parser.parse_args()
@@ -361,9 +446,11 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="apiary-bench-") as tmp:
             if args.against:
+                CPU = True
                 print(json.dumps(paired(args, endpoint, Path(tmp))))
                 return
             if args.metrics_pairs:
+                CPU = True
                 print(json.dumps(metrics_cost(args, endpoint, Path(tmp))))
                 return
             for k in args.k:

@@ -72,8 +72,11 @@ class RoundCloser:
         failed = RoundFailed(job_id=job_id, round=round_index, attempt=attempt, reason=reason,
                              reported=reported, required=state.round.min_workers)
         async with self._store.db.transaction() as tx:
-            if await self._store.close(tx, state.key, RoundStatus.FAILED, reason=reason):
+            closed = await self._store.close(tx, state.key, RoundStatus.FAILED, reason=reason)
+            if closed:
                 await self._outbox.add(tx, failed)
+        if closed:
+            self._rounds.remember_closed(state.key, RoundStatus.FAILED)
         self._rounds.drop(state.key)
         await self._outbox.flush()
 
@@ -111,6 +114,7 @@ class RoundCloser:
                 trained_by={r["shard"]: r["worker_id"] for r in accepted},
             )
             await self._outbox.add(tx, done)
+        self._rounds.remember_closed(state.key, RoundStatus.AGGREGATED)
         self._rounds.remember_spec(ref, spec_of(data))
         self._rounds.remember_state(job_id, round_index, state_key)
         log.info("job %s: round %d aggregated from %d shards (%d samples)%s", job_id, round_index,

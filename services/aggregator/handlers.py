@@ -150,7 +150,7 @@ class Aggregator(Component):
         (it waits for that job's lock there, say, behind the close of the round before), and the database is all
         the replicas share. A round still missing then never started: `_judge` records the report as an orphan."""
         key = (event.job_id, event.round, event.attempt)
-        if self._rounds.held(key) is not None:
+        if self._rounds.held(key) is not None or self._rounds.closed(key):
             return
 
         async def stored() -> bool:

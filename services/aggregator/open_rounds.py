@@ -10,7 +10,7 @@ from typing import Any
 
 from apiary.component import from_json
 from apiary.contracts import ObjectRef
-from apiary.status import ContributionStatus
+from apiary.status import ContributionStatus, RoundStatus
 from apiary.storage import Storage
 from apiary.strategies.base import Contribution, create
 from apiary.strategies.private import private
@@ -39,6 +39,9 @@ class OpenRounds:
         self._rounds: dict[RoundKey, RoundState] = {}
         self._specs: dict[tuple[str, str], WeightSpec] = {}
         self._states: dict[tuple[str, int], str | None] = {}  # (job, round) -> its strategy state's key
+        # Rounds this aggregator closed (a closed row never opens again): the reports still on their way for them
+        # (a commit group's other handlers, stragglers) are judged late without reading the row back.
+        self._closed: dict[RoundKey, RoundStatus] = {}
 
     def keys(self) -> list[RoundKey]:
         """(job, round, attempt) of each round held."""
@@ -57,6 +60,9 @@ class OpenRounds:
         if state is not None:
             return state
         self.drop(key)
+        closed = self._closed.get(key)
+        if closed is not None:
+            return Verdict(ContributionStatus.LATE, f"round already {closed}")
         row = await self._store.aggregation(*key)
         verdict = judge_round(row)
         if verdict is not None:
@@ -67,6 +73,16 @@ class OpenRounds:
     def drop(self, key: RoundKey) -> None:
         """Forget a round's state (it is recovered from the tables and storage if needed again)."""
         self._rounds.pop(key, None)
+
+    def closed(self, key: RoundKey) -> bool:
+        """Whether this aggregator closed the round."""
+        return key in self._closed
+
+    def remember_closed(self, key: RoundKey, status: RoundStatus) -> None:
+        """The round's row was closed here, as `status`, and committed (the least recent goes beyond SPEC_CACHE)."""
+        self._closed[key] = status
+        while len(self._closed) > SPEC_CACHE:
+            del self._closed[next(iter(self._closed))]
 
     def drop_job(self, job_id: str) -> None:
         """Forget every round of a job."""

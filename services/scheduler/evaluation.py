@@ -116,6 +116,12 @@ def history(rule: EarlyStopping, by_evaluation: bool, rounds: Mapping[int, Mappi
     return seen, None
 
 
+def may_end(spec: JobSpec, last_round_aggregated: bool) -> bool:
+    """Whether `ending` can end the job once a round aggregated: an early-stopping rule may stop it, or the round
+    was its last (a job without a rule ends only after its last round)."""
+    return spec.distributed.early_stopping is not None or last_round_aggregated
+
+
 def ending(spec: JobSpec, last_round: int | None, by_evaluation: bool, rounds: Mapping[int, Mapping[str, float]],
            evaluations: Sequence[Evaluation]) -> Ending | None:
     """Whether the job ends now, and how: stopped early, failed for a metric no round reports, or completed

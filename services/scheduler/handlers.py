@@ -44,7 +44,16 @@ from apiary.storage import ObjectNotFound, Storage
 from apiary.weights import WeightsError
 from services.scheduler import endings, store, task_proofs
 from services.scheduler.commands import JobCommands
-from services.scheduler.evaluation import DONE, FAILED, NONE, PENDING, evaluation_due, planned_rounds, task_timeout
+from services.scheduler.evaluation import (
+    DONE,
+    FAILED,
+    NONE,
+    PENDING,
+    evaluation_due,
+    may_end,
+    planned_rounds,
+    task_timeout,
+)
 from services.scheduler.finishing import JobFinisher
 from services.scheduler.initial_and_final import checked_initial_weights, initial_weights, no_initial_weights
 from services.scheduler.job_machine import Next, after_aggregated, after_failed, is_current, too_many_failures
@@ -229,7 +238,9 @@ class SchedulerHandlers:
             # Queued after the next round's assignments: a worker takes its training first.
             if evaluation_due(spec, event.round, job.evaluates):
                 await self._queue_evaluation(tx, event.job_id, spec, event.round, event.attempt, event.weights)
-        await self._finisher.settle(event.job_id)
+        if may_end(spec, decision.next is Next.FINISH):
+            # Read back before the next round's assignments go out: skipped where nothing can end the job yet.
+            await self._finisher.settle(event.job_id)
 
     async def _queue_evaluation(self, tx: Executor, job_id: str, spec: JobSpec, round_index: int, attempt: int,
                                 weights: ObjectRef) -> None:

@@ -87,9 +87,7 @@ async def _job_rejected(tx: Executor, e: JobRejected, ts: float) -> None:
 async def _round_start(tx: Executor, e: RoundStart, ts: float) -> None:
     await store.ensure_job(tx, e.job_id, ts)
     await store.job_running(tx, e.job_id, e.round, e.attempt, e.num_rounds, ts)
-    # A shard the round announced no digest for stores '': no report can prove it.
-    digests = {s: (e.secret_digests.get(s, ""), e.progress_digests.get(s, "")) for s in e.shards}
-    await store.round_started(tx, e.job_id, e.round, e.attempt, digests, ts)
+    await store.round_started(tx, e.job_id, e.round, e.attempt, store.announced_digests(e), ts)
     await store.job_strategy(tx, e.job_id, e.strategy, e.strategy_params)
 
 

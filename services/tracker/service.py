@@ -12,7 +12,7 @@ from typing import Any
 
 from apiary.bus import Delivery, Poison, Raw
 from apiary.component import Component
-from apiary.contracts import DecodeError, PresencePace, WorkerHeartbeat, decode_body
+from apiary.contracts import DecodeError, PresencePace, RoundStart, WorkerHeartbeat, decode_body
 from apiary.db import Executor
 from apiary.db.group import GroupCommit
 from apiary.http_server import HttpServer
@@ -50,6 +50,8 @@ class Tracker(Component):
         self._commits = GroupCommit(self.db, self._apply, after=self._notify)
         self._beats = Heartbeats(self.db, after=self._notify)
         self._beat_writer: asyncio.Task[None] | None = None
+        self._digests = forgery.KnownDigests()
+        self._read: dict[int, list[tuple[forgery.ShardKey, Any]]] = {}  # by id(arrival): digest rows it read
         self.changed = asyncio.Condition()
         # Bumped with every notification, so a waiter can tell whether it missed one.
         self.version = 0
@@ -137,7 +139,12 @@ class Tracker(Component):
                 # A beat naming no shard changes only its worker's row: kept for the next batched write.
                 self._beats.keep(beat_of(event, now))
                 return
-        await self._commits.submit(Arrival(key, body, event, now, delivery.user_id))
+        arrival = Arrival(key, body, event, now, delivery.user_id)
+        try:
+            await self._commits.submit(arrival)
+        finally:
+            read = self._read.pop(id(arrival), [])
+        self._digests.keep(read)  # read in a transaction that committed
 
     async def _apply(self, tx: Executor, arrival: Arrival) -> None:
         """Log one event and apply it to the views, in the group commit's transaction (a forged worker
@@ -148,13 +155,17 @@ class Tracker(Component):
             round_index = body.get("round") if isinstance(body.get("round"), int) else None
             await store.record_event(tx, ts, key, job_id, round_index, summary(key, body))
         view = VIEWS.get(key)
-        if view is None or (isinstance(event, WorkerReport) and await forgery.forged(tx, event, arrival.user_id, ts)):
+        if view is None or (isinstance(event, WorkerReport) and await forgery.forged(
+                tx, event, arrival.user_id, ts, self._digests, self._read.setdefault(id(arrival), []))):
             return
         try:
             await view(tx, event, ts)
         except ValueError as e:
             raise Poison(f"{key} message lacks what the tracker needs: {e}") from e
         self.experiments.hear(key, event, ts)
+        if isinstance(event, RoundStart):
+            # The digests its view stored, known once this commits: the round's reports need not read them back.
+            self._read.setdefault(id(arrival), []).extend(forgery.announced(event))
         if isinstance(event, WorkerHeartbeat):
             self._beats.keep(beat_of(event, ts))  # its worker's row, with the next batched write
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from apiary.component import to_json
-from apiary.contracts import ReportForged, WorkerDone, WorkerFailed, WorkerHeartbeat, WorkerProgress
+from apiary.contracts import ReportForged, RoundStart, WorkerDone, WorkerFailed, WorkerHeartbeat, WorkerProgress
 from apiary.db import Executor
 
 ShardReport = WorkerProgress | WorkerDone | WorkerFailed
@@ -161,6 +161,12 @@ async def running_round_ended(tx: Executor, job_id: str, status: str, reason: st
     )
 
 
+def announced_digests(start: RoundStart) -> dict[int, tuple[str, str]]:
+    """Each shard's (secret digest, progress-token digest) as a round.start announces them; a shard it announced no
+    digest for stores '': no report can prove it."""
+    return {s: (start.secret_digests.get(s, ""), start.progress_digests.get(s, "")) for s in start.shards}
+
+
 async def round_started(tx: Executor, job_id: str, round_index: int, attempt: int,
                         shards: dict[int, tuple[str, str]], ts: float) -> None:
     """A round started on these shards, each with its (secret digest, progress-token digest) as round.start
@@ -288,16 +294,15 @@ class WorkerSeen:
 
 async def touch_worker(tx: Executor, seen: WorkerSeen) -> None:
     """A worker was seen: online, in its state, on its shard (none when not given), of its kind."""
+    # One statement (a report's transaction runs several): its row made, or every field it names set.
     await tx.execute(
-        "INSERT INTO workers (worker_id, hostname, status, state, first_seen, last_seen)"
-        " VALUES ($1, $2, 'online', $3, $4, $4) ON CONFLICT DO NOTHING",
-        seen.worker_id, seen.hostname, seen.state, seen.ts,
-    )
-    await tx.execute(
-        "UPDATE workers SET status = 'online', state = COALESCE($2, state), hostname = COALESCE($3, hostname),"
-        " job_id = $4, round = $5, shard = $6, gpu = COALESCE($7, gpu),"
-        " samples_per_s = COALESCE($8, samples_per_s), last_seen = $9, kind = COALESCE($10, kind)"
-        " WHERE worker_id = $1",
+        "INSERT INTO workers (worker_id, state, hostname, job_id, round, shard, gpu, samples_per_s, last_seen, kind,"
+        " status, first_seen) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'online', $9)"
+        " ON CONFLICT (worker_id) DO UPDATE SET status = 'online', state = COALESCE(excluded.state, workers.state),"
+        " hostname = COALESCE(excluded.hostname, workers.hostname), job_id = excluded.job_id,"
+        " round = excluded.round, shard = excluded.shard, gpu = COALESCE(excluded.gpu, workers.gpu),"
+        " samples_per_s = COALESCE(excluded.samples_per_s, workers.samples_per_s),"
+        " last_seen = excluded.last_seen, kind = COALESCE(excluded.kind, workers.kind)",
         seen.worker_id, seen.state, seen.hostname, seen.job_id, seen.round, seen.shard, seen.gpu,
         seen.samples_per_s, seen.ts, seen.kind,
     )

@@ -89,7 +89,9 @@ async def code_for(cache: BundleCache, a: Assignment) -> Path | None:
     requirements = a.requirements
     if requirements is None and folder is not None and (folder / bundle.REQUIREMENTS_FILE).is_file():
         requirements = bundle.parse_requirements((folder / bundle.REQUIREMENTS_FILE).read_text(errors="replace"))
-    unmet = await asyncio.to_thread(bundle.unmet_requirements, requirements or [])
+    # Read in a thread (importlib.metadata walks the environment's folders); most jobs declare none, and their
+    # assignments skip that hop on the way to their downloads.
+    unmet = await asyncio.to_thread(bundle.unmet_requirements, requirements) if requirements else []
     if unmet:
         raise BundleError(f"requirement not met on this worker: {'; '.join(unmet)} (nothing is installed at run "
                           "time: run the job on workers whose image provides it)")

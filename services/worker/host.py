@@ -68,7 +68,9 @@ class Workspace:
         self.out_dir = self.work / "out"
 
     def clear_outputs(self) -> None:
-        """Empty the output folder left by the previous round."""
+        """Empty the output folder left by the previous round, and remove its trained result: the child renames
+        this round's to a free name (see `transfers.fetch_weights`)."""
+        self.result.unlink(missing_ok=True)
         if self.out_dir.is_dir() and any(self.out_dir.iterdir()):
             shutil.rmtree(self.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)

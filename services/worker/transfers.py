@@ -61,7 +61,11 @@ async def fetch_records(a: Assignment, job_dir: Path) -> Path:
 
 
 def fetch_weights(a: Assignment, target: Path) -> asyncio.Future[None]:
-    """Start downloading the round's global weights to `target`."""
+    """Start downloading the round's global weights to `target`, the previous round's removed first: a file renamed
+    over an existing one makes ext4 write the new file's data out before the rename returns (auto_da_alloc), 4-15 ms
+    on this machine where a rename to a free name takes 0.1 ms (the trained result likewise:
+    `Workspace.clear_outputs`)."""
+    target.unlink(missing_ok=True)
     return asyncio.ensure_future(transfer.download(a.weights_url, target, a.weights_sha256, deadline=a.deadline))
 
 

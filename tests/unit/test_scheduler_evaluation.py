@@ -17,6 +17,7 @@ from services.scheduler.evaluation import (
     final_metrics,
     history,
     judged_by_evaluation,
+    may_end,
     task_worker,
 )
 
@@ -64,6 +65,18 @@ def test_the_job_completes_once_its_last_round_and_evaluations_are_in() -> None:
     done = [Evaluation(1, DONE, {"acc": 0.5}), Evaluation(2, DONE, {"acc": 0.7})]
     assert ending(spec, 2, True, rounds, done) == Ending(2, 2)
     assert ending(spec, None, True, {1: rounds[1]}, done[:1]) is None  # the last round has not aggregated
+
+
+def test_only_a_rule_or_the_last_round_can_end_a_job_after_a_round() -> None:
+    # Prepare: a job without an early-stopping rule and one with, each with any round's metrics and evaluations
+    plain, stopping = _spec(), _spec(early_stopping={"metric": "loss", "patience": 1})
+    histories = [({}, []), ({1: {"loss": 0.5}, 2: {"loss": 0.9}}, [Evaluation(1, DONE, {"acc": 0.5})]),
+                 ({1: {"loss": 1.0}}, [Evaluation(1, FAILED, {}, "x"), Evaluation(2, PENDING, {})])]
+    # Execute / Assert: where may_end says no, ending has nothing to say whatever the history
+    assert not may_end(plain, False)
+    assert all(ending(plain, None, by, rounds, evaluations) is None
+               for rounds, evaluations in histories for by in (True, False))
+    assert may_end(plain, True) and may_end(stopping, False) and may_end(stopping, True)
 
 
 def test_a_failed_last_evaluation_is_the_reason_of_a_completed_job() -> None:

@@ -17,13 +17,15 @@ Data = Callable[[int], Path]
 
 
 def test_duplicated_and_late_worker_done_are_recorded_and_never_counted(
-        faults: Faults, toy_data: Data, outcome: Record) -> None:
+        faults: Faults, toy_data: Data, outcome: Record, tmp_path: Path) -> None:
     cluster = faults.cluster
     cluster.start(workers=2)
     job_id = new_id("duplicate-late")
     reports = faults.tap("worker.done")
+    # Shard 0 reports only once the test opens its gate: round 1 stays open until the copy has been judged.
+    gate = tmp_path / "shard-0-may-report"
     cluster.publish_job(toy_job(job_id, toy_data(12), rounds=2,
-                                config={"mode": "slow", "slow_seconds": 4, "fail_shards": [0]}))
+                                config={"mode": "gated", "gate": str(gate), "fail_shards": [0]}))
     sizes = faults.shard_sizes(job_id)
     cluster.wait_for(lambda: faults.query(
         "SELECT * FROM contributions WHERE job_id = $1 AND round = 1 AND shard = 1 AND status = 'accepted'", job_id),
@@ -36,6 +38,7 @@ def test_duplicated_and_late_worker_done_are_recorded_and_never_counted(
         "SELECT 1 FROM contributions WHERE job_id = $1 AND round = 1 AND status = 'duplicate'", job_id), 30,
         "the copy to be recorded as a duplicate")
     open_then = faults.aggregations(job_id)[0]["status"]
+    gate.touch()
     faults.wait_aggregation(job_id, 2, "open")
     faults.publish("worker.done", copy)
     skewed = {k: v + 1000 if v.is_floating_point() else v for k, v in faults.global_weights(job_id, 1).items()}

@@ -1,6 +1,7 @@
 """A toy `fl_train_model` whose result is known exactly: shard s adds (s + 1) to every weight.
 
-env MODE picks a behaviour: ok (default), raise, exit, hang, nan, badshape, zero_samples, slow.
+env MODE picks a behaviour: ok (default), raise, exit, hang, nan, badshape, zero_samples, slow, gated (held until
+the file env GATE names exists: the test decides when the shard reports, at most GATE_SECONDS, default 300).
 env FAIL_SHARDS (a list) limits a failure mode to those shards; the others behave normally.
 env EVAL_MODE raise or slow makes fl_evaluate_model fail or sleep (in the rounds EVAL_FAIL_ROUNDS lists, or all).
 """
@@ -56,6 +57,10 @@ def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) ->
         time.sleep(3600)
     if mode == "slow":
         time.sleep(float(env.get("SLOW_SECONDS", 2.0)))
+    if mode == "gated":
+        gate, deadline = Path(env["GATE"]), time.monotonic() + float(env.get("GATE_SECONDS", 300))
+        while not gate.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     weights = {k: v.clone() for k, v in payload["initial_weights"].items()}
     for tensor in weights.values():
         if tensor.is_floating_point():

@@ -7,7 +7,7 @@ import contextlib
 import logging
 
 import aio_pika
-from aiormq.exceptions import PublishError
+from aiormq.exceptions import DeliveryError, PublishError
 
 from apiary.bus.base import DEAD_LETTER_QUEUE, Delivery, Unroutable
 from apiary.bus.rabbitmq import wire
@@ -59,6 +59,15 @@ class Publisher:
                 return
             except PublishError as e:
                 raise Unroutable(f"no queue is bound for routing key {routing_key!r}") from e
+            except DeliveryError as e:
+                # A nack: the broker took no responsibility for the message (a quorum queue without its quorum,
+                # or one being deleted as it expires). Sent again until the deadline: it is stored, or it turns
+                # out unroutable (consumers are idempotent, so a copy a queue did keep is harmless).
+                if loop.time() >= deadline:
+                    raise Unroutable(f"the broker refused the message for routing key {routing_key!r} (nack) for"
+                                     f" {self.timeout:g} s") from e
+                log.warning("the broker refused %s (nack); sending it again", routing_key)
+                await asyncio.sleep(0.1)
             except wire.TRANSIENT as e:
                 left = deadline - loop.time()
                 if left <= 0:

@@ -22,10 +22,15 @@ def test_duplicated_and_late_worker_done_are_recorded_and_never_counted(
     cluster.start(workers=2)
     job_id = new_id("duplicate-late")
     reports = faults.tap("worker.done")
-    # Shard 0 reports only once the test opens its gate: round 1 stays open until the copy has been judged.
-    gate = tmp_path / "shard-0-may-report"
+    # Shard 0 reports in a round only once the test opens that round's gate: round 1 stays open until the copy
+    # has been judged, round 2 until the late reports have been.
+    gates = str(tmp_path / "shard-0-may-report-in-round-{round}")
+
+    def gate(round_index: int) -> Path:
+        return Path(gates.replace("{round}", str(round_index)))
+
     cluster.publish_job(toy_job(job_id, toy_data(12), rounds=2,
-                                config={"mode": "gated", "gate": str(gate), "fail_shards": [0]}))
+                                config={"mode": "gated", "gate": gates, "fail_shards": [0]}))
     sizes = faults.shard_sizes(job_id)
     cluster.wait_for(lambda: faults.query(
         "SELECT * FROM contributions WHERE job_id = $1 AND round = 1 AND shard = 1 AND status = 'accepted'", job_id),
@@ -38,17 +43,18 @@ def test_duplicated_and_late_worker_done_are_recorded_and_never_counted(
         "SELECT 1 FROM contributions WHERE job_id = $1 AND round = 1 AND status = 'duplicate'", job_id), 30,
         "the copy to be recorded as a duplicate")
     open_then = faults.aggregations(job_id)[0]["status"]
-    gate.touch()
+    gate(1).touch()
     faults.wait_aggregation(job_id, 2, "open")
     faults.publish("worker.done", copy)
     skewed = {k: v + 1000 if v.is_floating_point() else v for k, v in faults.global_weights(job_id, 1).items()}
     forged = faults.put_weights(keys.contribution(job_id, 1, 1, 0) + ".late", skewed)
     faults.publish_event(WorkerDone(job_id=job_id, round=1, attempt=1, worker_id="worker-x", shard=0, result=forged,
                                     samples=1000))
-    job = cluster.wait_job(job_id)
     cluster.wait_for(lambda: len(faults.query(
         "SELECT 1 FROM contributions WHERE job_id = $1 AND status = 'late'", job_id)) == 2, 30,
         "both round-1 results sent during round 2 to be recorded as late")
+    gate(2).touch()
+    job = cluster.wait_job(job_id)
 
     assert job["status"] == "completed", job["reason"]
     assert open_then == "open"

@@ -1,7 +1,8 @@
 """A toy `fl_train_model` whose result is known exactly: shard s adds (s + 1) to every weight.
 
 env MODE picks a behaviour: ok (default), raise, exit, hang, nan, badshape, zero_samples, slow, gated (held until
-the file env GATE names exists: the test decides when the shard reports, at most GATE_SECONDS, default 300).
+the file env GATE names exists, its "{round}" replaced by the round's index: the test decides when the shard
+reports in each round, waiting at most GATE_SECONDS, default 300).
 env FAIL_SHARDS (a list) limits a failure mode to those shards; the others behave normally.
 env EVAL_MODE raise or slow makes fl_evaluate_model fail or sleep (in the rounds EVAL_FAIL_ROUNDS lists, or all).
 """
@@ -58,7 +59,8 @@ def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) ->
     if mode == "slow":
         time.sleep(float(env.get("SLOW_SECONDS", 2.0)))
     if mode == "gated":
-        gate, deadline = Path(env["GATE"]), time.monotonic() + float(env.get("GATE_SECONDS", 300))
+        gate = Path(env["GATE"].replace("{round}", str(payload["round"]["index"])))
+        deadline = time.monotonic() + float(env.get("GATE_SECONDS", 300))
         while not gate.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
     weights = {k: v.clone() for k, v in payload["initial_weights"].items()}

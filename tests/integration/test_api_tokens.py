@@ -3,64 +3,34 @@ token 401, a role too low 403, a submitter cancels only its own jobs, a revoked 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from apiary.settings import Settings
-from services.app.runtime import Embedded
 from services.tracker import token_store
+from tests.fixtures.served import Served
 from tests.toyjobs.toy import make_dataset
 
-REPO = Path(__file__).resolve().parents[2]
 API = "/api/v1"
+WORKERS = 2  # the `served` stack's in-process workers (tests/fixtures/served.py)
 
 
-@dataclass
-class Served:
-    """A running stack's tracker over HTTP, and a token per role (plus a second submitter)."""
-
-    stack: Embedded
-    url: str
-    tokens: dict[str, str]
-    dataset: Path
-
-    def client(self, who: str | None) -> httpx.AsyncClient:
-        """An HTTP client carrying `who`'s token (None: no token at all)."""
-        headers = {"Authorization": f"Bearer {self.tokens[who]}"} if who else {}
-        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=30)
-
-    def request(self) -> dict[str, Any]:
-        """A toy job that runs long enough to be cancelled."""
-        return {"name": "toy", "entrypoint": "tests.toyjobs.toy:fl_train_model", "dataset": str(self.dataset),
-                "config": {"mode": "ok"}, "distributed": {"num_rounds": 50, "min_workers": 2, "max_workers": 2}}
+@pytest.fixture
+def toy_request(tmp_path: Path) -> dict[str, Any]:
+    """A toy job that runs long enough to be cancelled."""
+    dataset = make_dataset(tmp_path / "toy-data", 12)
+    return {"name": "toy", "entrypoint": "tests.toyjobs.toy:fl_train_model", "dataset": str(dataset),
+            "config": {"mode": "ok"}, "distributed": {"num_rounds": 50, "min_workers": 2, "max_workers": 2}}
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-async def served(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Served]:
-    database_url = (f"sqlite:///{tmp_path / 'apiary.db'}" if request.param == "sqlite"
-                    else request.getfixturevalue("postgres_url"))
-    settings = Settings(home=tmp_path / ".apiary", database_url=database_url, http_port=0,
-                        heartbeat_interval=0.5, progress_interval=0.0)
-    async with Embedded(settings, workers=2, code_paths=[str(REPO)]) as stack:
-        url = await stack.tracker.start_http()
-        db = stack.ports.db
-        await token_store.migrate(db)
-        tokens = {role: await token_store.create(db, f"{role}-1", role) for role in ("viewer", "submitter", "admin")}
-        tokens["other"] = await token_store.create(db, "submitter-2", "submitter")
-        yield Served(stack, url, tokens, make_dataset(tmp_path / "toy-data", 12))
-
-
-async def test_every_api_route_refuses_a_request_without_a_valid_token(served: Served) -> None:
+async def test_every_api_route_refuses_a_request_without_a_valid_token(
+        served: Served, toy_request: dict[str, Any]) -> None:
     # Execute
     async with served.client(None) as anonymous:
         missing = [await anonymous.get(f"{API}{path}") for path in
                    ("/training-jobs", "/training-jobs/x", "/workers", "/models", "/datasets", "/stream")]
-        submitted = await anonymous.post(f"{API}/training-jobs", json=served.request())
+        submitted = await anonymous.post(f"{API}/training-jobs", json=toy_request)
         forged = await anonymous.get(f"{API}/workers", headers={"Authorization": "Bearer apiary_not-a-token"})
         dashboard = await anonymous.get("/")
 
@@ -72,15 +42,16 @@ async def test_every_api_route_refuses_a_request_without_a_valid_token(served: S
     assert dashboard.status_code == 200  # the page itself asks for a token
 
 
-async def test_a_viewer_reads_but_may_not_submit_or_cancel(served: Served) -> None:
+async def test_a_viewer_reads_but_may_not_submit_or_cancel(
+        served: Served, toy_request: dict[str, Any]) -> None:
     # Prepare
     async with served.client("submitter") as submitter:
-        job_id = (await submitter.post(f"{API}/training-jobs", json=served.request())).json()["job_id"]
+        job_id = (await submitter.post(f"{API}/training-jobs", json=toy_request)).json()["job_id"]
 
     # Execute
     async with served.client("viewer") as viewer:
         listed = await viewer.get(f"{API}/training-jobs")
-        submitted = await viewer.post(f"{API}/training-jobs", json=served.request())
+        submitted = await viewer.post(f"{API}/training-jobs", json=toy_request)
         cancelled = await viewer.post(f"{API}/training-jobs/{job_id}/cancel")
         registered = await viewer.post(f"{API}/datasets", params={"name": "d", "filename": "d.zip"}, content=b"x")
 
@@ -90,13 +61,14 @@ async def test_a_viewer_reads_but_may_not_submit_or_cancel(served: Served) -> No
     assert "'viewer-1' is a viewer token, which may only read" in cancelled.json()["detail"]
 
 
-async def test_a_submitter_cancels_only_its_own_jobs_and_an_admin_any(served: Served) -> None:
+async def test_a_submitter_cancels_only_its_own_jobs_and_an_admin_any(
+        served: Served, toy_request: dict[str, Any]) -> None:
     # Prepare
     async with served.client("submitter") as submitter, served.client("other") as other, \
             served.client("admin") as admin:
-        mine = (await submitter.post(f"{API}/training-jobs", json=served.request())).json()["job_id"]
-        theirs = (await other.post(f"{API}/training-jobs", json=served.request())).json()["job_id"]
-        on_the_bus = await served.stack.submit(served.request())
+        mine = (await submitter.post(f"{API}/training-jobs", json=toy_request)).json()["job_id"]
+        theirs = (await other.post(f"{API}/training-jobs", json=toy_request)).json()["job_id"]
+        on_the_bus = await served.stack.submit(toy_request)
 
         # Execute
         refused = await submitter.post(f"{API}/training-jobs/{theirs}/cancel")

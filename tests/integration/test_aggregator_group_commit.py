@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,13 +21,14 @@ from apiary import keys, proof
 from apiary.bus import Delivery
 from apiary.bus.identity import service_user
 from apiary.bus.memory import MemoryBus
-from apiary.contracts import ObjectRef, RoundAggregated, RoundStart, WorkerDone
+from apiary.contracts import RoundAggregated, WorkerDone
 from apiary.db import Database
 from apiary.db.base import DatabaseUnavailable
 from apiary.storage.local import LocalStorage
 from apiary.strategies.weighted_sum import WeightedSum
-from apiary.weights import dumps, loads
+from apiary.weights import loads
 from services.aggregator import Aggregator
+from tests.fixtures.aggregator_round import first_round, store_weights
 from tests.fixtures.services import tap_aggregated
 
 JOB = "grouped"
@@ -130,19 +129,12 @@ class Round:
         await self.bus.connect()
         await self.aggregator.start()
         self.announced = await tap_aggregated(self.bus)
-        start = RoundStart(job_id=JOB, round=1, num_rounds=1, shards=list(self.secrets), min_workers=SHARDS,
-                           weights=await self._stored(keys.global_weights(JOB, 0), {"w": torch.zeros(32)}),
-                           deadline=time.time() + 300,
-                           secret_digests={shard: proof.digest(s) for shard, s in self.secrets.items()})
+        start = await first_round(self.storage, JOB, self.secrets, {"w": torch.zeros(32)}, min_workers=SHARDS)
         await self.aggregator.on_round_start(start, Delivery("round.start", b""))
 
-    async def _stored(self, key: str, weights: dict[str, torch.Tensor]) -> ObjectRef:
-        data = dumps(weights)
-        await self.storage.put_bytes(key, data)
-        return ObjectRef(key=key, size=len(data), sha256=hashlib.sha256(data).hexdigest())
 
     async def report(self, shard: int) -> None:
-        result = await self._stored(keys.contribution(JOB, 1, 1, shard), contribution(shard))
+        result = await store_weights(self.storage, keys.contribution(JOB, 1, 1, shard), contribution(shard))
         done = WorkerDone(job_id=JOB, round=1, worker_id=f"w{shard}", shard=shard, result=result,
                           samples=samples(shard), secret=self.secrets[shard])
         await self.aggregator.on_worker_done(done, Delivery("worker.done", b""))

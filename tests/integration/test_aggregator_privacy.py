@@ -4,8 +4,6 @@ stores the wrapper's state (clipping norm, releases) with the round's result."""
 
 from __future__ import annotations
 
-import hashlib
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +14,14 @@ from apiary import keys, proof
 from apiary.bus import Delivery
 from apiary.bus.identity import service_user
 from apiary.bus.memory import MemoryBus
-from apiary.contracts import ObjectRef, RoundAggregated, RoundStart, WorkerDone
+from apiary.contracts import RoundAggregated, WorkerDone
 from apiary.db import Database
 from apiary.privacy import DifferentialPrivacy
 from apiary.storage.local import LocalStorage
 from apiary.strategies.clipping import clipped, update_norm
-from apiary.weights import dumps, loads
+from apiary.weights import loads
 from services.aggregator import Aggregator
+from tests.fixtures.aggregator_round import first_round, store_weights
 from tests.fixtures.services import tap_aggregated
 
 JOB = "private"
@@ -47,19 +46,13 @@ class PrivateRound:
         await self.aggregator.start()
         self.announced = await tap_aggregated(self.bus)
         settings = DifferentialPrivacy.model_validate(privacy).resolved(len(UPDATES))
-        start = RoundStart(job_id=JOB, round=1, num_rounds=2, shards=list(self.secrets), min_workers=2,
-                           weights=await self._stored(keys.global_weights(JOB, 0), START),
-                           deadline=time.time() + 300, differential_privacy=settings,
-                           secret_digests={shard: proof.digest(s) for shard, s in self.secrets.items()})
+        start = await first_round(self.storage, JOB, self.secrets, START, num_rounds=2, min_workers=2,
+                                  differential_privacy=settings)
         await self.aggregator.on_round_start(start, Delivery("round.start", b""))
 
-    async def _stored(self, key: str, weights: dict[str, torch.Tensor]) -> ObjectRef:
-        data = dumps(weights)
-        await self.storage.put_bytes(key, data)
-        return ObjectRef(key=key, size=len(data), sha256=hashlib.sha256(data).hexdigest())
 
     async def report(self, shard: int, weights: dict[str, torch.Tensor]) -> None:
-        result = await self._stored(keys.contribution(JOB, 1, 1, shard), weights)
+        result = await store_weights(self.storage, keys.contribution(JOB, 1, 1, shard), weights)
         done = WorkerDone(job_id=JOB, round=1, worker_id=f"w{shard}", shard=shard, result=result, samples=10,
                           secret=self.secrets[shard])
         await self.aggregator.on_worker_done(done, Delivery("worker.done", b""))

@@ -27,6 +27,7 @@ from apiary.storage.local import LocalStorage
 from apiary.strategies.validation import validate
 from apiary.strategies.weighted_sum import WeightedSum as FedAvg
 from apiary.weights import dumps, loads, spec_of
+from bench_record import add_json_argument, record
 
 
 def rss_bytes(field: str = "VmRSS") -> int:
@@ -95,6 +96,7 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=63_000_000)
     parser.add_argument("--k", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=7)
+    add_json_argument(parser, "aggregate")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
@@ -164,6 +166,17 @@ def main() -> None:
         full = min(asyncio.run(from_storage()) for _ in range(min(3, args.repeat)))
         print(f"full path from local-folder storage (read + sha256 + ingest): {full:.3f} s "
               f"({full / args.k * 1000:.0f} ms per contribution)")
+
+    record("aggregate", args.json, {
+        "params": numel, "k": args.k, "model_mb": round(model_bytes / 1e6),
+        "add_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+        "ingest_s": {"best": round(min(times), 3), "median": round(statistics.median(times), 3)},
+        "ingest_share_of_add_bandwidth": {"median": round(statistics.median(ratios), 3),
+                                          "best_pair": round(max(ratios), 3)},
+        "ingest_with_separate_check_share": round(statistics.median(separate), 3),
+        "peak_extra_memory_mb": round(max(peaks) / 1e6), "peak_extra_memory_models": round(max(peaks) / model_bytes, 2),
+        "full_path_local_folder_s": round(full, 3), "full_path_ms_per_contribution": round(full / args.k * 1000),
+    }, reference="torch add_ bandwidth over the same model, measured just before each ingest run")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import aio_pika
 
+from bench_record import add_json_argument, record
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
@@ -87,6 +89,7 @@ def main() -> None:
     parser.add_argument("--queues", type=int, nargs="+", default=[100, 1000])
     parser.add_argument("--gaps", type=float, nargs="+", default=[0.0, 1.5])
     parser.add_argument("--rounds", type=int, default=8)
+    add_json_argument(parser, "broker")
     args = parser.parse_args()
     figures: dict[str, float] = {}
     for gap in args.gaps:
@@ -95,7 +98,10 @@ def main() -> None:
             figures[f"queues={n} gap={gap}"] = ms = round(asyncio.run(measure(n, args.rounds, gap)), 3)
             print(f"{n} queues, {gap} s between rounds: {ms:.3f} ms of broker CPU a persistent message "
                   f"({time.time() - start:.0f} s)", flush=True)
-    print(json.dumps({"broker_open_files": broker_open_files(), "ms_per_message": figures}))
+    result = {"broker_open_files": broker_open_files(), "ms_per_message": figures, "rounds": args.rounds}
+    print(json.dumps(result))
+    record("broker", args.json, result,
+           reference="the same persistent messages over 100 queues against 1,000, and back to back against paced")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ from apiary.trainers import TrainCall, UserCodeRunner  # noqa: E402
 from apiary.weights import dumps  # noqa: E402
 from services.worker.bundles import BundleCache, code_for  # noqa: E402
 
+from bench_record import add_json_argument, record  # noqa: E402
+
 TRAIN_PY = '''
 import torch
 
@@ -81,7 +83,12 @@ def ms(values: list[float]) -> float:
     return statistics.median(values) * 1000
 
 
+FIGURES: dict[str, dict[str, float | str]] = {}
+
+
 def report(what: str, ours: list[float], reference: list[float], against: str) -> None:
+    FIGURES[what] = {"ms": round(ms(ours), 3), "reference": against, "reference_ms": round(ms(reference), 3),
+                     "ratio": round(ms(ours) / ms(reference), 3), "samples": len(ours)}
     print(f"{what}: {ms(ours):.2f} ms (median of {len(ours)}); {against}: {ms(reference):.2f} ms; "
           f"ratio {ms(ours) / ms(reference):.2f}")
 
@@ -171,6 +178,7 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--no-child", action="store_true", help="skip the training-child switch figure")
+    add_json_argument(parser, "bundle")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="apiary-bench-bundle-") as name:
         tmp = Path(name)
@@ -192,6 +200,8 @@ def main() -> None:
             server.shutdown()
         if not args.no_child:
             asyncio.run(child_switch(tmp, args.repeat))
+    record("bundle", args.json, {"files": args.files, "bundle_bytes": packed.size, "medians": FIGURES},
+           reference="each figure's own reference (see 'reference' beside it), measured interleaved in the same run")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_record import add_json_argument, record  # noqa: E402
+
 
 def digits_request(rounds: int, evaluate_every: int) -> dict[str, Any]:
     """The digits example's job file, with its paths resolved and the rounds and evaluation asked for."""
@@ -51,7 +53,7 @@ async def run_job(home: Path, request: dict[str, Any]) -> tuple[float, dict[str,
         return time.monotonic() - started, view
 
 
-async def main(rounds: int, repeats: int) -> None:
+async def main(rounds: int, repeats: int, json_path: str) -> None:
     """Alternate the two settings `repeats` times; print the medians and their ratio."""
     walls: dict[int, list[float]] = {1: [], 0: []}
     with tempfile.TemporaryDirectory(prefix="apiary-bench-eval-") as tmp:
@@ -68,11 +70,18 @@ async def main(rounds: int, repeats: int) -> None:
     every_round, at_end = statistics.median(walls[1]), statistics.median(walls[0])
     print(f"digits, {rounds} rounds, 3 workers: evaluated every round {every_round:.1f} s, only at the end "
           f"{at_end:.1f} s; ratio {every_round / at_end:.2f}")
+    record("evaluation", json_path, {
+        "rounds": rounds, "repeats": repeats, "workers": 3,
+        "wall_s": {"evaluate_every_round": [round(w, 1) for w in walls[1]], "only_at_end": [round(w, 1) for w in walls[0]]},
+        "median_wall_s": {"evaluate_every_round": round(every_round, 1), "only_at_end": round(at_end, 1)},
+        "ratio": round(every_round / at_end, 3),
+    }, reference="the same digits job evaluated only at the end (evaluate_every 0), alternating with it")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
+    add_json_argument(parser, "evaluation")
     args = parser.parse_args()
-    asyncio.run(main(args.rounds, args.repeats))
+    asyncio.run(main(args.rounds, args.repeats, args.json))

@@ -26,6 +26,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test fixtures' tiny model and transfer log
 
+from bench_record import add_json_argument, record  # noqa: E402
+
 def rss_bytes(field: str = "VmRSS") -> int:
     """A figure from /proc/self/status, in bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -34,7 +36,7 @@ def rss_bytes(field: str = "VmRSS") -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-async def bytes_per_round(tmp: Path, rounds: int, hidden: int = 256, layers: int = 4) -> None:
+async def bytes_per_round(tmp: Path, rounds: int, hidden: int = 256, layers: int = 4) -> dict[str, object]:
     """Run a LoRA job on 3 in-process workers (a random llama, `hidden` wide) and print each worker's bytes
     per round after the first over 2 x the adapter."""
     from apiary.settings import Settings
@@ -62,14 +64,20 @@ async def bytes_per_round(tmp: Path, rounds: int, hidden: int = 256, layers: int
     print(f"bytes moved: base model {model['size'] / 1e6:.1f} MB, adapter {size / 1e3:.1f} kB, {rounds} rounds")
     shared = sum(m.size for m in transfers.moved if m.worker == SHARED)
     print(f"  the workers' shared model cache: {shared / 1e6:.2f} MB (the base, fetched once for all of them)")
+    per_worker = {}
     for worker in sorted({m.worker for m in transfers.moved} - {SHARED}):
         total = sum(m.size for m in transfers.since(worker, round_2))
         first = sum(m.size for m in transfers.before(worker, round_2))
         print(f"  {worker}: round 1 {first / 1e6:.2f} MB (shard, adapters); later rounds "
               f"{total / (rounds - 1) / 1e3:.1f} kB per round = {total / (rounds - 1) / (2 * size):.3f} x 2 adapters")
+        per_worker[worker] = {"round_1_bytes": first, "later_bytes_per_round": round(total / (rounds - 1)),
+                              "later_over_two_adapters": round(total / (rounds - 1) / (2 * size), 3)}
+    return {"rounds": rounds, "base_model_bytes": model["size"], "adapter_bytes": size,
+            "shared_model_cache_bytes": shared, "workers": per_worker}
 
 
-async def aggregator_memory(tmp: Path, hidden: int, layers: int, rank: int, k: int = 3, rounds: int = 3) -> None:
+async def aggregator_memory(tmp: Path, hidden: int, layers: int, rank: int, k: int = 3,
+                            rounds: int = 3) -> dict[str, object]:
     """The aggregator's path over K stored adapter contributions per round; print its peak extra memory."""
     import torch
 
@@ -110,6 +118,8 @@ async def aggregator_memory(tmp: Path, hidden: int, layers: int, rank: int, k: i
     print(f"aggregator: adapter of a {layers}-layer, {hidden}-wide llama at r={rank}: {adapter_bytes / 1e6:.1f} MB; "
           f"K={k}; peak extra memory per round {max(peaks) / 1e6:.1f} MB = {max(peaks) / adapter_bytes:.2f}x the "
           f"adapter (worst of {rounds} rounds)")
+    return {"hidden": hidden, "layers": layers, "rank": rank, "k": k, "adapter_bytes": adapter_bytes,
+            "peak_extra_memory_bytes": max(peaks), "peak_over_adapter": round(max(peaks) / adapter_bytes, 3)}
 
 
 def main() -> None:
@@ -119,11 +129,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--rank", type=int, default=64)
+    add_json_argument(parser, "llm")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-llm-") as tmp:
-        asyncio.run(aggregator_memory(Path(tmp), args.hidden, args.layers, args.rank))
+        memory = asyncio.run(aggregator_memory(Path(tmp), args.hidden, args.layers, args.rank))
     with tempfile.TemporaryDirectory(prefix="bench-llm-") as tmp:
-        asyncio.run(bytes_per_round(Path(tmp), args.rounds))
+        traffic = asyncio.run(bytes_per_round(Path(tmp), args.rounds))
+    record("llm", args.json, {"aggregator_memory": memory, "bytes_per_round": traffic},
+           reference="the adapter's size (2 x the adapter for a round's download and upload)")
 
 
 if __name__ == "__main__":

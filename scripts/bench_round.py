@@ -50,6 +50,8 @@ from tests.fixtures import s3server  # noqa: E402
 from tests.fixtures.cluster import Cluster  # noqa: E402
 from tests.toyjobs.toy import make_dataset  # noqa: E402
 
+from bench_record import add_json_argument, record  # noqa: E402
+
 AMQP = os.environ.get("APIARY_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 POSTGRES = os.environ.get("APIARY_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 FLOWER = {4: 0.10, 16: 0.21}
@@ -430,6 +432,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3, help="with --against: groups of runs per K")
     parser.add_argument("--metrics-pairs", type=int, default=0,
                         help="pairs of runs per K with operational metrics off and on (APIARY_METRICS=prometheus)")
+    add_json_argument(parser, "round")
     args = parser.parse_args()
     reference, source = dict(FLOWER), "the issue's figure"
     if args.flower_python:
@@ -447,11 +450,17 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="apiary-bench-") as tmp:
             if args.against:
                 CPU = True
-                print(json.dumps(paired(args, endpoint, Path(tmp))))
+                summary = paired(args, endpoint, Path(tmp))
+                print(json.dumps(summary))
+                record("round", args.json, {"k": args.k, "rounds": args.rounds, "against": summary},
+                       reference=f"the same benchmark of {', '.join(args.against)} run beside this code, in groups")
                 return
             if args.metrics_pairs:
                 CPU = True
-                print(json.dumps(metrics_cost(args, endpoint, Path(tmp))))
+                summary = metrics_cost(args, endpoint, Path(tmp))
+                print(json.dumps(summary))
+                record("round-metrics", args.json.replace("round.json", "round-metrics.json"), summary,
+                       reference="the same rounds with operational metrics off, in pairs")
                 return
             for k in args.k:
                 durations = run(k, args.rounds, Path(tmp), endpoint, args.storage)
@@ -475,6 +484,8 @@ def main() -> None:
     finally:
         moto.terminate()
     print(json.dumps(results))
+    record("round", args.json, {"storage": args.storage, "by_k": results},
+           reference=f"Flower 1.42's simulation round ({source}); the round's S3 requests alone")
 
 
 if __name__ == "__main__":

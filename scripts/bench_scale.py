@@ -486,7 +486,7 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=100_000,
                         help="parameters of the toy model's weights (scripts/bench_flower.py's model has 100k)")
     parser.add_argument("--flower-python", help="a Python with flwr[simulation]: measure Flower's reference now")
-    parser.add_argument("--plot", type=Path, default=REPO / "docs" / "scale.png")
+    parser.add_argument("--plot", type=Path, default=REPO / "docs" / "benchmarks" / "scale.png")
     parser.add_argument("--heartbeat", type=float, default=5.0,
                         help="workers' heartbeat interval, s (the deployed default: 5; offline after 4 of them)")
     parser.add_argument("--presence-rate", type=float,
@@ -501,7 +501,7 @@ def main() -> None:
                              "exchange's queue policy), 1 as a RabbitMQ 3.12 or older makes them without it")
     parser.add_argument("--one-aggregator", action="store_true",
                         help="one aggregator whatever --replicas says (the others replicated)")
-    parser.add_argument("--results", type=Path, default=REPO / "docs" / "scale.json",
+    parser.add_argument("--results", type=Path, default=REPO / "docs" / "benchmarks" / "scale.json",
                         help="where the figures are written (JSON); with --keep, earlier ones there are kept")
     parser.add_argument("--keep", action="store_true", help="add to the figures already in --results")
     parser.add_argument("--profile", type=Path,

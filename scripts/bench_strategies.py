@@ -28,6 +28,7 @@ from flwr.server.strategy.aggregate import aggregate_krum, aggregate_median, agg
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_aggregate import model_layout, reset_peak, rss_bytes
+from bench_record import add_json_argument, record
 
 from apiary.strategies.base import Contribution, ContributionList, create
 from apiary.strategies.format import UpdateFormat
@@ -86,6 +87,7 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=63_000_000)
     parser.add_argument("--k", type=int, default=16)
     parser.add_argument("--only", nargs="*", default=[*SERVER, *ORDER])
+    add_json_argument(parser, "strategies")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     layout = model_layout(args.params)
@@ -97,12 +99,18 @@ def main() -> None:
     model_bytes = sum(t.numel() * t.element_size() for t in global_weights.values())
     print(f"{sum(t.numel() for t in global_weights.values()) / 1e6:.1f}M parameters x {args.k} contributions")
     print(f"{'strategy':14s} {'apiary s':>9s} {'flower s':>9s} {'ratio':>6s} {'apiary mem':>11s} {'flower mem':>11s}")
+    figures: dict[str, dict[str, float]] = {}
     for name in args.only:
         params = SERVER[name][1] if name in SERVER else ORDER[name][0]
         ours = measured(apiary(name, params, global_weights, contributions))
         theirs = measured(flower(name, global_weights, results))
         print(f"{name:14s} {ours[0]:9.2f} {theirs[0]:9.2f} {ours[0] / theirs[0]:6.2f} "
               f"{ours[1] / model_bytes:10.2f}x {theirs[1] / model_bytes:10.2f}x", flush=True)
+        figures[name] = {"apiary_s": round(ours[0], 3), "flower_s": round(theirs[0], 3),
+                         "ratio": round(ours[0] / theirs[0], 3), "apiary_peak_models": round(ours[1] / model_bytes, 2),
+                         "flower_peak_models": round(theirs[1] / model_bytes, 2)}
+    record("strategies", args.json, {"params": args.params, "k": args.k, "strategies": figures},
+           reference="Flower 1.42's strategy (or aggregate function) on the same contributions, right after Apiary's")
 
 
 if __name__ == "__main__":

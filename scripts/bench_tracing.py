@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
+import os
 import statistics
 import sys
 import tempfile
@@ -24,6 +26,8 @@ from apiary import telemetry  # noqa: E402
 from apiary.settings import Settings  # noqa: E402
 from services.app.runtime import Embedded  # noqa: E402
 from tests.toyjobs.toy import make_dataset  # noqa: E402
+
+from bench_record import add_json_argument, record  # noqa: E402
 
 
 async def one_job(tmp: Path, rounds: int, workers: int) -> list[float]:
@@ -48,7 +52,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=3)
+    add_json_argument(parser, "tracing")
     args = parser.parse_args()
+    # The toy entrypoint and its dataset in a temporary folder: allowed here as the test suite allows them.
+    os.environ.setdefault("APIARY_ALLOWED_ENTRYPOINTS", json.dumps(["tests.toyjobs.*"]))
+    os.environ.setdefault("APIARY_DATA_ROOTS", json.dumps([tempfile.gettempdir()]))
     spans = 0
     results: dict[str, list[float]] = {"off": [], "on": []}
     for _ in range(args.repeat):
@@ -66,6 +74,12 @@ def main() -> None:
     print(f"median round, tracing off: {off * 1000:.1f} ms; on: {on * 1000:.1f} ms; "
           f"difference {(on - off) * 1000:+.1f} ms ({(on / off - 1):+.1%}); "
           f"{spans} spans recorded in {args.repeat} traced jobs")
+    record("tracing", args.json, {
+        "rounds": args.rounds, "workers": args.workers, "repeat": args.repeat,
+        "median_round_ms": {"off": round(off * 1000, 1), "on": round(on * 1000, 1)},
+        "difference_ms": round((on - off) * 1000, 1), "ratio_on_off": round(on / off, 3),
+        "spans_per_traced_job": spans // args.repeat,
+    }, reference="the same embedded job with tracing off, alternating with tracing on (best of each)")
 
 
 if __name__ == "__main__":

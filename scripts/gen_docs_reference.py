@@ -95,8 +95,8 @@ def _default(schema: Mapping[str, Any], required: bool) -> str:
 
 def schema_rows(schema: Mapping[str, Any], defs: Mapping[str, Any], prefix: str = ""
                 ) -> Iterator[tuple[str, Mapping[str, Any], bool]]:
-    """Every field of an object schema, nested objects flattened (`distributed.num_rounds`): name, schema,
-    whether it is required."""
+    """Every field of an object schema, nested objects flattened (`distributed.num_rounds`, a list's items as
+    `shards[].index`): name, schema, whether it is required."""
     required = set(schema.get("required", ()))
     for name, prop in schema.get("properties", {}).items():
         path = f"{prefix}{name}"
@@ -104,6 +104,8 @@ def schema_rows(schema: Mapping[str, Any], defs: Mapping[str, Any], prefix: str 
         for option in _options(prop):
             if "$ref" in option:
                 yield from schema_rows(_resolve(option, defs), defs, f"{path}.")
+            elif "$ref" in option.get("items", {}):
+                yield from schema_rows(_resolve(option["items"], defs), defs, f"{path}[].")
 
 
 def field_table(schema: Mapping[str, Any], defs: Mapping[str, Any]) -> str:

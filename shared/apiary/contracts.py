@@ -59,7 +59,7 @@ class ObjectRef(BaseModel):
     model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
 
     key: str
-    """The object's key in the platform's storage (`jobs/JOB/rounds/0001/global.safetensors`), not a URL."""
+    """The object's key in the platform's storage (a job's objects under `jobs/JOB/`), not a URL."""
     size: int
     """The object's size in bytes."""
     sha256: str

@@ -123,6 +123,7 @@ def test_a_message_field_without_a_description_is_named(monkeypatch: pytest.Monk
         """The job it is about."""
         part: Part
         """Its part."""
+        parts: list[Part] = Field(default_factory=list, description="more of them")
         count: int = Field(default=0, description="how many")
         size: int = 0
 
@@ -130,6 +131,7 @@ def test_a_message_field_without_a_description_is_named(monkeypatch: pytest.Monk
 
     assert gen.undocumented_message_fields() == [
         "routing key job.new_thing (Message): field part.bare has no description",
+        "routing key job.new_thing (Message): field parts[].bare has no description",
         "routing key job.new_thing (Message): field size has no description",
         "routing keys assign.a, assign.b (Part): field bare has no description"]
 

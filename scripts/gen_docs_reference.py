@@ -95,8 +95,8 @@ def _default(schema: Mapping[str, Any], required: bool) -> str:
 
 def schema_rows(schema: Mapping[str, Any], defs: Mapping[str, Any], prefix: str = ""
                 ) -> Iterator[tuple[str, Mapping[str, Any], bool]]:
-    """Every field of an object schema, nested objects flattened (`distributed.num_rounds`): name, schema,
-    whether it is required."""
+    """Every field of an object schema, nested objects flattened (`distributed.num_rounds`, a list's items as
+    `shards[].index`): name, schema, whether it is required."""
     required = set(schema.get("required", ()))
     for name, prop in schema.get("properties", {}).items():
         path = f"{prefix}{name}"
@@ -104,6 +104,8 @@ def schema_rows(schema: Mapping[str, Any], defs: Mapping[str, Any], prefix: str 
         for option in _options(prop):
             if "$ref" in option:
                 yield from schema_rows(_resolve(option, defs), defs, f"{path}.")
+            elif "$ref" in option.get("items", {}):
+                yield from schema_rows(_resolve(option["items"], defs), defs, f"{path}[].")
 
 
 def field_table(schema: Mapping[str, Any], defs: Mapping[str, Any]) -> str:
@@ -363,6 +365,19 @@ def undocumented_routing_keys() -> list[str]:
             for key, model in routing_keys().items() if not _doc(model)]
 
 
+def undocumented_message_fields() -> list[str]:
+    """Each field of each routing key's message (nested models' fields too) that has no description (an attribute
+    docstring under the field, or its Field's description); a model several keys carry is named once, with them."""
+    keys_of: dict[type[BaseModel], list[str]] = {}
+    for key, model in routing_keys().items():
+        keys_of.setdefault(model, []).append(key)
+    missing = []
+    for model, keys in keys_of.items():
+        what = f"routing key{'s' if len(keys) > 1 else ''} {', '.join(keys)} ({model.__name__})"
+        missing += undocumented_fields(model.model_json_schema(), what)
+    return missing
+
+
 # -- broker permissions -----------------------------------------------------------------------------------------
 
 def broker_page() -> str:
@@ -409,7 +424,8 @@ def pages() -> dict[Path, str]:
 def undocumented() -> list[str]:
     """Everything the reference shows that lacks its description."""
     return [*undocumented_fields(job_request_schema(), "job request"), *undocumented_settings(),
-            *undocumented_commands(), *undocumented_routes(openapi()), *undocumented_routing_keys()]
+            *undocumented_commands(), *undocumented_routes(openapi()), *undocumented_routing_keys(),
+            *undocumented_message_fields()]
 
 
 def stale(root: Path = ROOT) -> list[str]:

@@ -28,34 +28,42 @@ class DecodeError(ValueError):
 class Message(BaseModel):
     """Base of every bus message: its routing key, schema version and time of sending."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, use_attribute_docstrings=True)
     routing_key: ClassVar[str] = ""
 
     v: int = SCHEMA_VERSION
+    """The message schema's version (now 1): a consumer refuses a body of another version."""
     ts: float = Field(default_factory=time.time)
+    """When the sender made the message: Unix time in seconds, by the sender's clock."""
 
 
 class Event(Message):
     """A message about a job: names it (and its round, where it has one) at the top level."""
 
     job_id: str
+    """The job it is about: the id its request chose, else the one the scheduler gave it on `job.requested`."""
 
 
 class RoundEvent(Event):
     """An event about one attempt of one round."""
 
     round: int
+    """The round, from 1; 0 for the tasks before the first (init, the starting model's evaluation)."""
     attempt: int = 1
+    """Which try of the round or task: 1, one more each time the scheduler retries it after a failure."""
 
 
 class ObjectRef(BaseModel):
     """A claim check: where bytes live in storage, how big they are and their sha256."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
 
     key: str
+    """The object's key in the platform's storage (a job's objects under `jobs/JOB/`), not a URL."""
     size: int
+    """The object's size in bytes."""
     sha256: str
+    """The object's SHA-256 in hex: whoever fetches the bytes checks them against it."""
 
 
 class JobRequested(JobSpec):
@@ -74,8 +82,11 @@ class JobAccepted(Event):
 
     routing_key: ClassVar[str] = "job.accepted"
     name: str
+    """The job's name, from its request."""
     num_rounds: int
+    """How many rounds the job runs (its request's `distributed.num_rounds`)."""
     num_shards: int
+    """How many shards its dataset is split into: one per pinned worker, else `distributed.max_workers`."""
 
 
 class JobRejected(Event):
@@ -83,7 +94,9 @@ class JobRejected(Event):
 
     routing_key: ClassVar[str] = "job.rejected"
     reason: str
+    """Why the request was refused, in one line."""
     errors: list[FieldError] = Field(default_factory=list)
+    """One entry per bad field of the request; empty where the refusal is about no one field."""
 
 
 # A registry id as text, as the services store it: a request's integer 42 travels as "42".
@@ -95,21 +108,31 @@ class ShardRequested(Event):
 
     routing_key: ClassVar[str] = "shard.requested"
     dataset: str | None = None
+    """The request's dataset: a path or storage URI (folder, zip or JSONL); None: `dataset_id` names it."""
     dataset_id: IdText | None = None  # a registered dataset: "42" (older ones a hex string)
+    """The request's registered dataset as text (`"42"`, older ones hex); None: `dataset` names it."""
     num_shards: int
+    """How many shards to write: one per pinned worker, else `distributed.max_workers`."""
     strategy: str = "random"
+    """How to split (the request's `split.strategy`): `random`, `label_skew`, `quantity_skew` or `group`."""
     seed: int = 0
+    """The split's seed (the request's `split.seed`): the same seed splits the same dataset the same way."""
     alpha: float = 0.5
+    """The Dirichlet concentration for `label_skew` and `quantity_skew` (the request's `split.alpha`)."""
     group_key: str = "group"
+    """The sample field that names a sample's group, for `group` (the request's `split.key`)."""
 
 
 class ShardInfo(ObjectRef):
     """One stored shard of a job's dataset."""
 
     index: int
+    """The shard's number, from 0: assignments, `round.start` and reports name shards by it."""
     num_samples: int
+    """How many samples the shard holds."""
     # How many of its samples carry each label (as text), where the dataset's samples have one.
     labels: dict[str, int] | None = None
+    """How many of its samples carry each label (the label as text); None where the samples have no label."""
 
 
 class JobSharded(Event):
@@ -117,8 +140,11 @@ class JobSharded(Event):
 
     routing_key: ClassVar[str] = "job.sharded"
     dataset_id: IdText | None = None
+    """The registered dataset the shards come from, as text; None for a dataset given by path or URI."""
     shards: list[ShardInfo] = Field(default_factory=list)
+    """The stored shards, in index order; empty when `error` says why there are none."""
     error: str | None = None
+    """Why the dataset could not be split, in one line (the scheduler fails the job with it); None on success."""
 
 
 class RoundStart(RoundEvent):
@@ -126,20 +152,31 @@ class RoundStart(RoundEvent):
 
     routing_key: ClassVar[str] = "round.start"
     num_rounds: int
+    """How many rounds the job runs in all."""
     shards: list[int]
+    """The shards this round trains, by index: the contributions the aggregator waits for."""
     min_workers: int
+    """The fewest valid contributions the round may be aggregated from; with fewer it fails."""
     weights: ObjectRef
+    """The global weights the round starts from; contributions are checked against their shapes."""
     deadline: float
+    """When the round times out: Unix time in seconds, by the scheduler's clock."""
     update_format: UpdateFormat = UpdateFormat.FULL
+    """What a contribution holds: the full weights, or only a built-in job's adapter weights."""
     # The aggregation strategy by registered name, and its parameters (checked by the strategy).
     strategy: str = DEFAULT_STRATEGY
+    """The aggregation strategy, by registered name (the request's `distributed.strategy`)."""
     strategy_params: dict[str, Any] = Field(default_factory=dict)
+    """The strategy's parameters (the request's `distributed.strategy_params`), checked by the strategy."""
     # Central differential privacy around the strategy (resolved: num_sampled_clients set), if the job asks for it.
     differential_privacy: DifferentialPrivacy | None = None
+    """Central differential privacy the aggregator applies around the strategy; None: none."""
     # Per shard, the sha256 of its assignment's one-time secret and of the progress token derived from it
     # (apiary.proof): a report proves it comes from the assignment's worker by presenting what hashes to them.
     secret_digests: dict[int, str] = Field(default_factory=dict)
+    """Per shard, the SHA-256 (hex) of its assignment's secret: a report's `secret` must hash to it."""
     progress_digests: dict[int, str] = Field(default_factory=dict)
+    """Per shard, the SHA-256 (hex) of its progress token: a progress report's `token` must hash to it."""
 
     @model_validator(mode="before")
     @classmethod
@@ -154,14 +191,20 @@ class ModelRef(BaseModel):
     """A registered base model a built-in trainer starts from: where a worker fetches it (presigned), how to
     check it, and what it is (`hf`: a zipped Hugging Face model folder; `gguf`: one GGUF file)."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, use_attribute_docstrings=True)
 
     model_id: int
+    """The model's id in the registry (`apiary model add`)."""
     url: str
+    """A presigned GET URL of the stored model, valid until a while after the task's deadline."""
     sha256: str
+    """The stored model's SHA-256 in hex: the worker checks the download against it."""
     size: int
+    """The stored model's size in bytes."""
     format: Literal["hf", "gguf", "safetensors"]
+    """How it is stored: `hf` a zipped Hugging Face folder, `gguf` or `safetensors` one such file."""
     filename: str
+    """The file name it was registered with; the worker's model cache keeps it under that name."""
 
 
 # What an assignment asks of its worker: train a shard for a round, make the job's initial weights
@@ -177,12 +220,16 @@ MERGE: Literal["merge"] = "merge"
 class CodeBundle(BaseModel):
     """A job's code bundle as an assignment carries it: its key, sha256 and size, and a presigned GET URL."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, use_attribute_docstrings=True)
 
     key: str
+    """The bundle's storage key (`code/SHA256.zip`: content-addressed, so the same code is stored once)."""
     sha256: str
+    """The bundle's SHA-256 in hex: the worker checks the download against it, and caches bundles by it."""
     size: int
+    """The bundle's size in bytes (0 where the request did not say)."""
     url: str
+    """A presigned GET URL of the bundle, valid until a while after the assignment's deadline."""
 
 
 class Assignment(RoundEvent):
@@ -192,37 +239,63 @@ class Assignment(RoundEvent):
 
     routing_key: ClassVar[str] = "assign.pool"
     task: TaskKind = TRAIN
+    """What to do: `train` a shard, `init` the weights, `evaluate` a round's weights, `merge` the adapter."""
     job_name: str
+    """The job's name, from its request: the user's code sees it (with the job id) as `job.name`."""
     num_rounds: int
+    """How many rounds the job runs in all."""
     shard: int = 0
+    """The shard to train, by index (0 for a task, which trains none)."""
     num_shards: int = 0
+    """How many shards the job's dataset has (0 for a task): the user's code sees it with the shard's facts."""
     shard_num_samples: int = 0
+    """How many samples the shard (a built-in evaluate: the held-out dataset) holds; else 0."""
     shard_url: str = ""
+    """A presigned GET URL of the shard (a built-in evaluate: the held-out dataset); else empty."""
     shard_sha256: str = ""
+    """The shard's SHA-256 in hex: the worker checks and caches the download by it; else empty."""
     weights_url: str = ""  # evaluate: the weights to evaluate; merge: the adapter to merge; init: none
+    """A presigned GET URL of the weights to train from or evaluate, or the adapter to merge; init: empty."""
     weights_sha256: str = ""
+    """The SHA-256 (hex) of the weights at `weights_url`: the worker checks the download against it."""
     upload_url: str = ""  # init: where the initial weights go; merge: the merged model's zip; evaluate: none
+    """A presigned PUT URL for the result: trained or initial weights, the merged zip; evaluate: empty."""
     result_key: str = ""
+    """The storage key `upload_url` writes: the worker's report names it; empty for evaluate."""
     files_upload_url: str | None = None
+    """A presigned PUT URL for a zip of what the training function wrote to `out_dir`; tasks: None."""
     entrypoint: str | None = None  # None: the job runs a built-in trainer (see `trainer`)
+    """The user's training function (`module:function`); None: the job runs the built-in `trainer`."""
     trainer: str | None = None  # the built-in trainer's name, for a job without an entrypoint
+    """The built-in trainer's name, for a job without an `entrypoint`; else None."""
     base_model: ModelRef | None = None  # what a built-in trainer starts from
+    """The registered model a built-in trainer starts from, presigned; None for user code."""
     env: dict[str, Any]
+    """The user's function's `env`: the request's `config` upper-cased, plus `ROUND`, `NUM_ROUNDS` and more."""
     deadline: float
+    """When the scheduler stops waiting: Unix time in seconds (its clock); transfers give up then."""
     pinned_worker: str | None = None
+    """The worker the request pins the shard or task to; None: any. Read by the scheduler only."""
     issued_at: float | None = None  # when the round started (the scheduler's clock)
+    """When the round or task started: Unix time in seconds, by the scheduler's clock."""
     # The job's end marker (keys.job_ended), for a worker that may have missed the job's end.
     ended_url: str | None = None
+    """A presigned GET URL of the job's end marker: a worker that may have missed the end reads it."""
     # The job's code bundle (first on the training child's sys.path), and the requirements the worker must
     # meet (None: the bundle's requirements.txt, if any).
     code: CodeBundle | None = None
+    """The job's code bundle, first on the training child's `sys.path`; None: no bundle."""
     requirements: list[str] | None = None
+    """Packages the worker's Python must provide (checked, not installed); None: the bundle's."""
     # The one-time secret its worker.done / worker.failed must present (only ever in the assignment itself).
     secret: str | None = None
+    """The one-time secret the worker's report must present; only ever here (the event log drops it)."""
     # Seconds between the worker's heartbeats, stretched for a large fleet (apiary.pace); None: its own setting.
     heartbeat_interval: float | None = Field(default=None, gt=0)
+    """Seconds between heartbeats, stretched for a large fleet (apiary.pace); None: its setting."""
     # Differential privacy with clip_on worker: the L2 norm the worker clips its update to before upload.
     clipping_norm: float | None = Field(default=None, gt=0)
+    """The L2 norm the worker clips its update to before upload (DP `clip_on: worker`); else None."""
 
 
 class WorkerProgress(RoundEvent):
@@ -230,11 +303,17 @@ class WorkerProgress(RoundEvent):
 
     routing_key: ClassVar[str] = "worker.progress"
     worker_id: str
+    """The worker that trains the shard."""
     shard: int
+    """The shard it trains, by index."""
     metrics: dict[str, float] = Field(default_factory=dict)
+    """The metrics the training function reported at `step` (loss, accuracy, ...), by name."""
     step: int | None = None
+    """The training step the metrics are from, as the training function counts; None: it gave none."""
     samples_per_s: float | None = None
+    """The worker's training throughput so far, in samples a second; None before it can tell."""
     token: str = ""  # the assignment's progress token (apiary.proof.progress_token)
+    """The assignment's progress token (apiary.proof, from its secret): proves the sender; else empty."""
 
 
 class WorkerDone(RoundEvent):
@@ -242,12 +321,19 @@ class WorkerDone(RoundEvent):
 
     routing_key: ClassVar[str] = "worker.done"
     worker_id: str
+    """The worker that trained the shard."""
     shard: int
+    """The shard it trained, by index."""
     result: ObjectRef
+    """Where its trained weights (the contribution) are stored: the assignment's `result_key`."""
     samples: int
+    """How many samples it trained on: the contribution's weight in sample-weighted strategies (FedAvg)."""
     metrics: dict[str, float] = Field(default_factory=dict)
+    """The training function's final metrics by name; the aggregator averages them, weighted by `samples`."""
     duration_s: float = 0.0
+    """Seconds the worker spent on the shard, from the start of its downloads to the end of its upload."""
     secret: str = ""  # the assignment's one-time secret
+    """The assignment's one-time secret, proving the report comes from its worker (the event log drops it)."""
 
 
 class WorkerFailed(RoundEvent):
@@ -255,9 +341,13 @@ class WorkerFailed(RoundEvent):
 
     routing_key: ClassVar[str] = "worker.failed"
     worker_id: str
+    """The worker that failed to train the shard."""
     shard: int
+    """The shard it could not train, by index."""
     error: str
+    """Why, in one line (the user's code raised, a download or upload failed, ...)."""
     secret: str = ""  # the assignment's one-time secret
+    """The assignment's one-time secret, proving the report comes from its worker (the event log drops it)."""
 
 
 class RoundTimeout(RoundEvent):
@@ -271,12 +361,18 @@ class RoundAggregated(RoundEvent):
 
     routing_key: ClassVar[str] = "round.aggregated"
     weights: ObjectRef
+    """Where the round's new global weights are stored: the next round starts from them."""
     contributors: list[int]
+    """The shards whose contributions were accepted and aggregated, by index, in order."""
     total_samples: int
+    """The samples of the accepted contributions, summed."""
     metrics: dict[str, float] = Field(default_factory=dict)
+    """The accepted contributions' metrics averaged, weighted by samples (plus `dp_*` under DP)."""
     rejected: dict[str, str] = Field(default_factory=dict)
+    """Per shard (its index as text), why its contribution was refused or failed; not in the average."""
     # Which worker trained each accepted shard: the next round prefers it for that shard.
     trained_by: dict[int, str] = Field(default_factory=dict)
+    """Which worker trained each accepted shard: the next round prefers it for that shard."""
 
 
 class RoundFailed(RoundEvent):
@@ -284,8 +380,11 @@ class RoundFailed(RoundEvent):
 
     routing_key: ClassVar[str] = "round.failed"
     reason: str
+    """Why, in one line (a timeout or too few valid contributions, or a strategy that could not aggregate them)."""
     reported: int = 0
+    """How many valid contributions the round had when it closed."""
     required: int = 0
+    """How many it needed: the job's `distributed.min_workers`."""
 
 
 class WeightsInitialized(Event):
@@ -294,11 +393,17 @@ class WeightsInitialized(Event):
 
     routing_key: ClassVar[str] = "worker.initialized"
     attempt: int = 1
+    """Which try of the init task this reports on (the assignment's `attempt`)."""
     worker_id: str
+    """The worker that ran the init task."""
     weights: ObjectRef | None = None
+    """Where the initial weights are stored (the assignment's `result_key`); else None."""
     found: bool = True
+    """False: the job's module defines no `fl_init_weights` (the scheduler fails the job)."""
     error: str | None = None
+    """Why the init failed, in one line (the user's code raised, the upload failed); None on success."""
     secret: str = ""  # the init assignment's one-time secret
+    """The init assignment's one-time secret: proves the sender (the event log drops it)."""
 
 
 class RoundEvaluated(RoundEvent):
@@ -309,9 +414,13 @@ class RoundEvaluated(RoundEvent):
 
     routing_key: ClassVar[str] = "round.evaluated"
     worker_id: str
+    """The worker that evaluated the round's global weights."""
     metrics: dict[str, float] = Field(default_factory=dict)
+    """The evaluation's metrics, by name, as `fl_evaluate_model` returned them; empty on `error`."""
     found: bool = True
+    """False: the job's module defines no `fl_evaluate_model`, and its rounds are not evaluated."""
     error: str | None = None
+    """Why the evaluation failed, in one line (the round still counts); None on success."""
 
 
 class WorkerEvaluated(RoundEvaluated):
@@ -320,6 +429,7 @@ class WorkerEvaluated(RoundEvaluated):
 
     routing_key: ClassVar[str] = "worker.evaluated"
     secret: str = ""  # the evaluate assignment's one-time secret
+    """The evaluate assignment's one-time secret: proves the sender (the event log drops it)."""
 
 
 class ReportForged(Event):
@@ -328,10 +438,15 @@ class ReportForged(Event):
 
     routing_key: ClassVar[str] = "report.forged"
     round: int | None = None
+    """The round of the refused report's task (0 for an init task)."""
     attempt: int | None = None
+    """The attempt of the refused report's task."""
     worker_id: str
+    """The worker the refused report claims to come from."""
     report: str
+    """The refused report's routing key (`worker.initialized`, `worker.evaluated` or `worker.merged`)."""
     reason: str
+    """Why it was refused, in one line (a wrong or missing secret, or another worker's broker user sent it)."""
 
 
 class AdapterMerged(RoundEvent):
@@ -340,9 +455,13 @@ class AdapterMerged(RoundEvent):
 
     routing_key: ClassVar[str] = "worker.merged"
     worker_id: str
+    """The worker that ran the merge task."""
     merged: ObjectRef | None = None
+    """Where the merged model (a zipped Hugging Face model folder) is stored; None on `error`."""
     error: str | None = None
+    """Why the merge failed, in one line (the scheduler fails the job, keeping the adapter); else None."""
     secret: str = ""  # the merge assignment's one-time secret
+    """The merge assignment's one-time secret: proves the sender (the event log drops it)."""
 
 
 class TaskTimeout(RoundEvent):
@@ -351,6 +470,7 @@ class TaskTimeout(RoundEvent):
 
     routing_key: ClassVar[str] = "task.timeout"
     task: TaskKind = EVALUATE
+    """Which task's time is up: `init`, `evaluate` or `merge` (with the event's round and attempt)."""
 
 
 class JobCompleted(Event):
@@ -358,10 +478,15 @@ class JobCompleted(Event):
 
     routing_key: ClassVar[str] = "job.completed"
     rounds_completed: int
+    """How many rounds ran: the last round aggregated (fewer than `num_rounds` when stopped early)."""
     final_model: str
+    """The storage URI of the final model (the kept round's weights, or a built-in job's merged model)."""
     metrics: dict[str, float] = Field(default_factory=dict)
+    """The job's final metrics: the kept round's aggregated training metrics, overlaid by its evaluation's."""
     reason: str | None = None  # why it ended before its last round (early stopping), or an evaluation error
+    """Why it ended before its last round (early stopping), or an evaluation error; None: it ran every round."""
     best_round: int | None = None  # the round whose weights are the final model (keep_best), if not the last
+    """The round whose weights are the final model (keep_best); None: the last round."""
 
 
 class JobFailed(Event):
@@ -369,8 +494,11 @@ class JobFailed(Event):
 
     routing_key: ClassVar[str] = "job.failed"
     reason: str
+    """Why, in one line: what failed, or the cancel request's reason."""
     round: int | None = None
+    """The round the job was in when it ended (0: before its first round); None: not said."""
     cancelled: bool = False  # it ended because someone cancelled it, not because something failed
+    """True: it ended because someone cancelled it (`job.cancel`), not because something failed."""
 
 
 class JobWaiting(Event):
@@ -378,9 +506,13 @@ class JobWaiting(Event):
 
     routing_key: ClassVar[str] = "job.waiting"
     reason: str
+    """Why, in one line: how many workers are online, how many it needs, and listed workers of the wrong kind."""
     round: int
+    """The round that waits to start."""
     online: int
+    """How many workers online count for the job (a pinned job counts only its own)."""
     required: int
+    """How many it needs: the job's `distributed.min_workers`."""
 
 
 class JobCancelRequested(Event):
@@ -388,12 +520,14 @@ class JobCancelRequested(Event):
 
     routing_key: ClassVar[str] = "job.cancel"
     reason: str = "cancelled by user"
+    """Why, in one line: the reason `job.failed` carries and the job's record keeps."""
 
 
 class WorkerPresence(Message):
     """Base of a worker's presence events; they name no job."""
 
     worker_id: str
+    """The worker's id (`APIARY_WORKER_ID`, or one made from its host name)."""
 
 
 class WorkerOnline(WorkerPresence):
@@ -401,8 +535,11 @@ class WorkerOnline(WorkerPresence):
 
     routing_key: ClassVar[str] = "worker.online"
     hostname: str = ""
+    """The host name of the machine the worker runs on."""
     gpu: dict[str, Any] | None = None
+    """Its GPU: `index`, `name`, `utilization` (%), `memory_used`, `memory_total` (bytes)...; None: no GPU/NVML."""
     kind: str | None = None  # "own" (the user's machine) or "platform" (ours); None: undeclared
+    """`own` (the user's machine) or `platform` (the operator's), from APIARY_WORKER_KIND; None: undeclared."""
 
 
 class WorkerHeartbeat(WorkerPresence):
@@ -410,14 +547,23 @@ class WorkerHeartbeat(WorkerPresence):
 
     routing_key: ClassVar[str] = "worker.heartbeat"
     state: str = "idle"
+    """What it does: `idle`, `training`, or the task it runs (`init`, `evaluate`, `merge`)."""
     job_id: str | None = None
+    """The job of the assignment it runs; None when idle."""
     round: int | None = None
+    """The round of the assignment it runs; None when idle."""
     shard: int | None = None
+    """The shard of the assignment it runs (0 for a task); None when idle."""
     gpu: dict[str, Any] | None = None
+    """Its GPU's readings now, as in `worker.online`; None: no GPU, or no NVML to read it."""
     samples_per_s: float | None = None
+    """Its training throughput, in samples a second; None when it has none to tell."""
     kind: str | None = None  # as declared in worker.online
+    """What the worker is, as declared in `worker.online`."""
     token: str | None = None  # the progress token of the assignment it trains, if any
+    """The progress token of the assignment it runs (apiary.proof): proves it took it; else None."""
     interval: float | None = None  # seconds until its next beat (apiary.pace); None: the services' setting
+    """Seconds until its next beat (apiary.pace); None: the services' own heartbeat setting."""
 
 
 class WorkerOffline(WorkerPresence):
@@ -425,6 +571,7 @@ class WorkerOffline(WorkerPresence):
 
     routing_key: ClassVar[str] = "worker.offline"
     reason: str = "stopped"
+    """Why it went offline, in one line (`stopped` when it shuts down); the event log keeps it."""
 
 
 class PresencePace(Message):
@@ -433,9 +580,13 @@ class PresencePace(Message):
 
     routing_key: ClassVar[str] = "presence.pace"
     factor: float = Field(ge=1.0)
+    """How many times slower than the base heartbeat interval the fleet beats (1: the base pace)."""
     interval: float = Field(gt=0)
+    """Seconds between a worker's heartbeats: the base interval times `factor`."""
     offline_after: float = Field(gt=0)
+    """Seconds without a heartbeat after which a worker is taken as offline: the base time times `factor`."""
     workers: int = Field(ge=0)
+    """How many workers were online when the scheduler chose this pace."""
 
 
 def pace_key(worker_id: str) -> str:

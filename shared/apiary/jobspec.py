@@ -350,8 +350,12 @@ class JobSpec(BaseModel):
 class FieldError(BaseModel):
     """One bad field of a rejected request."""
 
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
     field: str
+    """The bad field, by its path in the request (`distributed.num_rounds`); `(request)`: the whole request."""
     message: str
+    """What is wrong with it, in one line."""
 
 
 def policy_errors(spec: JobSpec, policy: Policy) -> list[FieldError]:

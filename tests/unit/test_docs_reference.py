@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 import typer
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,6 +106,34 @@ def test_a_routing_key_without_a_description_is_named(monkeypatch: pytest.Monkey
 
     assert gen.undocumented_routing_keys() == [
         "routing key job.new_thing (Undocumented) has no description (its class docstring)"]
+
+
+def test_a_message_field_without_a_description_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Part(BaseModel):
+        model_config = ConfigDict(use_attribute_docstrings=True)
+        documented: int = 1
+        """Says what."""
+        bare: int = 2
+
+    class Message(BaseModel):
+        """`job.new_thing`: something happened."""
+
+        model_config = ConfigDict(use_attribute_docstrings=True)
+        job_id: str
+        """The job it is about."""
+        part: Part
+        """Its part."""
+        parts: list[Part] = Field(default_factory=list, description="more of them")
+        count: int = Field(default=0, description="how many")
+        size: int = 0
+
+    monkeypatch.setattr(gen, "routing_keys", lambda: {"job.new_thing": Message, "assign.a": Part, "assign.b": Part})
+
+    assert gen.undocumented_message_fields() == [
+        "routing key job.new_thing (Message): field part.bare has no description",
+        "routing key job.new_thing (Message): field parts[].bare has no description",
+        "routing key job.new_thing (Message): field size has no description",
+        "routing keys assign.a, assign.b (Part): field bare has no description"]
 
 
 def test_the_asyncapi_document_has_a_channel_per_routing_key_with_its_publisher_and_consumers() -> None:

@@ -567,7 +567,8 @@ class WorkerHeartbeat(WorkerPresence):
 
 
 class WorkerOffline(WorkerPresence):
-    """`worker.offline`: a worker stopped (or was taken as gone)."""
+    """`worker.offline`: a worker says it is stopping (one that vanishes sends nothing: the scheduler takes it as
+    gone when its heartbeats stop)."""
 
     routing_key: ClassVar[str] = "worker.offline"
     reason: str = "stopped"

@@ -23,7 +23,8 @@ def quantize(values: np.ndarray, clipping_range: float, quantization_range: int,
     clipped."""
     x = np.asarray(values, dtype=np.float64)
     clipped = int(np.count_nonzero(np.abs(x) > clipping_range))
-    scaled = (np.clip(x, -clipping_range, clipping_range) + clipping_range) * (quantization_range / (2.0 * clipping_range))
+    per_step = quantization_range / (2.0 * clipping_range)
+    scaled = (np.clip(x, -clipping_range, clipping_range) + clipping_range) * per_step
     low = np.floor(scaled)
     up = rng.random(scaled.shape) < (scaled - low)  # rounds up with the fraction's probability: unbiased
     q = (low + up).clip(0, quantization_range)

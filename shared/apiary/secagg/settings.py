@@ -10,8 +10,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 MAX_MODULUS = 2**32  # masks and sums are uint64: a modulus up to 2**32 leaves room for any K's carries
 # The strategies whose result is a function of the weighted sum of contributions: the only ones a masked sum
 # serves. Order statistics and distance-based selection need every update in the clear.
-SUMMING_STRATEGIES = frozenset({"federated_averaging", "fedprox", "fedavgm", "fedopt", "fedadam", "fedyogi",
-                                "fedadagrad"})
+SUMMING_STRATEGIES = ("federated_averaging", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
+NEEDS_CLEAR = {  # why a strategy cannot run on a masked sum
+    "fedmedian": "takes a coordinate-wise median",
+    "fedtrimmedavg": "trims each coordinate's extremes",
+    "krum": "picks one update by its distances to the others",
+    "multikrum": "picks updates by their distances to the others",
+}
 
 
 class SecureAggregation(BaseModel):
@@ -110,3 +115,21 @@ class Resolved:
     def dropouts_tolerated(self) -> int:
         """How many of a worker's neighbours may drop before its secrets cannot be rebuilt."""
         return self.num_shares - self.threshold
+
+
+def job_error(settings: SecureAggregation, strategy: str, max_workers: int, worker_clipping: bool | None) -> str | None:
+    """Why a job's `secure_aggregation` cannot run, in one line, or None. `worker_clipping`: None without
+    differential privacy, else whether it clips on the worker."""
+    if strategy in NEEDS_CLEAR:
+        return (f"strategy {strategy!r} {NEEDS_CLEAR[strategy]}, which needs every update in the clear: secure "
+                f"aggregation takes a weighted-sum strategy ({', '.join(SUMMING_STRATEGIES)})")
+    if strategy not in SUMMING_STRATEGIES:
+        return f"takes a weighted-sum strategy ({', '.join(SUMMING_STRATEGIES)}), not {strategy!r}"
+    try:
+        settings.resolved(max_workers)
+    except ValueError as e:
+        return str(e)
+    if worker_clipping is False:
+        return ("with differential_privacy needs clip_on 'worker': the aggregator never sees an update to clip "
+                "(docs/security.md)")
+    return None

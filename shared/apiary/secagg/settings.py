@@ -11,6 +11,11 @@ MAX_MODULUS = 2**32  # masks and sums are uint64: a modulus up to 2**32 leaves r
 # The strategies whose result is a function of the weighted sum of contributions: the only ones a masked sum
 # serves. Order statistics and distance-based selection need every update in the clear.
 SUMMING_STRATEGIES = ("federated_averaging", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
+ALIASES = ("fedavg",)  # federated_averaging's other name
+# Why the scheduler refuses a job with secure_aggregation in this build: the protocol (this package) is done and
+# tested, its stages on the bus are not (docs/security.md, "Status"). Refused, never run in the clear.
+NOT_RUN_YET = ("the services do not run the key agreement and unmasking stages yet (the protocol is apiary.secagg; "
+               "docs/security.md): refused rather than aggregated in the clear")
 NEEDS_CLEAR = {  # why a strategy cannot run on a masked sum
     "fedmedian": "takes a coordinate-wise median",
     "fedtrimmedavg": "trims each coordinate's extremes",
@@ -123,7 +128,7 @@ def job_error(settings: SecureAggregation, strategy: str, max_workers: int, work
     if strategy in NEEDS_CLEAR:
         return (f"strategy {strategy!r} {NEEDS_CLEAR[strategy]}, which needs every update in the clear: secure "
                 f"aggregation takes a weighted-sum strategy ({', '.join(SUMMING_STRATEGIES)})")
-    if strategy not in SUMMING_STRATEGIES:
+    if strategy not in SUMMING_STRATEGIES and strategy not in ALIASES:
         return f"takes a weighted-sum strategy ({', '.join(SUMMING_STRATEGIES)}), not {strategy!r}"
     try:
         settings.resolved(max_workers)

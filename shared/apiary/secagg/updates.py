@@ -37,3 +37,18 @@ def update_vector(weights: Mapping[str, np.ndarray], global_weights: Mapping[str
 def vector_length(shapes: Mapping[str, tuple[int, ...]]) -> int:
     """The length of the update vector of tensors of these shapes."""
     return int(sum(int(np.prod(shape, dtype=np.int64)) for shape in shapes.values()))
+
+
+def to_wire(masked: np.ndarray) -> np.ndarray:
+    """A masked vector as it is uploaded: uint32 (every ring value is below modulus_range <= 2**32), so a masked
+    float32 model weighs what the plain one does, plus one value."""
+    if masked.size and int(masked.max()) >= 2**32:
+        raise ValueError("a masked vector has values above 2**32: not of a ring secure_aggregation allows")
+    return masked.astype(np.uint32)
+
+
+def from_wire(uploaded: np.ndarray) -> np.ndarray:
+    """An uploaded masked vector back as the collector sums it (uint64); ValueError for any other dtype."""
+    if uploaded.dtype != np.uint32 or uploaded.ndim != 1:
+        raise ValueError(f"a masked contribution is one uint32 vector, got {uploaded.dtype} {tuple(uploaded.shape)}")
+    return uploaded.astype(np.uint64)

@@ -49,11 +49,13 @@ MIGRATIONS = [
       ON contributions (job_id, round, attempt, shard) WHERE status IN ('accepted', 'rejected', 'failed');
     CREATE INDEX IF NOT EXISTS contributions_round ON contributions (job_id, round, attempt);
     """ + outbox_migration("aggregator_outbox"),
+    # Secure aggregation of the round (JSON: the job's settings and each shard's verify key; NULL: none).
+    "ALTER TABLE aggregations ADD COLUMN secagg TEXT;",
 ]
 
 COLUMNS = ("job_id", "round", "attempt", "shards", "min_workers", "weights_key", "weights_size", "weights_sha256",
            "status", "opened_at", "traceparent", "deadline", "update_format", "strategy", "strategy_params",
-           "privacy", "secret_digests")
+           "privacy", "secret_digests", "secagg")
 
 
 def opened_row(event: RoundStart) -> dict[str, Any]:
@@ -67,6 +69,9 @@ def opened_row(event: RoundStart) -> dict[str, Any]:
         "strategy_params": to_json(event.strategy_params),
         "privacy": None if event.differential_privacy is None else event.differential_privacy.model_dump_json(),
         "secret_digests": to_json({str(shard): d for shard, d in event.secret_digests.items()}),
+        "secagg": None if event.secure_aggregation is None else to_json(
+            {"settings": event.secure_aggregation.model_dump(mode="json"),
+             "verify_keys": {str(shard): key for shard, key in event.secagg_verify_keys.items()}}),
         "result_key": None, "reason": None, "closed_at": None, "settled": 0,
     }
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from apiary.jobspec import FieldError, JobSpec
 from apiary.policy import LIMITS
 from apiary.privacy import DifferentialPrivacy
+from apiary.secagg.settings import SecureAggregation
 from apiary.strategies import DEFAULT_STRATEGY
 from apiary.strategies.format import UpdateFormat
 
@@ -140,6 +141,10 @@ class RoundStart(RoundEvent):
     # (apiary.proof): a report proves it comes from the assignment's worker by presenting what hashes to them.
     secret_digests: dict[int, str] = Field(default_factory=dict)
     progress_digests: dict[int, str] = Field(default_factory=dict)
+    # Secure aggregation (apiary.secagg), if the job asks for it, and each shard's Ed25519 verify key (hex), which
+    # the shard's worker signs its protocol keys with (its signing key derives from the assignment's secret).
+    secure_aggregation: SecureAggregation | None = None
+    secagg_verify_keys: dict[int, str] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -223,6 +228,9 @@ class Assignment(RoundEvent):
     heartbeat_interval: float | None = Field(default=None, gt=0)
     # Differential privacy with clip_on worker: the L2 norm the worker clips its update to before upload.
     clipping_norm: float | None = Field(default=None, gt=0)
+    # Secure aggregation: the job's settings and every shard's verify key (hex), as round.start carries them.
+    secure_aggregation: SecureAggregation | None = None
+    secagg_verify_keys: dict[int, str] = Field(default_factory=dict)
 
 
 class WorkerProgress(RoundEvent):
@@ -258,6 +266,83 @@ class WorkerFailed(RoundEvent):
     shard: int
     error: str
     secret: str = ""  # the assignment's one-time secret
+
+
+class SecAggKeys(RoundEvent):
+    """`worker.secagg.keys`: secure aggregation's stage 1, a worker's two X25519 public keys (hex) for its shard,
+    signed (Ed25519, hex) with its assignment's signing key."""
+
+    routing_key: ClassVar[str] = "worker.secagg.keys"
+    worker_id: str
+    shard: int
+    c_public: str
+    s_public: str
+    signature: str
+    secret: str = ""  # the assignment's one-time secret
+
+
+class SecAggShare(BaseModel):
+    """One encrypted pair of Shamir shares between two shards' workers (hex AES-GCM ciphertext)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    source: int
+    destination: int
+    ciphertext: str
+
+
+class SecAggShares(RoundEvent):
+    """`worker.secagg.shares`: secure aggregation's stage 2, a worker's shares for its neighbours, encrypted."""
+
+    routing_key: ClassVar[str] = "worker.secagg.shares"
+    worker_id: str
+    shard: int
+    shares: list[SecAggShare] = Field(default_factory=list)
+    secret: str = ""  # the assignment's one-time secret
+
+
+class SecAggReveal(RoundEvent):
+    """`worker.secagg.reveal`: secure aggregation's stage 4, a survivor's shares (hex) of its neighbours' self-mask
+    seeds (`b_shares`, of the shards that sent masked vectors) and key (`s_shares`, of those that dropped)."""
+
+    routing_key: ClassVar[str] = "worker.secagg.reveal"
+    worker_id: str
+    shard: int
+    b_shares: dict[int, str] = Field(default_factory=dict)
+    s_shares: dict[int, str] = Field(default_factory=dict)
+    secret: str = ""  # the assignment's one-time secret
+
+
+class SecAggKeysOf(BaseModel):
+    """One shard's advertised keys, as the aggregator relays them."""
+
+    model_config = ConfigDict(frozen=True)
+
+    shard: int
+    c_public: str
+    s_public: str
+    signature: str
+
+
+class SecAggStage(RoundEvent):
+    """`secagg.worker.<worker id>`: the aggregator's next step of secure aggregation for one shard's worker:
+    `roster` (every shard's signed keys), `forward` (the shares sent to this shard) or `unmask` (whose shares it
+    must reveal)."""
+
+    routing_key: ClassVar[str] = "secagg.worker"
+    shard: int
+    stage: Literal["roster", "forward", "unmask", "abort"]
+    roster: list[SecAggKeysOf] = Field(default_factory=list)
+    shares: list[SecAggShare] = Field(default_factory=list)
+    survivors: list[int] = Field(default_factory=list)
+    dropped: list[int] = Field(default_factory=list)
+    reason: str = ""  # abort: why the round cannot be aggregated securely
+
+
+def secagg_key(worker_id: str) -> str:
+    """The routing key of the aggregator's secure-aggregation stages for one worker: `secagg.worker.<worker id>`,
+    bound by that worker's control queue alone."""
+    return f"{SecAggStage.routing_key}.{worker_id}"
 
 
 class RoundTimeout(RoundEvent):
@@ -454,7 +539,7 @@ EVENT_TYPES: dict[str, type[BaseModel]] = {
         WorkerProgress, WorkerDone, WorkerFailed, RoundTimeout, RoundAggregated, RoundFailed,
         JobCompleted, JobFailed, JobWaiting, JobCancelRequested, WorkerOnline, WorkerHeartbeat, WorkerOffline,
         WeightsInitialized, RoundEvaluated, WorkerEvaluated, ReportForged, AdapterMerged, TaskTimeout,
-        PresencePace,
+        PresencePace, SecAggKeys, SecAggShares, SecAggReveal,
     )
 }
 
@@ -465,6 +550,8 @@ def model_for(routing_key: str) -> type[BaseModel]:
         return Assignment
     if routing_key.startswith(f"{PresencePace.routing_key}."):
         return PresencePace
+    if routing_key.startswith(f"{SecAggStage.routing_key}."):
+        return SecAggStage
     try:
         return EVENT_TYPES[routing_key]
     except KeyError:

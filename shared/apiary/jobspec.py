@@ -23,7 +23,7 @@ from apiary.early_stopping import BUILT_IN_METRICS, EarlyStopping
 from apiary.jobspec_builtin import built_in_errors, did_you_mean, merged_errors
 from apiary.policy import Policy, job_errors
 from apiary.privacy import PRIVACY_EXTRA, DifferentialPrivacy, accounting_available, epsilon, rounds_within_budget
-from apiary.secagg.settings import NOT_RUN_YET, SecureAggregation, job_error
+from apiary.secagg.settings import SecureAggregation, job_error
 from apiary.strategies import DEFAULT_STRATEGY
 from apiary.trainers.causal_lm_config import CausalLMConfig
 
@@ -442,14 +442,7 @@ def strategy_errors(spec: JobSpec) -> list[FieldError]:
         strategy.check_job(spec.num_shards, distributed.min_workers)
     except ValueError as e:
         return [FieldError(field="distributed.strategy_params", message=str(e))]
-    return privacy_errors(spec) or secure_aggregation_errors(spec)
-
-
-def secure_aggregation_errors(spec: JobSpec) -> list[FieldError]:
-    """A job that asks for secure aggregation, which the services do not run yet (apiary.secagg.settings)."""
-    if spec.distributed.secure_aggregation is None:
-        return []
-    return [FieldError(field="distributed.secure_aggregation", message=NOT_RUN_YET)]
+    return privacy_errors(spec)
 
 
 def privacy_errors(spec: JobSpec) -> list[FieldError]:

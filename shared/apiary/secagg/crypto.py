@@ -76,3 +76,20 @@ def verify(verify_key_bytes: bytes, signature: bytes, message: bytes) -> None:
         Ed25519PublicKey.from_public_bytes(verify_key_bytes).verify(signature, message)
     except (InvalidSignature, ValueError):
         raise CryptoError("a signature does not verify") from None
+
+
+def signing_key_from_secret(secret: str, context: bytes) -> bytes:
+    """The Ed25519 signing key (32 raw bytes) a shard's worker signs its protocol keys with: HKDF-SHA256 of its
+    assignment's one-time secret, which only the scheduler and that assignment hold, for this round."""
+    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None,
+                info=b"apiary secagg signing|" + context).derive(secret.encode())
+
+
+def round_context(job_id: str, round_index: int, attempt: int) -> bytes:
+    """What binds the protocol's keys, signatures and masks to one attempt of one round of one job."""
+    return f"{job_id}/{round_index}/{attempt}".encode()
+
+
+def verify_keys_of(secrets: dict[int, str], context: bytes) -> dict[int, str]:
+    """Each shard's verify key (hex), from its assignment's secret: what round.start and the assignments carry."""
+    return {shard: verify_key(signing_key_from_secret(secret, context)).hex() for shard, secret in secrets.items()}

@@ -40,15 +40,16 @@ def vector_length(shapes: Mapping[str, tuple[int, ...]]) -> int:
 
 
 def to_wire(masked: np.ndarray) -> np.ndarray:
-    """A masked vector as it is uploaded: uint32 (every ring value is below modulus_range <= 2**32), so a masked
-    float32 model weighs what the plain one does, plus one value."""
+    """A masked vector as it is uploaded: its uint32 bits as int32 (every ring value is below modulus_range <=
+    2**32; safetensors as Apiary reads it has no unsigned 32-bit dtype), so a masked float32 model weighs what the
+    plain one does, plus one value."""
     if masked.size and int(masked.max()) >= 2**32:
         raise ValueError("a masked vector has values above 2**32: not of a ring secure_aggregation allows")
-    return masked.astype(np.uint32)
+    return masked.astype(np.uint32).view(np.int32)
 
 
 def from_wire(uploaded: np.ndarray) -> np.ndarray:
-    """An uploaded masked vector back as the collector sums it (uint64); ValueError for any other dtype."""
-    if uploaded.dtype != np.uint32 or uploaded.ndim != 1:
-        raise ValueError(f"a masked contribution is one uint32 vector, got {uploaded.dtype} {tuple(uploaded.shape)}")
-    return uploaded.astype(np.uint64)
+    """An uploaded masked vector back as the collector sums it (uint64); ValueError for any other form."""
+    if uploaded.dtype != np.int32 or uploaded.ndim != 1:
+        raise ValueError(f"a masked contribution is one int32 vector, got {uploaded.dtype} {tuple(uploaded.shape)}")
+    return uploaded.view(np.uint32).astype(np.uint64)

@@ -89,3 +89,24 @@ async def test_a_worker_silent_after_masking_is_recovered_from_shares(embedded: 
         expected = start[name].double() + sum(
             sizes[s] * torch.from_numpy(plain_update(1, s, start)[name]) for s in range(3)) / 13
         assert (final[name].double() - expected).abs().max().item() <= bound + 1e-6
+
+
+async def test_a_worker_that_cannot_join_fails_its_shard_not_the_job(embedded: StackFactory,
+                                                                     toy_dataset: Path) -> None:
+    # Shard 2's training fails after its keys went out: the key agreement goes on without it (threshold 2 holds).
+    async with embedded(workers=3) as stack:
+        body = request(toy_dataset, num_rounds=1)
+        body["config"] = {**body["config"], "mode": "raise", "fail_shards": [2]}
+        job_id = await stack.submit(body)
+        view = await stack.wait(job_id, timeout=120)
+        rows = await stack.ports.db.fetch(
+            "SELECT shard, status, reason FROM contributions WHERE job_id = $1 ORDER BY shard", job_id)
+        start = loads(await stack.ports.storage.get_bytes(keys.global_weights(job_id, 0)))
+        final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
+
+    assert view["status"] == "completed", view.get("reason")
+    assert [(r["shard"], r["status"]) for r in rows] == [(0, "accepted"), (1, "accepted"), (2, "failed")]
+    bound = SecureAggregation(**SECAGG).resolved(3).error_bound(2, 9)
+    expected = start["wide.weight"].double() + sum(
+        n * torch.from_numpy(plain_update(1, s, start)["wide.weight"]) for s, n in ((0, 5), (1, 4))) / 9
+    assert (final["wide.weight"].double() - expected).abs().max().item() <= bound + 1e-6

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from apiary.jobspec import JobSpec, field_errors, strategy_errors
-from apiary.secagg.settings import NOT_RUN_YET, SUMMING_STRATEGIES, SecureAggregation
+from apiary.secagg.settings import SUMMING_STRATEGIES, SecureAggregation
 
 FLOWER_SECAGGPLUS_DEFAULTS = {"max_weight": 1000.0, "clipping_range": 8.0, "quantization_range": 4194304,
                               "modulus_range": 4294967296, "timeout": None}
@@ -107,11 +107,8 @@ def test_differential_privacy_clipped_on_workers_composes() -> None:
     assert spec.distributed.secure_aggregation is not None and spec.distributed.differential_privacy is not None
 
 
-def test_the_scheduler_refuses_it_until_the_services_run_the_protocol() -> None:
-    # The setting validates, but no round may run it in the clear: the scheduler refuses the job in one line.
+
+def test_the_scheduler_takes_it() -> None:
     spec = JobSpec.model_validate(request({"num_shares": 3, "reconstruction_threshold": 2}))
 
-    errors = strategy_errors(spec)
-
-    assert [(e.field, e.message) for e in errors] == [("distributed.secure_aggregation", NOT_RUN_YET)]
-    assert strategy_errors(JobSpec.model_validate({**request({}), "distributed": {"max_workers": 4}})) == []
+    assert strategy_errors(spec) == []

@@ -12,10 +12,6 @@ MAX_MODULUS = 2**32  # masks and sums are uint64: a modulus up to 2**32 leaves r
 # serves. Order statistics and distance-based selection need every update in the clear.
 SUMMING_STRATEGIES = ("federated_averaging", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
 ALIASES = ("fedavg",)  # federated_averaging's other name
-# Why the scheduler refuses a job with secure_aggregation in this build: the protocol (this package) is done and
-# tested, its stages on the bus are not (docs/security.md, "Status"). Refused, never run in the clear.
-NOT_RUN_YET = ("the services do not run the key agreement and unmasking stages yet (the protocol is apiary.secagg; "
-               "docs/security.md): refused rather than aggregated in the clear")
 NEEDS_CLEAR = {  # why a strategy cannot run on a masked sum
     "fedmedian": "takes a coordinate-wise median",
     "fedtrimmedavg": "trims each coordinate's extremes",

@@ -11,18 +11,29 @@ are not in it: the services do not run the stages yet (docs/security.md). Bytes 
 publishes or uploads: safetensors for the contribution, raw keys, ciphertexts and shares for the key agreement
 (each bus message adds its envelope, about 200 bytes, not counted).
 
-Usage: python scripts/bench_secagg.py [--params 1000000] [--k 4 16]
+With `--services`, the same comparison as whole jobs on the embedded stack (`apiary run`'s services, memory bus,
+SQLite, a folder), K workers each training one shard of the toy job with `--width` values: the round time is the
+aggregator's (round.start stored to round closed, from its table), the mean over `--rounds` rounds after the first;
+the bytes are what each worker published on the bus and uploaded to storage per round.
+
+Usage: python scripts/bench_secagg.py [--params 1000000] [--k 4 16] [--services [--width 100000] [--rounds 3]]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import sys
 import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.numpy import load as load_numpy
 from safetensors.numpy import save as save_numpy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.toyjobs, for --services
 
 from apiary.secagg import crypto
 from apiary.secagg.aggregate import contribution_of_mean
@@ -115,12 +126,76 @@ def bench(k: int, params: int) -> dict[str, float]:
             "error": error, "bound": bound}
 
 
+async def job_round(k: int, width: int, rounds: int, secure: bool, home: Path) -> tuple[float, float]:
+    """(mean round seconds after the first, bytes each worker sent per round) of a toy job on the embedded stack."""
+    from apiary.settings import Settings
+    from services.app.runtime import Embedded
+    from tests.toyjobs.toy import make_dataset
+
+    repo = Path(__file__).resolve().parents[1]
+    dataset = make_dataset(home / "data", 4 * k)
+    settings = Settings(home=home / ".apiary", heartbeat_interval=1.0, progress_interval=0.0,
+                        allowed_entrypoints=["tests.toyjobs.*"], data_roots=[home])
+    distributed: dict[str, object] = {"num_rounds": rounds, "min_workers": k, "max_workers": k,
+                                      "aggregation_timeout": 600, "fault_tolerance": 0, "evaluate_every": 0}
+    if secure:
+        distributed["secure_aggregation"] = {"num_shares": 1, "reconstruction_threshold": 0.5}
+    sent: dict[str, int] = {}
+    async with Embedded(settings, workers=k, code_paths=[str(repo)]) as stack:
+        for worker in stack.workers:  # each worker publishes on its own view of the bus
+            worker.bus.publish = counting(worker.bus.publish, sent)  # type: ignore[method-assign]
+        job_id = await stack.submit({"name": "bench", "entrypoint": "tests.toyjobs.toy:fl_train_model",
+                                     "dataset": str(dataset), "config": {"mode": "ok", "noise": 0.01, "width": width},
+                                     "distributed": distributed})
+        view = await stack.wait(job_id, timeout=1800)
+        if view["status"] != "completed":
+            raise SystemExit(f"the bench job ended {view['status']}: {view.get('reason')}")
+        spans = await stack.ports.db.fetch("SELECT round, closed_at - opened_at AS s FROM aggregations WHERE job_id ="
+                                           " $1 AND status = 'aggregated' ORDER BY round", job_id)
+        uploads = await stack.ports.db.fetch("SELECT SUM(size) AS b FROM contributions WHERE job_id = $1 AND status"
+                                             " = 'accepted'", job_id)
+    later = [float(r["s"]) for r in spans][1:] or [float(spans[0]["s"])]
+    per_worker = (sum(sent.values()) + int(uploads[0]["b"])) / (k * rounds)
+    return sum(later) / len(later), per_worker
+
+
+def counting(publish: Callable[..., Awaitable[None]], sent: dict[str, int]) -> Callable[..., Awaitable[None]]:
+    """`publish`, adding the bytes of each round's reports (worker.done and the protocol's) to `sent`."""
+
+    async def counted(routing_key: str, body: bytes, **kwargs: object) -> None:
+        if routing_key.startswith(("worker.done", "worker.failed", "worker.secagg.")):
+            sent[routing_key] = sent.get(routing_key, 0) + len(body)
+        await publish(routing_key, body, **kwargs)
+
+    return counted
+
+
+def services(ks: list[int], width: int, rounds: int) -> None:
+    """Whole toy jobs with and without secure aggregation, K workers each."""
+    import tempfile
+
+    print(f"embedded stack, toy job with {width + 9} values, {rounds} rounds (round time: the mean after the first)")
+    print("K   plain round s  secure round s  ratio   bytes/worker/round plain  secure  ratio")
+    for k in ks:
+        with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+            plain_s, plain_b = asyncio.run(job_round(k, width, rounds, False, Path(a)))
+            secure_s, secure_b = asyncio.run(job_round(k, width, rounds, True, Path(b)))
+        print(f"{k:<3} {plain_s:>13.3f}  {secure_s:>14.3f}  {secure_s / plain_s:>5.2f}x  {plain_b:>23.0f}  "
+              f"{secure_b:>6.0f}  {secure_b / plain_b:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=1_000_000)
     parser.add_argument("--k", type=int, nargs="+", default=[4, 16])
+    parser.add_argument("--services", action="store_true", help="whole jobs on the embedded stack")
+    parser.add_argument("--width", type=int, default=100_000)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.services:
+        services(args.k, args.width, args.rounds)
+        return
     print(f"model: {args.params} float32 values; one worker drops after masking")
     print("K   plain round s  secure round s  ratio  (worker s, aggregator s)  bytes/worker plain  secure  ratio"
           "  max error / bound")

@@ -442,7 +442,16 @@ def strategy_errors(spec: JobSpec) -> list[FieldError]:
         strategy.check_job(spec.num_shards, distributed.min_workers)
     except ValueError as e:
         return [FieldError(field="distributed.strategy_params", message=str(e))]
-    return privacy_errors(spec)
+    return privacy_errors(spec) or secure_aggregation_errors(spec)
+
+
+def secure_aggregation_errors(spec: JobSpec) -> list[FieldError]:
+    """Secure aggregation of an adapter-only job, which it does not take (its masked vector is every tensor)."""
+    if spec.distributed.secure_aggregation is None or not spec.adapter_only:
+        return []
+    return [FieldError(field="distributed.secure_aggregation",
+                       message="takes full-weight updates; an adapter-only job (use_peft, or the built-in LoRA "
+                               "trainer) is not supported with secure aggregation")]
 
 
 def privacy_errors(spec: JobSpec) -> list[FieldError]:

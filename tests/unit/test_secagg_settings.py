@@ -112,3 +112,12 @@ def test_the_scheduler_takes_it() -> None:
     spec = JobSpec.model_validate(request({"num_shares": 3, "reconstruction_threshold": 2}))
 
     assert strategy_errors(spec) == []
+
+
+def test_an_adapter_only_job_is_refused_by_the_scheduler() -> None:
+    spec = JobSpec.model_validate({**request({"num_shares": 3, "reconstruction_threshold": 2}), "use_peft": True})
+
+    errors = strategy_errors(spec)
+
+    assert [e.field for e in errors] == ["distributed.secure_aggregation"]
+    assert errors[0].message.startswith("takes full-weight updates; an adapter-only job")

@@ -37,8 +37,9 @@ class SecureAggregation(BaseModel):
                                     "[0, quantization_range]")
     modulus_range: int = Field(4294967296, description="the ring of masks and sums (a power of 2, above "
                                "quantization_range times the round's workers, at most 2**32)")
-    timeout: float | None = Field(None, gt=0.0, allow_inf_nan=False, description="seconds each key-agreement "
-                                  "stage waits for the round's workers (default: the round's aggregation_timeout)")
+    timeout: float | None = Field(None, gt=0.0, allow_inf_nan=False, description="seconds the unmask stage waits "
+                                  "for the survivors' shares (default 60); the earlier stages wait within the "
+                                  "round's aggregation_timeout")
 
     @model_validator(mode="after")
     def _consistent(self) -> SecureAggregation:

@@ -52,8 +52,9 @@ class Aggregator(Component):
         self._locks = KeyedLocks()
         self._rounds = OpenRounds(self.store, self.storage)
         self._closer = RoundCloser(self.store, self.storage, self.outbox, self._rounds)
-        self._secure = SecureRounds(self.bus)
+        self._secure = SecureRounds(self.bus, self.store)
         self._rounds.wrap = self._secure.strategy
+        self._rounds.restore = self._secure.restore
 
     async def start(self) -> None:
         await self.store.migrate(self.name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from apiary.component import from_json
@@ -44,6 +44,8 @@ class OpenRounds:
         self._closed: dict[RoundKey, RoundStatus] = {}
         # What wraps each round's strategy (secure aggregation's masked sum, services.aggregator.secure_rounds).
         self.wrap: Callable[[Round, Strategy], Strategy] = lambda round_, strategy: strategy
+        # What a round's state needs restored before its strategy is made (secure aggregation's key agreement).
+        self.restore: Callable[[Round], Awaitable[None]] = _nothing
 
     def keys(self) -> list[RoundKey]:
         """(job, round, attempt) of each round held."""
@@ -184,6 +186,7 @@ class OpenRounds:
     async def _fresh(self, round_: Round, spec: WeightSpec) -> RoundState:
         """A round's state with nothing taken in: the strategy its row names, begun on the round's spec,
         with the server state the job's previous round left (so a restarted aggregator resumes exactly)."""
+        await self.restore(round_)
         strategy = self.wrap(round_, private(create(round_.strategy, round_.strategy_params), round_.privacy))
         global_weights = None
         if strategy.needs_start_weights():
@@ -201,3 +204,7 @@ class OpenRounds:
         if known in self._states:
             return self._states[known]
         return await self._store.previous_state_key(job_id, round_index)
+
+
+async def _nothing(round_: Round) -> None:
+    return None

@@ -8,15 +8,17 @@ vectors arrive as the round's contributions (`worker.done`); once they have all 
 timeout) the unmask requests go out and the round closes when the revealed shares rebuild every secret. A shard
 whose worker fails (`worker.failed`) before masking is left out of the stages still to come.
 
-The key agreement is held in memory: an aggregator restarted during a round cannot unmask it, and the round fails
-at its timeout (the scheduler retries it). Secure rounds need a single aggregator replica.
+Every protocol message is stored (`secagg_messages`) before it is taken in, and so is every stage the aggregator
+moves to before that stage's messages go out: a restarted aggregator replays them into a new collector (the
+masked vectors it re-folds from storage like any round's contributions) and sends the current stage's messages
+again, which workers that had them ignore. Secure rounds need a single aggregator replica: the stages of a round
+must reach the one that holds its collector.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -31,6 +33,7 @@ from apiary.status import ContributionStatus
 from apiary.strategies.base import Strategy
 from services.aggregator.decisions import secret_digests
 from services.aggregator.round_state import Round, RoundKey, RoundState
+from services.aggregator.store import AggregatorStore
 
 log = logging.getLogger("apiary.aggregator")
 
@@ -47,14 +50,49 @@ class SecureRound:
     workers: dict[int, str] = field(default_factory=dict)
     stage: str = "keys"  # keys -> shares -> masked -> unmask (or aborted)
     unmask_deadline: float = 0.0  # when the unmask stage stops waiting for shares
+    reason: str = ""  # aborted: why
 
 
 class SecureRounds:
     """The key agreements of the rounds this aggregator holds."""
 
-    def __init__(self, bus: Bus) -> None:
-        self._bus = bus
+    def __init__(self, bus: Bus, store: AggregatorStore) -> None:
+        self._bus, self._store = bus, store
         self._rounds: dict[RoundKey, SecureRound] = {}
+
+    async def restore(self, round_: Round) -> None:
+        """A secure round's key agreement as stored, replayed into a new collector if it is not held (after a
+        restart), and the messages of the stage it reached sent again."""
+        if round_.secure is None or round_.key in self._rounds:
+            return
+        rows = await self._store.secagg_messages(*round_.key)
+        if not rows:
+            return
+        held = self.start(round_)
+        assert held is not None
+        collector = held.collector
+        for row in rows:
+            kind, shard = row["kind"], row["shard"]
+            try:
+                if kind == "keys":
+                    event = SecAggKeys.model_validate_json(row["body"])
+                    collector.take_advertisement(advertisement(event))
+                    held.workers[node(shard)] = event.worker_id
+                elif kind == "shares":
+                    collector.take_shares(node(shard), [share(s) for s in
+                                                        SecAggShares.model_validate_json(row["body"]).shares])
+                elif kind == "reveal":
+                    collector.take_reveal(reveal(SecAggReveal.model_validate_json(row["body"])))
+                elif kind == "stage.masked":
+                    collector.close_shares()
+                if kind.startswith("stage."):
+                    held.stage, held.reason = kind.removeprefix("stage."), row["body"]
+                    if held.stage == "unmask":
+                        held.unmask_deadline = float(row["received_at"]) + self._unmask_wait(round_)
+            except SecAggError as e:
+                log.warning("job %s round %d: stored %s of shard %d not replayed: %s", *round_.key[:2], kind, shard, e)
+        log.info("job %s round %d: secure aggregation restored at its %s stage", *round_.key[:2], held.stage)
+        await self._resend(round_.key, held)
 
     def start(self, round_: Round) -> SecureRound | None:
         """The round's key agreement, begun now if it is not held (a round without secure aggregation: None)."""
@@ -99,6 +137,7 @@ class SecureRounds:
             log.warning("job %s round %d shard %d: keys refused: %s", *state.key[:2], event.shard, e)
             return
         held.workers[node(event.shard)] = event.worker_id
+        await self._keep(state.key, event.shard, "keys", event.model_dump_json())
         await self.advance(state)
 
     async def on_shares(self, state: RoundState, event: SecAggShares, user_id: str | None) -> None:
@@ -111,6 +150,7 @@ class SecureRounds:
         except SecAggError as e:
             log.warning("job %s round %d shard %d: shares refused: %s", *state.key[:2], event.shard, e)
             return
+        await self._keep(state.key, event.shard, "shares", event.model_dump_json())
         await self.advance(state)
 
     async def on_reveal(self, state: RoundState, event: SecAggReveal, user_id: str | None) -> bool:
@@ -123,6 +163,7 @@ class SecureRounds:
         except SecAggError as e:
             log.warning("job %s round %d shard %d: shares refused: %s", *state.key[:2], event.shard, e)
             return False
+        await self._keep(state.key, event.shard, "reveal", event.model_dump_json())
         return held.collector.ready()
 
     async def advance(self, state: RoundState) -> None:
@@ -136,16 +177,13 @@ class SecureRounds:
         collector = held.collector
         try:
             if held.stage == "keys" and waited <= set(collector.roster):
-                roster = [keys_of(ad) for ad in collector.roster_list()]
-                held.stage = "shares"
-                await self._send(state, held, lambda n: self._stage(state, n, "roster", roster=roster))
+                collector.roster_list()  # refuses a roster some node's threshold cannot hold
+                await self._move(state.key, held, "shares")
             elif held.stage == "shares" and waited & set(collector.roster) <= set(collector.shares):
                 collector.close_shares()
-                held.stage = "masked"
-                await self._send(state, held, lambda n: self._stage(
-                    state, n, "forward", shares=shares_of(collector.forwarded(n))))
+                await self._move(state.key, held, "masked")
         except SecAggError as e:
-            await self._abort(state, held, str(e))
+            await self._abort(state.key, held, str(e))
 
     async def holds_back(self, state: RoundState) -> bool:
         """Whether closing the round must wait for the unmask stage: the requests go out (once) and the round
@@ -155,17 +193,14 @@ class SecureRounds:
             return False
         if held.stage == "masked" and held.collector.contributed:
             try:
-                requests = {n: held.collector.unmask_request(n) for n in sorted(held.collector.contributed)}
+                for n in held.collector.contributed:
+                    held.collector.unmask_request(n)  # refuses a round some node's threshold cannot hold
             except SecAggError as e:
-                await self._abort(state, held, str(e))
+                await self._abort(state.key, held, str(e))
                 return False
-            held.stage = "unmask"
-            settings = state.round.secure
-            wait = settings.settings.timeout if settings is not None and settings.settings.timeout else UNMASK_WAIT
+            wait = self._unmask_wait(state.round)
             held.unmask_deadline = time.time() + wait
-            await self._send(state, held, lambda n: self._stage(
-                state, n, "unmask", survivors=[shard_of(x) for x in requests[n].survivors],
-                dropped=[shard_of(x) for x in requests[n].dropped]), only=set(requests))
+            await self._move(state.key, held, "unmask")
             job_id, round_index, attempt = state.key
             await publish_event(self._bus, RoundTimeout(job_id=job_id, round=round_index, attempt=attempt),
                                 delay=wait)
@@ -193,18 +228,45 @@ class SecureRounds:
         return held
 
     @staticmethod
-    def _stage(state: RoundState, n: int, stage: Literal["roster", "forward", "unmask", "abort"], **fields: Any
-               ) -> SecAggStage:
-        job_id, round_index, attempt = state.key
-        return SecAggStage(job_id=job_id, round=round_index, attempt=attempt, shard=shard_of(n), stage=stage, **fields)
+    def _unmask_wait(round_: Round) -> float:
+        settings = round_.secure
+        return settings.settings.timeout if settings is not None and settings.settings.timeout else UNMASK_WAIT
 
-    async def _send(self, state: RoundState, held: SecureRound, make: Callable[[int], SecAggStage],
-                    only: set[int] | None = None) -> None:
-        for n, worker_id in sorted(held.workers.items()):
-            if only is None or n in only:
-                await publish_event(self._bus, make(n), routing_key=secagg_key(worker_id))
+    async def _keep(self, key: RoundKey, shard: int, kind: str, body: str) -> None:
+        await self._store.keep_secagg(key, shard, kind, body)
 
-    async def _abort(self, state: RoundState, held: SecureRound, reason: str) -> None:
-        log.warning("job %s round %d: secure aggregation cannot go on: %s", *state.key[:2], reason)
-        held.stage = "aborted"
-        await self._send(state, held, lambda n: self._stage(state, n, "abort", reason=reason))
+    async def _move(self, key: RoundKey, held: SecureRound, stage: str) -> None:
+        """Go to `stage`: stored first, then its messages sent (a restart in between sends them again)."""
+        held.stage = stage
+        await self._keep(key, -1, f"stage.{stage}", held.reason)
+        await self._resend(key, held)
+
+    async def _resend(self, key: RoundKey, held: SecureRound) -> None:
+        """The messages of the stage the round is at, to each worker concerned."""
+        job_id, round_index, attempt = key
+        collector = held.collector
+
+        def stage(n: int, name: Literal["roster", "forward", "unmask", "abort"], **fields: Any) -> SecAggStage:
+            return SecAggStage(job_id=job_id, round=round_index, attempt=attempt, shard=shard_of(n), stage=name,
+                               **fields)
+
+        messages: dict[int, SecAggStage] = {}
+        if held.stage == "shares":
+            roster = [keys_of(ad) for ad in collector.roster_list()]
+            messages = {n: stage(n, "roster", roster=roster) for n in held.workers}
+        elif held.stage == "masked":
+            messages = {n: stage(n, "forward", shares=shares_of(collector.forwarded(n))) for n in held.workers}
+        elif held.stage == "unmask":
+            requests = {n: collector.unmask_request(n) for n in sorted(collector.contributed)}
+            messages = {n: stage(n, "unmask", survivors=[shard_of(x) for x in r.survivors],
+                                 dropped=[shard_of(x) for x in r.dropped]) for n, r in requests.items()}
+        elif held.stage == "aborted":
+            messages = {n: stage(n, "abort", reason=held.reason) for n in held.workers}
+        for n, message in sorted(messages.items()):
+            if n in held.workers:
+                await publish_event(self._bus, message, routing_key=secagg_key(held.workers[n]))
+
+    async def _abort(self, key: RoundKey, held: SecureRound, reason: str) -> None:
+        log.warning("job %s round %d: secure aggregation cannot go on: %s", *key[:2], reason)
+        held.reason = reason
+        await self._move(key, held, "aborted")

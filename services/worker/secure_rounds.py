@@ -48,6 +48,7 @@ class SecureShard:
         self.participant = Participant(node(a.shard), context, params,
                                        crypto.signing_key_from_secret(a.secret, context), verify)
         self._queue = inbox.open(self.key)
+        self._seen: set[str] = set()
 
     async def advertise(self) -> None:
         """Stage 1: publish the shard's signed keys (before training: the others' keys arrive meanwhile)."""
@@ -96,11 +97,15 @@ class SecureShard:
         self.inbox.close(self.key)
 
     async def _stage(self, stage: str) -> SecAggStage:
-        left = self.a.deadline - time.time()
-        try:
-            event = await asyncio.wait_for(self._queue.get(), timeout=max(left, 0.001))
-        except TimeoutError:
-            raise SecAggError(f"the {stage} stage did not come by the round's deadline") from None
+        while True:  # a stage sent again (by an aggregator that restarted) is one this run has had
+            left = self.a.deadline - time.time()
+            try:
+                event = await asyncio.wait_for(self._queue.get(), timeout=max(left, 0.001))
+            except TimeoutError:
+                raise SecAggError(f"the {stage} stage did not come by the round's deadline") from None
+            if event.stage not in self._seen:
+                break
+        self._seen.add(event.stage)
         if event.stage == "abort":
             raise SecAggError(f"the aggregator ended the key agreement: {event.reason}")
         if event.stage != stage:

@@ -7,13 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from apiary import keys
-from apiary.contracts import SecAggStage
 from apiary.secagg.settings import SecureAggregation
 from apiary.secagg.updates import MASKED
 from apiary.weights import loads
+from services.worker.secure_rounds import SecureShard
 from tests.fixtures.embedded import StackFactory, toy_request
 from tests.toyjobs.toy import noise_update
 
@@ -63,26 +64,32 @@ async def test_a_secure_job_gives_the_weighted_mean_and_stores_only_masked_vecto
         assert masked.std() > 2**32 / 4  # spread over the ring (uniform: 2**32 / sqrt(12))
 
 
-async def test_a_worker_silent_after_masking_is_recovered_from_shares(embedded: StackFactory,
-                                                                      toy_dataset: Path) -> None:
+async def test_a_worker_silent_after_masking_is_recovered_from_shares(embedded: StackFactory, toy_dataset: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    reveal = SecureShard.reveal
+    silent: list[int] = []
+
+    async def only_some(self: SecureShard) -> None:
+        if self.a.shard == 0:  # shard 0's worker uploads its masked vector, then never reveals a share
+            silent.append(self.a.round)
+            return
+        await reveal(self)
+
+    monkeypatch.setattr(SecureShard, "reveal", only_some)
     async with embedded(workers=3) as stack:
-        silent = stack.workers[0]
-        forward = silent.secagg.on_stage
-
-        async def no_reveal(event: SecAggStage, delivery: object) -> None:
-            if event.stage != "unmask":  # it uploads its masked vector, then never reveals a share
-                await forward(event, delivery)  # type: ignore[arg-type]
-
-        silent.secagg.on_stage = no_reveal  # type: ignore[method-assign]
         job_id = await stack.submit(request(toy_dataset, num_rounds=1))
         view = await stack.wait(job_id, timeout=120)
         rows = await stack.ports.db.fetch(
-            "SELECT shard, worker_id FROM contributions WHERE job_id = $1 AND status = 'accepted'", job_id)
+            "SELECT shard FROM contributions WHERE job_id = $1 AND status = 'accepted' ORDER BY shard", job_id)
+        revealed = await stack.ports.db.fetch(
+            "SELECT shard FROM secagg_messages WHERE job_id = $1 AND kind = 'reveal' ORDER BY shard", job_id)
         start = loads(await stack.ports.storage.get_bytes(keys.global_weights(job_id, 0)))
         final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
 
     assert view["status"] == "completed", view.get("reason")
-    assert len(rows) == 3 and silent.worker_id in {r["worker_id"] for r in rows}
+    assert silent == [1]
+    assert [r["shard"] for r in rows] == [0, 1, 2]  # shard 0's contribution counts...
+    assert [r["shard"] for r in revealed] == [1, 2]  # ...its self mask rebuilt from shards 1 and 2's shares
     bound = SecureAggregation(**SECAGG).resolved(3).error_bound(3, 13)
     sizes = {0: 5, 1: 4, 2: 4}
     for name in ("layer.weight", "wide.weight"):

@@ -117,3 +117,22 @@ async def test_a_worker_that_cannot_join_fails_its_shard_not_the_job(embedded: S
     expected = start["wide.weight"].double() + sum(
         n * torch.from_numpy(plain_update(1, s, start)["wide.weight"]) for s, n in ((0, 5), (1, 4))) / 9
     assert (final["wide.weight"].double() - expected).abs().max().item() <= bound + 1e-6
+
+
+async def test_differential_privacy_clipped_on_workers_noises_the_unmasked_mean(embedded: StackFactory,
+                                                                               toy_dataset: Path) -> None:
+    # Workers clip their updates to C before masking; the aggregator adds noise of std z * C / m to the mean.
+    dp = {"noise_multiplier": 0.5, "clipping_norm": 400.0, "clip_on": "worker", "seed": 11}
+    async with embedded(workers=3) as stack:
+        job_id = await stack.submit(request(toy_dataset, num_rounds=1, differential_privacy=dp))
+        view = await stack.wait(job_id, timeout=120)
+        start = loads(await stack.ports.storage.get_bytes(keys.global_weights(job_id, 0)))
+        final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
+
+    assert view["status"] == "completed", view.get("reason")
+    std = 0.5 * 400.0 / 3
+    expected = start["wide.weight"].double() + sum(
+        n * torch.from_numpy(plain_update(1, s, start)["wide.weight"]) for s, n in ((0, 5), (1, 4), (2, 4))) / 13
+    noise = final["wide.weight"].double() - expected
+    assert abs(noise.std().item() / std - 1) < 0.1  # the central noise, on the unmasked mean
+    assert view["metrics"].get("dp_epsilon") is not None

@@ -15,7 +15,9 @@ from apiary.secagg.messages import node
 from apiary.secagg.protocol import Collector, SecAggError
 from apiary.secagg.updates import MASKED, from_wire
 from apiary.strategies.base import Contribution, RoundResult, StoredContributions, Strategy, weighted_metrics
+from apiary.strategies.clipping import clip_for_upload
 from apiary.strategies.format import UpdateFormat
+from apiary.strategies.private import DifferentiallyPrivate
 from apiary.strategies.validation import InvalidContribution
 from apiary.weights import WeightSpec
 
@@ -94,6 +96,11 @@ class MaskedSum(Strategy):
             raise SecAggError(self._missing or "no key agreement is held for this round")
         mean, total, contributors = self.collector.finish()
         one = contribution_of_mean(mean, self._global, total, weighted_metrics(self._metrics))
+        if isinstance(self.inner, DifferentiallyPrivate):
+            # The mean of updates clipped to C is within C; quantisation may move it a hair over, which the
+            # privacy wrapper (clip_on worker) would refuse: clipped back, within the bound it verifies.
+            weights, _ = clip_for_upload(one.weights, self._global, self.inner.clipping_norm)
+            one = Contribution(weights, one.samples, one.metrics)
         self.inner.accept(one)
         result = self.inner.finish(self._global if self.inner.wants_global_weights() else None)
         metrics = {**result.metrics, CONTRIBUTORS: float(contributors),

@@ -3,9 +3,9 @@
 does I/O.
 
 1. advertise: each participant draws two X25519 key pairs (c: to encrypt shares, s: to agree masks) and signs
-   both public keys, with the round's context, by its assignment's Ed25519 key (the scheduler hands the signing
-   key to that shard's worker only and every verify key to all): the aggregator, which relays them, cannot
-   substitute its own. The collector's roster is the participants that advertised (U1).
+   both public keys, with the round's context, by its shard's Ed25519 key (derived from its assignment's one-time
+   secret, crypto.signing_key_from_secret; every shard's verify key comes from the scheduler): the aggregator,
+   which relays them, cannot substitute its own. The collector's roster is the participants that advertised (U1).
 2. share keys: each participant verifies the roster, takes its neighbours (a ring over the node ids, num_shares
    wide, itself included), draws a self-mask seed b, Shamir-splits b and its s private key among them
    (threshold t) and sends each neighbour its two shares encrypted under AES-GCM with a key agreed from the c

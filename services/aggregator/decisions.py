@@ -11,6 +11,7 @@ from apiary import keys, proof
 from apiary.component import from_json
 from apiary.contracts import WorkerDone, WorkerFailed
 from apiary.privacy import DifferentialPrivacy
+from apiary.secagg.settings import SecureAggregation
 from apiary.status import ContributionStatus, RoundStatus
 from apiary.strategies.format import UpdateFormat
 
@@ -111,6 +112,24 @@ def privacy_of(aggregation: Mapping[str, Any]) -> DifferentialPrivacy | None:
     """A round's differential privacy settings, if it has any."""
     stored = aggregation.get("privacy")
     return None if stored is None else DifferentialPrivacy.model_validate_json(stored)
+
+
+@dataclass(frozen=True)
+class SecureRoundSpec:
+    """A round's secure aggregation as its row stores it: the job's settings and each shard's verify key."""
+
+    settings: SecureAggregation
+    verify_keys: Mapping[int, str]
+
+
+def secure_of(aggregation: Mapping[str, Any]) -> SecureRoundSpec | None:
+    """The round's secure aggregation, if it has one."""
+    stored = aggregation.get("secagg")
+    if stored is None:
+        return None
+    data = from_json(stored)
+    return SecureRoundSpec(SecureAggregation.model_validate(data["settings"]),
+                           {int(shard): key for shard, key in data["verify_keys"].items()})
 
 
 def ended_status(cancelled: bool) -> RoundStatus:

@@ -30,6 +30,7 @@ from services.aggregator.decisions import (
 )
 from services.aggregator.open_rounds import PREFETCH_MAX_BYTES, OpenRounds
 from services.aggregator.round_state import Round, RoundKey, RoundState
+from services.aggregator.secure_rounds import SecureRounds
 from services.aggregator.store import AggregatorStore, opened_row
 
 log = logging.getLogger("apiary.aggregator")
@@ -51,6 +52,9 @@ class Aggregator(Component):
         self._locks = KeyedLocks()
         self._rounds = OpenRounds(self.store, self.storage)
         self._closer = RoundCloser(self.store, self.storage, self.outbox, self._rounds)
+        self._secure = SecureRounds(self.bus, self.store)
+        self._rounds.wrap = self._secure.strategy
+        self._rounds.restore = self._secure.restore
 
     async def start(self) -> None:
         await self.store.migrate(self.name)
@@ -62,6 +66,9 @@ class Aggregator(Component):
             "round.timeout": self.on_round_timeout,
             "job.failed": self.on_job_ended,
             "job.completed": self.on_job_ended,
+            "worker.secagg.keys": self.on_secagg_keys,
+            "worker.secagg.shares": self.on_secagg_shares,
+            "worker.secagg.reveal": self.on_secagg_reveal,
         }
         await self.consume("aggregator", handlers)
 
@@ -80,6 +87,8 @@ class Aggregator(Component):
         async with self._locks(event.job_id):
             row = opened_row(event)
             inserted = await self.store.open_round(row)
+            if inserted:
+                self._secure.start(Round.of(row))  # its key agreement begins with the round
             spec = self._rounds.known_spec(event.weights)
             if inserted and spec is not None:
                 # A new round whose weights this aggregator wrote: nothing to read back before its results.
@@ -93,6 +102,7 @@ class Aggregator(Component):
             if state is None:
                 return
             settled = await self._settle(event, ContributionStatus.FAILED, event.error, state)
+            await self._secure.advance(state)  # a secure round stops waiting for this shard's part
             await self._maybe_close(state, settled)
 
     async def on_worker_done(self, event: contracts.WorkerDone, delivery: Delivery) -> None:
@@ -121,8 +131,9 @@ class Aggregator(Component):
         """The round's time is up: aggregate what arrived if enough did, else fail the round."""
         async with self._locks(event.job_id):
             state = await self._rounds.current((event.job_id, event.round, event.attempt))
-            if not isinstance(state, Verdict):
+            if not isinstance(state, Verdict) and not await self._secure.holds_back(state):
                 await self._closer.close(state, timed_out=True)
+                self._secure.drop(state.key)
 
     async def on_job_ended(self, event: contracts.JobFailed | contracts.JobCompleted, delivery: Delivery) -> None:
         """A job was cancelled, failed or completed (early stopping ends one while its next round runs): its
@@ -141,6 +152,7 @@ class Aggregator(Component):
         async with self._locks(event.job_id):
             closed = await self.store.end_job(event.job_id, status, f"job {ended}: {reason}")
             self._rounds.drop_job(event.job_id)
+            self._secure.drop_job(event.job_id)
         if closed:
             log.info("job %s %s: its open round closed", event.job_id, ended)
 
@@ -175,7 +187,7 @@ class Aggregator(Component):
         if isinstance(fetched, Exception):
             raise fetched
         data = fetched if fetched is not None else await self.storage.verified_bytes(event.result)
-        return Contribution(load_weights(data, copy=False), event.samples, event.metrics)
+        return Contribution(load_weights(data, copy=False), event.samples, event.metrics, shard=event.shard)
 
     async def _judge(self, event: Report, delivery: Delivery) -> RoundState | None:
         """The open round this report settles a shard of; None (recorded why) if it settles nothing: it
@@ -231,8 +243,52 @@ class Aggregator(Component):
         await self._close(state)
 
     async def _close(self, state: RoundState) -> None:
+        if await self._secure.holds_back(state):  # a secure round closes once its shares are revealed
+            return
         # A last shard settled after the deadline (a straggler stopped there) ends a round that timed out.
         await self._closer.close(state, timed_out=past_deadline(state.round.deadline, time.time()))
+        self._secure.drop(state.key)
+
+    async def on_secagg_keys(self, event: contracts.SecAggKeys, delivery: Delivery) -> None:
+        """Secure aggregation's stage 1: a shard's signed keys (services.aggregator.secure_rounds)."""
+        state = await self._secure_round(event)
+        if state is not None:
+            async with self._locks(event.job_id):
+                await self._secure.on_keys(state, event, delivery.user_id)
+
+    async def on_secagg_shares(self, event: contracts.SecAggShares, delivery: Delivery) -> None:
+        """Secure aggregation's stage 2: a shard's encrypted shares."""
+        state = await self._secure_round(event)
+        if state is not None:
+            async with self._locks(event.job_id):
+                await self._secure.on_shares(state, event, delivery.user_id)
+
+    async def on_secagg_reveal(self, event: contracts.SecAggReveal, delivery: Delivery) -> None:
+        """Secure aggregation's stage 4: a survivor's shares; the round closes once they rebuild every secret."""
+        state = await self._secure_round(event)
+        if state is not None:
+            async with self._locks(event.job_id):
+                if await self._secure.on_reveal(state, event, delivery.user_id):
+                    current = await self._rounds.current(state.key)
+                    if not isinstance(current, Verdict):
+                        await self._close(current)
+
+    async def _secure_round(self, event: contracts.SecAggKeys | contracts.SecAggShares | contracts.SecAggReveal
+                            ) -> RoundState | None:
+        """The open round a protocol message is for, or None (logged) if it is not open."""
+        key = (event.job_id, event.round, event.attempt)
+        if self._rounds.held(key) is None and not self._rounds.closed(key):
+            async def stored() -> bool:
+                return await self.store.aggregation(*key) is not None
+
+            await poll(stored, ROUND_START_POLL, ROUND_START_WAIT)
+        async with self._locks(event.job_id):
+            state = await self._rounds.current(key)
+        if isinstance(state, Verdict):
+            log.info("job %s: %s for round %d/%d ignored: %s", event.job_id, event.routing_key, event.round,
+                     event.attempt, state.reason)
+            return None
+        return state
 
     async def _record(self, event: Report, status: ContributionStatus, reason: str) -> None:
         """Store a report that settles nothing."""

@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from apiary.component import from_json
 from apiary.contracts import ObjectRef
 from apiary.status import ContributionStatus, RoundStatus
 from apiary.storage import Storage
-from apiary.strategies.base import Contribution, create
+from apiary.strategies.base import Contribution, Strategy, create
 from apiary.strategies.private import private
 from apiary.weights import WeightSpec, spec_of
 from apiary.weights import loads as load_weights
@@ -42,6 +42,10 @@ class OpenRounds:
         # Rounds this aggregator closed (a closed row never opens again): the reports still on their way for them
         # (a commit group's other handlers, stragglers) are judged late without reading the row back.
         self._closed: dict[RoundKey, RoundStatus] = {}
+        # What wraps each round's strategy (secure aggregation's masked sum, services.aggregator.secure_rounds).
+        self.wrap: Callable[[Round, Strategy], Strategy] = lambda round_, strategy: strategy
+        # What a round's state needs restored before its strategy is made (secure aggregation's key agreement).
+        self.restore: Callable[[Round], Awaitable[None]] = _nothing
 
     def keys(self) -> list[RoundKey]:
         """(job, round, attempt) of each round held."""
@@ -153,7 +157,7 @@ class OpenRounds:
         async with contextlib.aclosing(self._fetched(rows)) as fetched:
             async for row, data in fetched:
                 state.take_in(row["shard"], Contribution(load_weights(data, copy=False), row["samples"],
-                                                         from_json(row["metrics"], {})))
+                                                         from_json(row["metrics"], {}), shard=row["shard"]))
 
     async def _fetched(self, rows: list[dict[str, Any]]) -> AsyncGenerator[tuple[dict[str, Any], bytes]]:
         """Each row with its object's verified bytes, in order, up to FETCH_AHEAD objects (FETCH_AHEAD_BYTES in
@@ -182,7 +186,8 @@ class OpenRounds:
     async def _fresh(self, round_: Round, spec: WeightSpec) -> RoundState:
         """A round's state with nothing taken in: the strategy its row names, begun on the round's spec,
         with the server state the job's previous round left (so a restarted aggregator resumes exactly)."""
-        strategy = private(create(round_.strategy, round_.strategy_params), round_.privacy)
+        await self.restore(round_)
+        strategy = self.wrap(round_, private(create(round_.strategy, round_.strategy_params), round_.privacy))
         global_weights = None
         if strategy.needs_start_weights():
             global_weights = load_weights(await self._storage.get_bytes(round_.weights.key))
@@ -199,3 +204,7 @@ class OpenRounds:
         if known in self._states:
             return self._states[known]
         return await self._store.previous_state_key(job_id, round_index)
+
+
+async def _nothing(round_: Round) -> None:
+    return None

@@ -13,7 +13,7 @@ from apiary.status import ContributionStatus
 from apiary.strategies.base import Contribution, Strategy
 from apiary.strategies.format import UpdateFormat
 from apiary.strategies.validation import InvalidContribution
-from services.aggregator.decisions import privacy_of, strategy_of, update_format
+from services.aggregator.decisions import SecureRoundSpec, privacy_of, secure_of, strategy_of, update_format
 
 RoundKey = tuple[str, int, int]  # (job, round, attempt)
 
@@ -33,6 +33,7 @@ class Round:
     update_format: UpdateFormat
     secret_digests: str  # the row's JSON text as stored: judge_sender parses it once per round
     privacy: DifferentialPrivacy | None = None  # central differential privacy around the strategy, if asked for
+    secure: SecureRoundSpec | None = None  # secure aggregation, if asked for
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> Round:
@@ -43,7 +44,7 @@ class Round:
                    weights=ObjectRef(key=row["weights_key"], size=row["weights_size"], sha256=row["weights_sha256"]),
                    deadline=row["deadline"], traceparent=row["traceparent"], strategy=strategy,
                    strategy_params=params, update_format=update_format(row),
-                   secret_digests=row["secret_digests"], privacy=privacy_of(row))
+                   secret_digests=row["secret_digests"], privacy=privacy_of(row), secure=secure_of(row))
 
     @property
     def digests_row(self) -> Mapping[str, Any]:

@@ -49,11 +49,21 @@ MIGRATIONS = [
       ON contributions (job_id, round, attempt, shard) WHERE status IN ('accepted', 'rejected', 'failed');
     CREATE INDEX IF NOT EXISTS contributions_round ON contributions (job_id, round, attempt);
     """ + outbox_migration("aggregator_outbox"),
+    # Secure aggregation of the round (JSON: the job's settings and each shard's verify key; NULL: none).
+    "ALTER TABLE aggregations ADD COLUMN secagg TEXT;",
+    # Secure aggregation's key agreement as it came: each shard's keys, shares and reveal, and the stages the
+    # aggregator moved to (shard -1), so a restarted aggregator takes the round up where it was.
+    """
+    CREATE TABLE IF NOT EXISTS secagg_messages (
+      job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL, shard BIGINT NOT NULL,
+      kind TEXT NOT NULL, body TEXT NOT NULL, received_at DOUBLE PRECISION NOT NULL,
+      PRIMARY KEY (job_id, round, attempt, shard, kind));
+    """,
 ]
 
 COLUMNS = ("job_id", "round", "attempt", "shards", "min_workers", "weights_key", "weights_size", "weights_sha256",
            "status", "opened_at", "traceparent", "deadline", "update_format", "strategy", "strategy_params",
-           "privacy", "secret_digests")
+           "privacy", "secret_digests", "secagg")
 
 
 def opened_row(event: RoundStart) -> dict[str, Any]:
@@ -67,6 +77,9 @@ def opened_row(event: RoundStart) -> dict[str, Any]:
         "strategy_params": to_json(event.strategy_params),
         "privacy": None if event.differential_privacy is None else event.differential_privacy.model_dump_json(),
         "secret_digests": to_json({str(shard): d for shard, d in event.secret_digests.items()}),
+        "secagg": None if event.secure_aggregation is None else to_json(
+            {"settings": event.secure_aggregation.model_dump(mode="json"),
+             "verify_keys": {str(shard): key for shard, key in event.secagg_verify_keys.items()}}),
         "result_key": None, "reason": None, "closed_at": None, "settled": 0,
     }
 
@@ -165,6 +178,18 @@ class AggregatorStore:
             job_id, round_index, attempt,
         )
         return int(settled or 0)
+
+    async def keep_secagg(self, key: tuple[str, int, int], shard: int, kind: str, body: str) -> None:
+        """Store one message (or stage) of a round's key agreement, once."""
+        await self.db.execute(
+            "INSERT INTO secagg_messages (job_id, round, attempt, shard, kind, body, received_at)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING", *key, shard, kind, body, time.time())
+
+    async def secagg_messages(self, job_id: str, round_index: int, attempt: int) -> list[dict[str, Any]]:
+        """A round's key agreement as stored, in the order it came."""
+        return await self.db.fetch(
+            "SELECT shard, kind, body, received_at FROM secagg_messages WHERE job_id = $1 AND round = $2"
+            " AND attempt = $3 ORDER BY received_at, shard", job_id, round_index, attempt)
 
     async def previous_state_key(self, job_id: str, round_index: int) -> str | None:
         """Where the strategy's server state after the job's last aggregated round before this one is stored."""

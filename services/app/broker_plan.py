@@ -36,7 +36,7 @@ SERVICE_PUBLISHES: dict[str, tuple[str, ...]] = {
     "scheduler": (r"job\..+", r"shard\..+", r"round\..+", r"assign\..+", r"task\..+", r"report\..+", r"presence\.pace",
                   r"presence\.pace\.[\w.@\-]+"),
     "sharder": (r"job\.sharded",),
-    "aggregator": (r"round\..+", r"job\..+"),
+    "aggregator": (r"round\..+", r"job\..+", r"secagg\.worker\.[\w.@\-]+"),
     "tracker": (r"job\.requested", r"job\.cancel"),
 }
 HASHING = "rabbit_password_hashing_sha256"
@@ -77,6 +77,7 @@ def worker(worker_id: str | None, exchange: str, prefix: str = DEFAULT_PREFIX) -
     e, w = re.escape(exchange), re.escape(worker_id) if worker_id is not None else r"[\w.@\-]+"
     own = [rf"assign\.worker\.{w}", rf"assign\.prefer\.{w}", rf"control\.worker\.{w}"]
     paced = [r"presence\.pace", rf"presence\.pace\.{w}"]  # the fleet's pace, and the pace told to it alone
+    secure = [rf"secagg\.worker\.{w}"]  # the aggregator's secure-aggregation stages for it alone
     names = "|".join([*own, r"assign\.pool", r"hold\.[0-9a-f]+"])
     queues = [rf"{e}\.({names})"]
     # The exchange and the dead-letter queue are declared by every process as it connects (configure).
@@ -85,7 +86,7 @@ def worker(worker_id: str | None, exchange: str, prefix: str = DEFAULT_PREFIX) -
     return BrokerUser(name, "worker", configure=configure,
                       write=_any([e, r"amq\.default", *queues]), read=_any([e, *queues]),
                       topic_write=_any(WORKER_PUBLISHES),
-                      topic_read=_any([*own, r"assign\.pool", r"job\.failed", r"job\.completed", *paced]),
+                      topic_read=_any([*own, r"assign\.pool", r"job\.failed", r"job\.completed", *paced, *secure]),
                       worker_id=worker_id)
 
 

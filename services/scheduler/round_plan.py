@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from apiary import keys, proof
 from apiary.contracts import Assignment, ModelRef, ObjectRef, RoundStart, ShardInfo
 from apiary.jobspec import JobSpec
+from apiary.secagg.crypto import round_context, verify_keys_of
 from apiary.strategies.format import UpdateFormat
 
 # The weights of a job whose round 0 (its init task, on a worker) has not made them yet.
@@ -152,6 +153,7 @@ def round_start(target: RoundTarget, plan: RoundPlan) -> RoundStart:
         differential_privacy=spec.distributed.differential_privacy,
         secret_digests={shard: proof.digest(secret) for shard, secret in plan.secrets.items()},
         progress_digests={shard: proof.digest(proof.progress_token(secret)) for shard, secret in plan.secrets.items()},
+        secure_aggregation=spec.distributed.secure_aggregation, secagg_verify_keys=secagg_verify_keys(target, plan),
     )
 
 
@@ -169,8 +171,16 @@ def assignment(target: RoundTarget, plan: RoundPlan, shard: ShardInfo, urls: Ass
         base_model=urls.base_model, env=spec.env(target.round),
         deadline=plan.deadline, pinned_worker=pinned[shard.index] if pinned else None,
         issued_at=plan.started_at, ended_url=urls.ended, secret=plan.secrets.get(shard.index),
-        clipping_norm=worker_clipping_norm(spec),
+        clipping_norm=worker_clipping_norm(spec), secure_aggregation=spec.distributed.secure_aggregation,
+        secagg_verify_keys=secagg_verify_keys(target, plan),
     )
+
+
+def secagg_verify_keys(target: RoundTarget, plan: RoundPlan) -> dict[int, str]:
+    """Each shard's secure-aggregation verify key (hex), derived from its secret; none without secure aggregation."""
+    if target.spec.distributed.secure_aggregation is None:
+        return {}
+    return verify_keys_of(plan.secrets, round_context(target.job_id, target.round, target.attempt))
 
 
 def worker_clipping_norm(spec: JobSpec) -> float | None:

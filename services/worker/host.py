@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from apiary.bus import Bus
 from apiary.contracts import Assignment
@@ -13,6 +13,9 @@ from apiary.settings import Settings
 from apiary.trainers import Trainer
 from services.worker.bundles import BundleCache
 from services.worker.model_cache import ModelCache
+
+if TYPE_CHECKING:
+    from services.worker.secagg_inbox import SecAggInbox
 
 
 class Host(Protocol):
@@ -41,6 +44,10 @@ class Host(Protocol):
     @property
     def bundles(self) -> BundleCache:
         """Code bundles kept on this worker."""
+
+    @property
+    def secagg(self) -> SecAggInbox:
+        """The aggregator's secure-aggregation stages for this worker's shards."""
 
     def span_attributes(self, a: Assignment) -> dict[str, Any]:
         """What every span of an assignment says about it."""

@@ -22,6 +22,7 @@ from services.worker import transfers
 from services.worker.bundles import BundleError, code_for
 from services.worker.host import Host, Workspace
 from services.worker.progress import ProgressStream
+from services.worker.secure_rounds import SecureShard
 from services.worker.task_runs import TaskRun, task_failed, task_function
 
 log = logging.getLogger("apiary.worker")
@@ -54,10 +55,44 @@ class AssignmentRun:
         if data_root is None:
             return None
         call = self._call(data_root)
+        if self.a.secure_aggregation is not None:
+            return await self._secure(call, started)
         result = await self._train(call)
         if result is None or not await self._upload(result):
             return None
         return await self._report(result, time.monotonic() - started)
+
+    async def _secure(self, call: TrainCall, started: float) -> float | None:
+        """Train, upload and report with secure aggregation (services.worker.secure_rounds): keys advertised
+        before training, the masked update uploaded in place of the weights, shares revealed after the report.
+        A protocol failure fails the shard, in one line."""
+        a, worker = self.a, self.worker
+        try:
+            secure = SecureShard(worker, a, worker.secagg)
+        except ValueError as e:
+            await worker.failed(a, f"secure aggregation: {e}")
+            return None
+        try:
+            await secure.advertise()
+            result = await self._train(call)
+            if result is None:
+                return None
+            try:
+                result = await secure.mask(result, self.space.result, self.space.weights)
+            except ValueError as e:
+                await worker.failed(a, f"secure aggregation: {e}")
+                return None
+            if not await self._upload(result):
+                return None
+            rate = await self._report(result, time.monotonic() - started)
+            try:
+                await secure.reveal()
+            except ValueError as e:  # reported already: the round rebuilds this shard's mask from the others' shares
+                log.warning("worker %s: job %s round %d shard %d: secure aggregation: %s", worker.worker_id, a.job_id,
+                            a.round, a.shard, e)
+            return rate
+        finally:
+            secure.close()
 
     async def _download(self, ended: asyncio.Task[bool] | None, span: Span) -> Path | None:
         """The shard's folder, with the global weights beside it; None if the job ended or a download failed."""

@@ -21,6 +21,7 @@ from apiary.contracts import (
     PresencePace,
     WorkerFailed,
     pace_key,
+    secagg_key,
 )
 from apiary.settings import Settings
 from apiary.trainers import USER_FUNCTION, Trainer, TrainerError, TrainerSetup, make_trainer, trainer_name
@@ -30,6 +31,7 @@ from services.worker.job_ends import JobEnds
 from services.worker.model_cache import ModelCache
 from services.worker.pipeline import AssignmentRun
 from services.worker.presence import Presence
+from services.worker.secagg_inbox import SecAggInbox
 from services.worker.slot import Slot
 from services.worker.turns import QueueTurns
 
@@ -67,6 +69,7 @@ class Worker:
         self.turns = QueueTurns(self.worker_id, self.slot)
         self._control: Subscription | None = None
         self.ended = JobEnds()
+        self.secagg = SecAggInbox()
 
     @property
     def control_queue(self) -> str:
@@ -81,6 +84,7 @@ class Worker:
         control: dict[str, EventHandler] = {
             "job.failed": self.on_job_ended, "job.completed": self.on_job_ended,
             PresencePace.routing_key: self.presence.on_pace, pace_key(self.worker_id): self.presence.on_pace,
+            secagg_key(self.worker_id): self.secagg.on_stage,
         }
         self._control = await subscribe(self.bus, self.control_queue, control, prefetch=1,
                                         expires=CONTROL_QUEUE_EXPIRES)

@@ -12,6 +12,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from apiary.jobspec import FieldError, JobSpec
 from apiary.policy import LIMITS
 from apiary.privacy import DifferentialPrivacy
+from apiary.secagg.settings import SecureAggregation
 from apiary.strategies import DEFAULT_STRATEGY
 from apiary.strategies.format import UpdateFormat
 
@@ -177,6 +178,13 @@ class RoundStart(RoundEvent):
     """Per shard, the SHA-256 (hex) of its assignment's secret: a report's `secret` must hash to it."""
     progress_digests: dict[int, str] = Field(default_factory=dict)
     """Per shard, the SHA-256 (hex) of its progress token: a progress report's `token` must hash to it."""
+    # Secure aggregation (apiary.secagg), if the job asks for it, and each shard's Ed25519 verify key (hex), which
+    # the shard's worker signs its protocol keys with (its signing key derives from the assignment's secret).
+    secure_aggregation: SecureAggregation | None = None
+    """The job's secure aggregation settings (apiary.secagg); None: contributions are aggregated in the clear."""
+    secagg_verify_keys: dict[int, str] = Field(default_factory=dict)
+    """Per shard, the Ed25519 verify key (hex) its worker signs its protocol keys with; empty without secure
+    aggregation."""
 
     @model_validator(mode="before")
     @classmethod
@@ -296,6 +304,12 @@ class Assignment(RoundEvent):
     # Differential privacy with clip_on worker: the L2 norm the worker clips its update to before upload.
     clipping_norm: float | None = Field(default=None, gt=0)
     """The L2 norm the worker clips its update to before upload (DP `clip_on: worker`); else None."""
+    # Secure aggregation: the job's settings and every shard's verify key (hex), as round.start carries them.
+    secure_aggregation: SecureAggregation | None = None
+    """The job's secure aggregation settings (apiary.secagg); None: contributions are aggregated in the clear."""
+    secagg_verify_keys: dict[int, str] = Field(default_factory=dict)
+    """Per shard, the Ed25519 verify key (hex) its worker signs its protocol keys with; empty without secure
+    aggregation."""
 
 
 class WorkerProgress(RoundEvent):
@@ -348,6 +362,112 @@ class WorkerFailed(RoundEvent):
     """Why, in one line (the user's code raised, a download or upload failed, ...)."""
     secret: str = ""  # the assignment's one-time secret
     """The assignment's one-time secret, proving the report comes from its worker (the event log drops it)."""
+
+
+class SecAggKeys(RoundEvent):
+    """`worker.secagg.keys`: secure aggregation's stage 1, a worker's two X25519 public keys (hex) for its shard,
+    signed (Ed25519, hex) with its assignment's signing key."""
+
+    routing_key: ClassVar[str] = "worker.secagg.keys"
+    worker_id: str
+    """The worker that trains the shard."""
+    shard: int
+    """The shard whose keys these are, by index."""
+    c_public: str
+    """X25519 public key (hex) for encrypting the shares sent to this shard."""
+    s_public: str
+    """X25519 public key (hex) for agreeing the pairwise mask seeds with the other shards."""
+    signature: str
+    """Ed25519 signature (hex) over the round, shard and both keys, by the shard's signing key."""
+    secret: str = ""  # the assignment's one-time secret
+    """The assignment's one-time secret, proving the message comes from its worker (the event log drops it)."""
+
+
+class SecAggShare(BaseModel):
+    """One encrypted pair of Shamir shares between two shards' workers (hex AES-GCM ciphertext)."""
+
+    model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
+
+    source: int
+    """The shard whose worker made and encrypted the shares."""
+    destination: int
+    """The shard whose worker holds them (only it can decrypt them)."""
+    ciphertext: str
+    """AES-GCM ciphertext (hex) of the source's shares of its self-mask seed and its mask key."""
+
+
+class SecAggShares(RoundEvent):
+    """`worker.secagg.shares`: secure aggregation's stage 2, a worker's shares for its neighbours, encrypted."""
+
+    routing_key: ClassVar[str] = "worker.secagg.shares"
+    worker_id: str
+    """The worker that trains the shard."""
+    shard: int
+    """The shard that sends the shares, by index."""
+    shares: list[SecAggShare] = Field(default_factory=list)
+    """One encrypted share pair per neighbouring shard."""
+    secret: str = ""  # the assignment's one-time secret
+    """The assignment's one-time secret, proving the message comes from its worker (the event log drops it)."""
+
+
+class SecAggReveal(RoundEvent):
+    """`worker.secagg.reveal`: secure aggregation's stage 4, a survivor's shares (hex) of its neighbours' self-mask
+    seeds (`b_shares`, of the shards that sent masked vectors) and key (`s_shares`, of those that dropped)."""
+
+    routing_key: ClassVar[str] = "worker.secagg.reveal"
+    worker_id: str
+    """The surviving worker that reveals the shares."""
+    shard: int
+    """The survivor's shard, by index."""
+    b_shares: dict[int, str] = Field(default_factory=dict)
+    """Per shard that sent a masked vector, this survivor's share (hex) of its self-mask seed."""
+    s_shares: dict[int, str] = Field(default_factory=dict)
+    """Per shard that dropped after masking began, this survivor's share (hex) of its mask key."""
+    secret: str = ""  # the assignment's one-time secret
+    """The assignment's one-time secret, proving the message comes from its worker (the event log drops it)."""
+
+
+class SecAggKeysOf(BaseModel):
+    """One shard's advertised keys, as the aggregator relays them."""
+
+    model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
+
+    shard: int
+    """The shard whose keys these are, by index."""
+    c_public: str
+    """X25519 public key (hex) for encrypting shares sent to that shard."""
+    s_public: str
+    """X25519 public key (hex) for agreeing pairwise mask seeds with that shard."""
+    signature: str
+    """Its worker's Ed25519 signature (hex), checked against the shard's verify key in the assignment."""
+
+
+class SecAggStage(RoundEvent):
+    """`secagg.worker.<worker id>`: the aggregator's next step of secure aggregation for one shard's worker:
+    `roster` (every shard's signed keys), `forward` (the shares sent to this shard) or `unmask` (whose shares it
+    must reveal)."""
+
+    routing_key: ClassVar[str] = "secagg.worker"
+    shard: int
+    """The shard the step is for, by index."""
+    stage: Literal["roster", "forward", "unmask", "abort"]
+    """Which step: the roster of keys, the forwarded shares, the call to unmask, or an abort."""
+    roster: list[SecAggKeysOf] = Field(default_factory=list)
+    """`roster`: every shard's signed keys (the worker checks each signature)."""
+    shares: list[SecAggShare] = Field(default_factory=list)
+    """`forward`: the encrypted shares other shards sent to this one."""
+    survivors: list[int] = Field(default_factory=list)
+    """`unmask`: the shards whose masked vectors arrived (reveal their self-mask seed shares)."""
+    dropped: list[int] = Field(default_factory=list)
+    """`unmask`: the shards that dropped after the roster (reveal their mask key shares)."""
+    reason: str = ""  # abort: why the round cannot be aggregated securely
+    """`abort`: why the round cannot be aggregated securely, in one line."""
+
+
+def secagg_key(worker_id: str) -> str:
+    """The routing key of the aggregator's secure-aggregation stages for one worker: `secagg.worker.<worker id>`,
+    bound by that worker's control queue alone."""
+    return f"{SecAggStage.routing_key}.{worker_id}"
 
 
 class RoundTimeout(RoundEvent):
@@ -606,7 +726,7 @@ EVENT_TYPES: dict[str, type[BaseModel]] = {
         WorkerProgress, WorkerDone, WorkerFailed, RoundTimeout, RoundAggregated, RoundFailed,
         JobCompleted, JobFailed, JobWaiting, JobCancelRequested, WorkerOnline, WorkerHeartbeat, WorkerOffline,
         WeightsInitialized, RoundEvaluated, WorkerEvaluated, ReportForged, AdapterMerged, TaskTimeout,
-        PresencePace,
+        PresencePace, SecAggKeys, SecAggShares, SecAggReveal,
     )
 }
 
@@ -617,6 +737,8 @@ def model_for(routing_key: str) -> type[BaseModel]:
         return Assignment
     if routing_key.startswith(f"{PresencePace.routing_key}."):
         return PresencePace
+    if routing_key.startswith(f"{SecAggStage.routing_key}."):
+        return SecAggStage
     try:
         return EVENT_TYPES[routing_key]
     except KeyError:

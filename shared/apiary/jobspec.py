@@ -23,6 +23,7 @@ from apiary.early_stopping import BUILT_IN_METRICS, EarlyStopping
 from apiary.jobspec_builtin import built_in_errors, did_you_mean, merged_errors
 from apiary.policy import Policy, job_errors
 from apiary.privacy import PRIVACY_EXTRA, DifferentialPrivacy, accounting_available, epsilon, rounds_within_budget
+from apiary.secagg.settings import SecureAggregation, job_error
 from apiary.strategies import DEFAULT_STRATEGY
 from apiary.trainers.causal_lm_config import CausalLMConfig
 
@@ -91,6 +92,9 @@ class DistributedConfig(BaseModel):
     differential_privacy: DifferentialPrivacy | None = Field(default=None, description="central differential "
                                                              "privacy around the strategy: clipping, noise and an "
                                                              "accountant (docs/privacy.md)")
+    secure_aggregation: SecureAggregation | None = Field(default=None, description="SecAgg+: workers upload "
+                                                         "masked, quantised updates whose sum alone the aggregator "
+                                                         "learns (docs/security.md)")
 
     @model_validator(mode="after")
     def _min_le_max(self) -> DistributedConfig:
@@ -108,6 +112,12 @@ class DistributedConfig(BaseModel):
                 self.differential_privacy = self.differential_privacy.resolved(self.max_workers)
             except ValueError as e:
                 raise ValueError(f"differential_privacy: {e}") from None
+        if self.secure_aggregation is not None:
+            dp = self.differential_privacy
+            error = job_error(self.secure_aggregation, self.strategy, self.max_workers,
+                              None if dp is None else dp.clip_on == "worker")
+            if error:
+                raise ValueError(f"secure_aggregation: {error}")
         return self
 
 
@@ -436,7 +446,16 @@ def strategy_errors(spec: JobSpec) -> list[FieldError]:
         strategy.check_job(spec.num_shards, distributed.min_workers)
     except ValueError as e:
         return [FieldError(field="distributed.strategy_params", message=str(e))]
-    return privacy_errors(spec)
+    return privacy_errors(spec) or secure_aggregation_errors(spec)
+
+
+def secure_aggregation_errors(spec: JobSpec) -> list[FieldError]:
+    """Secure aggregation of an adapter-only job, which it does not take (its masked vector is every tensor)."""
+    if spec.distributed.secure_aggregation is None or not spec.adapter_only:
+        return []
+    return [FieldError(field="distributed.secure_aggregation",
+                       message="takes full-weight updates; an adapter-only job (use_peft, or the built-in LoRA "
+                               "trainer) is not supported with secure aggregation")]
 
 
 def privacy_errors(spec: JobSpec) -> list[FieldError]:

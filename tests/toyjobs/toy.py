@@ -35,8 +35,11 @@ def make_dataset(root: Path, num_samples: int = 12, *, groups: int = 0) -> Path:
 
 def fl_init_weights(env: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Small integer-valued weights, so averages are exact in float32."""
-    return {"layer.weight": torch.zeros(2, 3), "layer.bias": torch.arange(2, dtype=torch.float32),
-            "steps": torch.tensor(0, dtype=torch.int64)}
+    weights = {"layer.weight": torch.zeros(2, 3), "layer.bias": torch.arange(2, dtype=torch.float32),
+               "steps": torch.tensor(0, dtype=torch.int64)}
+    if env.get("WIDTH"):  # a wider tensor, for tests that look at the statistics of an update
+        weights["wide.weight"] = torch.zeros(int(env["WIDTH"]))
+    return weights
 
 
 def _count_samples(data_root: str) -> int:
@@ -69,6 +72,11 @@ def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) ->
             tensor.add_(shard + 1)
         else:
             tensor.add_(1)
+    if env.get("NOISE"):  # a different update for every value: noise_update(round, shard, name, shape)
+        for name in sorted(weights):
+            if weights[name].is_floating_point():
+                weights[name].add_(noise_update(payload["round"]["index"], shard, name, tuple(weights[name].shape),
+                                                float(env["NOISE"])))
     if mode == "nan":
         weights["layer.weight"][0, 0] = float("nan")
     if mode == "badshape":
@@ -82,6 +90,12 @@ def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) ->
             logger.log_metrics(loss=loss + 0.1 * (2 - step), step=step)
     Path(out_dir, f"shard-{shard}.txt").write_text(f"round {payload['round']['index']}\n")
     return {"weights": weights, "samples": samples, "metrics": {"loss": loss}}
+
+
+def noise_update(round_index: int, shard: int, name: str, shape: tuple[int, ...], scale: float) -> torch.Tensor:
+    """The noise the toy adds (env NOISE) to tensor `name` of shard `shard` in round `round_index`."""
+    seed = 1000 * round_index + 10 * shard + sum(name.encode())
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale
 
 
 def fl_evaluate_model(weights: dict[str, torch.Tensor], env: dict[str, Any]) -> dict[str, float]:

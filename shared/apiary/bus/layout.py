@@ -14,7 +14,8 @@ SERVICE_QUEUES: Mapping[str, Sequence[str]] = {
                   "worker.evaluated", "worker.merged", "task.timeout", "job.cancel", "worker.online",
                   "worker.heartbeat", "worker.offline"),
     "sharder": ("shard.requested",),
-    "aggregator": ("round.start", "worker.done", "worker.failed", "round.timeout", "job.failed", "job.completed"),
+    "aggregator": ("round.start", "worker.done", "worker.failed", "round.timeout", "job.failed", "job.completed",
+                   "worker.secagg.keys", "worker.secagg.shares", "worker.secagg.reveal"),
     "tracker": ("#",),
     POOL: (POOL,),
 }

@@ -41,6 +41,7 @@ class Contribution:
     weights: Mapping[str, torch.Tensor]
     samples: int
     metrics: Mapping[str, float] = field(default_factory=dict)
+    shard: int | None = None  # the shard it trained, where the aggregator knows it (secure aggregation reads it)
 
 
 @dataclass(frozen=True)

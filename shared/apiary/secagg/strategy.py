@@ -1,0 +1,121 @@
+"""Secure aggregation at the strategy seam: a round's contributions are masked vectors, folded in the ring by the
+round's `Collector`; at the finish the unmasked mean update becomes the wrapped strategy's one contribution
+(apiary.secagg.aggregate). Pure: the aggregator relays the protocol's stages and hands the collector in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from apiary.secagg.aggregate import contribution_of_mean
+from apiary.secagg.messages import node
+from apiary.secagg.protocol import Collector, SecAggError
+from apiary.secagg.updates import MASKED, from_wire
+from apiary.strategies.base import Contribution, RoundResult, StoredContributions, Strategy, weighted_metrics
+from apiary.strategies.clipping import clip_for_upload
+from apiary.strategies.format import UpdateFormat
+from apiary.strategies.private import DifferentiallyPrivate
+from apiary.strategies.validation import InvalidContribution
+from apiary.weights import WeightSpec
+
+# Round metrics: how many masked contributions the sum holds, and the most the mean update may be off per value.
+CONTRIBUTORS, ERROR_BOUND = "secagg_contributors", "secagg_error_bound"
+
+
+class MaskedSum(Strategy):
+    """Fold masked vectors into the round's collector; finish by unmasking and letting `inner` aggregate."""
+
+    def __init__(self, inner: Strategy, collector: Collector | None, missing: str = "") -> None:
+        super().__init__(inner.params)
+        self.inner, self.collector, self._missing = inner, collector, missing
+        self.name = inner.name  # type: ignore[misc]  # the round's strategy, as logs and failures name it
+        self._global: Mapping[str, torch.Tensor] = {}
+
+    def check_job(self, num_shards: int, min_workers: int) -> None:
+        """The wrapped strategy's check."""
+        self.inner.check_job(num_shards, min_workers)
+
+    def needs_start_weights(self) -> bool:
+        """The unmasked mean is an update: the global weights make it a contribution."""
+        return True
+
+    def begin(self, spec: WeightSpec, update_format: UpdateFormat,
+              global_weights: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Start the round from `global_weights` (required)."""
+        if global_weights is None:
+            raise ValueError("secure aggregation needs the round's global weights to apply the mean update")
+        if update_format is not UpdateFormat.FULL:
+            raise ValueError("secure aggregation takes full-weight updates, not adapter-only ones")
+        super().begin(spec, update_format)
+        self._global = global_weights
+        if self.collector is not None:
+            self.collector.length = sum(math.prod(t.shape) for t in spec.values())
+        self.inner.begin(spec, update_format, global_weights if self.inner.needs_start_weights() else None)
+
+    def _begin(self) -> None:
+        return None
+
+    def accept(self, contribution: Contribution) -> None:
+        """Fold a masked vector (its shard's) into the ring sum; InvalidContribution if it is not one."""
+        if self.collector is None:  # the round cannot be unmasked: it fails at the finish, this is kept as is
+            self.total_samples += contribution.samples
+            return
+        if contribution.shard is None:
+            raise InvalidContribution("a masked contribution must name its shard")
+        if set(contribution.weights) != {MASKED}:
+            raise InvalidContribution(f"a masked contribution holds one tensor {MASKED!r}, got "
+                                      f"{sorted(contribution.weights)[:3]}")
+        if contribution.samples <= 0:
+            raise InvalidContribution(f"sample count must be positive, got {contribution.samples}")
+        try:
+            vector = from_wire(contribution.weights[MASKED].numpy())
+            self.collector.take_masked(node(contribution.shard), vector)
+        except ValueError as e:
+            raise InvalidContribution(str(e)) from None
+        self._metrics.append((contribution.samples, contribution.metrics))
+        self.total_samples += contribution.samples
+
+    def _fold(self, contribution: Contribution) -> None:  # accept() folds into the collector
+        raise NotImplementedError
+
+    def _aggregate(self, global_weights: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def wants_global_weights(self) -> bool:
+        """Held since `begin`."""
+        return False
+
+    def finish(self, global_weights: Mapping[str, torch.Tensor] | None = None,
+               stored: StoredContributions | None = None) -> RoundResult:
+        """Unmask the sum (SecAggError, a ValueError, if too few shares were revealed) and let the wrapped strategy
+        make the round of the mean."""
+        if self.collector is None:
+            raise SecAggError(self._missing or "no key agreement is held for this round")
+        mean, total, contributors = self.collector.finish()
+        one = contribution_of_mean(mean, self._global, total, weighted_metrics(self._metrics))
+        if isinstance(self.inner, DifferentiallyPrivate):
+            # The mean of updates clipped to C is within C; quantisation may move it a hair over, which the
+            # privacy wrapper (clip_on worker) would refuse: clipped back, within the bound it verifies.
+            weights, _ = clip_for_upload(one.weights, self._global, self.inner.clipping_norm)
+            one = Contribution(weights, one.samples, one.metrics)
+        self.inner.accept(one)
+        result = self.inner.finish(self._global if self.inner.wants_global_weights() else None)
+        metrics = {**result.metrics, CONTRIBUTORS: float(contributors),
+                   ERROR_BOUND: self.collector.params.error_bound(contributors, total)}
+        return RoundResult(result.weights, total, metrics)
+
+    @property
+    def spoiled(self) -> str | None:
+        """A collector refuses a bad vector before adding any of it: never spoiled."""
+        return None
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The wrapped strategy's."""
+        return self.inner.state()
+
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """The wrapped strategy's."""
+        self.inner.load_state(state)

@@ -1,0 +1,138 @@
+"""Secure aggregation through a whole job on the embedded stack: the final weights are the plain weighted mean
+within the quantisation bound, every stored contribution is a masked vector that does not correlate with its
+worker's plain update, and a worker that goes silent after masking is recovered from the others' shares."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from apiary import keys
+from apiary.secagg.settings import SecureAggregation
+from apiary.secagg.updates import MASKED
+from apiary.weights import loads
+from services.worker.secure_rounds import SecureShard
+from tests.fixtures.embedded import StackFactory, toy_request
+from tests.toyjobs.toy import noise_update
+
+WIDTH = 4000
+SECAGG = {"num_shares": 1, "reconstruction_threshold": 2}
+
+
+def request(dataset: Path, **distributed: object) -> dict:
+    body = toy_request(dataset, secure_aggregation=SECAGG, **distributed)
+    body["config"] = {"mode": "ok", "noise": 0.05, "width": WIDTH}
+    return body
+
+
+def plain_update(round_index: int, shard: int, previous: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {name: (shard + 1 + noise_update(round_index, shard, name, tuple(t.shape), 0.05)).numpy().astype(np.float64)
+            for name, t in previous.items() if t.is_floating_point()}
+
+
+async def test_a_secure_job_gives_the_weighted_mean_and_stores_only_masked_vectors(embedded: StackFactory,
+                                                                                  toy_dataset: Path) -> None:
+    async with embedded(workers=3) as stack:
+        job_id = await stack.submit(request(toy_dataset, num_rounds=2))
+        view = await stack.wait(job_id, timeout=120)
+        rows = await stack.ports.db.fetch(
+            "SELECT round, shard, samples, result_key FROM contributions WHERE job_id = $1 AND status = 'accepted'"
+            " ORDER BY round, shard", job_id)
+        stored = {(r["round"], r["shard"]): loads(await stack.ports.storage.get_bytes(r["result_key"])) for r in rows}
+        samples = {r["shard"]: r["samples"] for r in rows}
+        first = loads(await stack.ports.storage.get_bytes(keys.global_weights(job_id, 1)))
+        final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
+
+    assert view["status"] == "completed", view.get("reason")
+    assert len(stored) == 6 and samples == {0: 5, 1: 4, 2: 4}
+    bound = SecureAggregation(**SECAGG).resolved(3).error_bound(3, 13)
+    for name in ("layer.weight", "layer.bias", "wide.weight"):
+        expected = first[name].double() + sum(
+            samples[s] * torch.from_numpy(plain_update(2, s, first)[name]) for s in range(3)) / 13
+        assert (final[name].double() - expected).abs().max().item() <= bound + 1e-6
+    assert int(final["steps"]) == 2  # integer tensors are averaged too (each worker added 1)
+    for (round_index, shard), tensors in stored.items():
+        assert set(tensors) == {MASKED}
+        masked = tensors[MASKED].numpy().view(np.uint32).astype(np.float64)
+        update = np.concatenate([v.ravel() for _, v in sorted(plain_update(round_index, shard, final).items())])
+        wide = masked[-1 - WIDTH:-1]  # the vector is every tensor in name order, then the sample count
+        correlation = np.corrcoef(wide, update[-WIDTH:])[0, 1]
+        assert abs(correlation) < 0.1, (round_index, shard, correlation)
+        assert masked.std() > 2**32 / 4  # spread over the ring (uniform: 2**32 / sqrt(12))
+
+
+async def test_a_worker_silent_after_masking_is_recovered_from_shares(embedded: StackFactory, toy_dataset: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    reveal = SecureShard.reveal
+    silent: list[int] = []
+
+    async def only_some(self: SecureShard) -> None:
+        if self.a.shard == 0:  # shard 0's worker uploads its masked vector, then never reveals a share
+            silent.append(self.a.round)
+            return
+        await reveal(self)
+
+    monkeypatch.setattr(SecureShard, "reveal", only_some)
+    async with embedded(workers=3) as stack:
+        job_id = await stack.submit(request(toy_dataset, num_rounds=1))
+        view = await stack.wait(job_id, timeout=120)
+        rows = await stack.ports.db.fetch(
+            "SELECT shard FROM contributions WHERE job_id = $1 AND status = 'accepted' ORDER BY shard", job_id)
+        revealed = await stack.ports.db.fetch(
+            "SELECT shard FROM secagg_messages WHERE job_id = $1 AND kind = 'reveal' ORDER BY shard", job_id)
+        start = loads(await stack.ports.storage.get_bytes(keys.global_weights(job_id, 0)))
+        final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
+
+    assert view["status"] == "completed", view.get("reason")
+    assert silent == [1]
+    assert [r["shard"] for r in rows] == [0, 1, 2]  # shard 0's contribution counts...
+    assert [r["shard"] for r in revealed] == [1, 2]  # ...its self mask rebuilt from shards 1 and 2's shares
+    bound = SecureAggregation(**SECAGG).resolved(3).error_bound(3, 13)
+    sizes = {0: 5, 1: 4, 2: 4}
+    for name in ("layer.weight", "wide.weight"):
+        expected = start[name].double() + sum(
+            sizes[s] * torch.from_numpy(plain_update(1, s, start)[name]) for s in range(3)) / 13
+        assert (final[name].double() - expected).abs().max().item() <= bound + 1e-6
+
+
+async def test_a_worker_that_cannot_join_fails_its_shard_not_the_job(embedded: StackFactory,
+                                                                     toy_dataset: Path) -> None:
+    # Shard 2's training fails after its keys went out: the key agreement goes on without it (threshold 2 holds).
+    async with embedded(workers=3) as stack:
+        body = request(toy_dataset, num_rounds=1)
+        body["config"] = {**body["config"], "mode": "raise", "fail_shards": [2]}
+        job_id = await stack.submit(body)
+        view = await stack.wait(job_id, timeout=120)
+        rows = await stack.ports.db.fetch(
+            "SELECT shard, status, reason FROM contributions WHERE job_id = $1 ORDER BY shard", job_id)
+        start = loads(await stack.ports.storage.get_bytes(keys.global_weights(job_id, 0)))
+        final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
+
+    assert view["status"] == "completed", view.get("reason")
+    assert [(r["shard"], r["status"]) for r in rows] == [(0, "accepted"), (1, "accepted"), (2, "failed")]
+    bound = SecureAggregation(**SECAGG).resolved(3).error_bound(2, 9)
+    expected = start["wide.weight"].double() + sum(
+        n * torch.from_numpy(plain_update(1, s, start)["wide.weight"]) for s, n in ((0, 5), (1, 4))) / 9
+    assert (final["wide.weight"].double() - expected).abs().max().item() <= bound + 1e-6
+
+
+async def test_differential_privacy_clipped_on_workers_noises_the_unmasked_mean(embedded: StackFactory,
+                                                                               toy_dataset: Path) -> None:
+    # Workers clip their updates to C before masking; the aggregator adds noise of std z * C / m to the mean.
+    dp = {"noise_multiplier": 0.5, "clipping_norm": 400.0, "clip_on": "worker", "seed": 11}
+    async with embedded(workers=3) as stack:
+        job_id = await stack.submit(request(toy_dataset, num_rounds=1, differential_privacy=dp))
+        view = await stack.wait(job_id, timeout=120)
+        start = loads(await stack.ports.storage.get_bytes(keys.global_weights(job_id, 0)))
+        final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
+
+    assert view["status"] == "completed", view.get("reason")
+    std = 0.5 * 400.0 / 3
+    expected = start["wide.weight"].double() + sum(
+        n * torch.from_numpy(plain_update(1, s, start)["wide.weight"]) for s, n in ((0, 5), (1, 4), (2, 4))) / 13
+    noise = final["wide.weight"].double() - expected
+    assert abs(noise.std().item() / std - 1) < 0.1  # the central noise, on the unmasked mean
+    assert view["metrics"].get("dp_epsilon") is not None

@@ -1,0 +1,58 @@
+"""A secure round survives its aggregator's kill -9: the key agreement it had stored is replayed by the restarted
+aggregator, which sends the current stage again; the round aggregates once, as an undisturbed one would."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import boto3
+import torch
+
+from apiary.secagg.settings import SecureAggregation
+from apiary.weights import loads
+from tests.faults.support import Faults, new_id, toy_job
+from tests.toyjobs.toy import noise_update
+
+SECAGG = {"num_shares": 1, "reconstruction_threshold": 2}
+WIDTH = 500
+
+
+def test_aggregator_killed_during_the_key_agreement_resumes_the_secure_round(
+        faults: Faults, toy_data: Callable[[int], Path], tmp_path: Path, s3_server: str,
+        outcome: Callable[[str, str, str, int], None]) -> None:
+    cluster = faults.cluster
+    cluster.start(workers=3)
+    job_id = new_id("kill-secagg")
+    gate = tmp_path / "gate-{round}"
+    request = toy_job(job_id, toy_data(13), rounds=1, min_workers=2, max_workers=3,
+                      config={"mode": "gated", "gate": str(gate), "noise": 0.05, "width": WIDTH})
+    request["distributed"]["secure_aggregation"] = SECAGG
+    cluster.publish_job(request)
+    # Every worker advertises its keys before training, which waits at the gate: the roster goes out meanwhile.
+    cluster.wait_for(lambda: faults.query(
+        "SELECT 1 FROM secagg_messages WHERE job_id = $1 AND round = 1 AND kind = 'stage.shares'", job_id),
+        90, "the roster of round 1 to go out")
+
+    cluster.kill("aggregator", signal.SIGKILL)
+    cluster.start_service("aggregator")
+    Path(str(gate).replace("{round}", "1")).write_text("open")
+    job = cluster.wait_job(job_id)
+
+    assert job["status"] == "completed", job["reason"]
+    assert [(a["round"], a["status"]) for a in faults.aggregations(job_id)] == [(1, "aggregated")]
+    rows = faults.query("SELECT shard, samples FROM contributions WHERE job_id = $1 AND status = 'accepted'"
+                        " ORDER BY shard", job_id)
+    assert [(r["shard"], r["samples"]) for r in rows] == [(0, 5), (1, 4), (2, 4)]
+    bucket, _, prefix = cluster.storage_url.removeprefix("s3://").partition("/")
+    s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+    final = loads(s3.get_object(Bucket=bucket, Key=f"{prefix}/jobs/{job_id}/final/model.safetensors")["Body"].read())
+    start = torch.zeros(WIDTH, dtype=torch.float64)
+    expected = start + sum(n * (s + 1 + noise_update(1, s, "wide.weight", (WIDTH,), 0.05).double())
+                           for s, n in ((0, 5), (1, 4), (2, 4))) / 13
+    error = (final["wide.weight"].double() - expected).abs().max().item()
+    assert error <= SecureAggregation(**SECAGG).resolved(3).error_bound(3, 13) + 1e-6
+    outcome("aggregator kill -9 during a secure round's key agreement",
+            "restarted aggregator replays the stored keys, resends the roster; the round aggregates once",
+            f"{job['status']}; round 1 aggregated once; max error {error:.1e} within the quantisation bound", 0)

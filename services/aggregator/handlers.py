@@ -17,7 +17,6 @@ from apiary.storage import ObjectNotFound
 from apiary.strategies.base import Contribution
 from apiary.strategies.validation import InvalidContribution
 from apiary.weights import WeightsError
-from apiary.weights import loads as load_weights
 from services.aggregator.closing import RoundCloser
 from services.aggregator.decisions import (
     Report,
@@ -104,7 +103,7 @@ class Aggregator(Component):
             if state is None:
                 return
             try:
-                state.take_in(event.shard, await self._decode(event, fetched))
+                state.take_in(event.shard, await self._decode(event, fetched, state))
             except (ObjectNotFound, InvalidContribution, WeightsError, ValueError) as e:
                 settled = await self._reject(event, state, e)
                 await self._maybe_close(state, settled)
@@ -170,12 +169,14 @@ class Aggregator(Component):
         except (ObjectNotFound, ValueError) as e:
             return e  # the refusal of a report that _judge may yet find forged, late or a duplicate
 
-    async def _decode(self, event: contracts.WorkerDone, fetched: bytes | Exception | None) -> Contribution:
-        """The report's contribution, from its prefetched bytes or fetched now; raises why it cannot be one."""
+    async def _decode(self, event: contracts.WorkerDone, fetched: bytes | Exception | None,
+                      state: RoundState) -> Contribution:
+        """The report's contribution, from its prefetched bytes or fetched now (decoded, where it was encoded for
+        the wire, against the round's global weights); raises why it cannot be one."""
         if isinstance(fetched, Exception):
             raise fetched
         data = fetched if fetched is not None else await self.storage.verified_bytes(event.result)
-        return Contribution(load_weights(data, copy=False), event.samples, event.metrics)
+        return await self._rounds.decoder.contribution(data, state.round.weights, event.samples, event.metrics)
 
     async def _judge(self, event: Report, delivery: Delivery) -> RoundState | None:
         """The open round this report settles a shard of; None (recorded why) if it settles nothing: it

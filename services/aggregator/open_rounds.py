@@ -12,7 +12,7 @@ from apiary.component import from_json
 from apiary.contracts import ObjectRef
 from apiary.status import ContributionStatus, RoundStatus
 from apiary.storage import Storage
-from apiary.strategies.base import Contribution, create
+from apiary.strategies.base import create
 from apiary.strategies.private import private
 from apiary.weights import WeightSpec, spec_of
 from apiary.weights import loads as load_weights
@@ -20,6 +20,7 @@ from services.aggregator.decisions import Verdict, judge_round
 from services.aggregator.recording import GroupRecorder
 from services.aggregator.round_state import Round, RoundKey, RoundState
 from services.aggregator.store import AggregatorStore
+from services.aggregator.wire_decode import UpdateDecoder
 
 SPEC_CACHE = 256  # global weights whose names, dtypes and shapes are remembered
 # Contributions downloading at once while a round is folded from storage (after a restart, or by the replica
@@ -42,6 +43,8 @@ class OpenRounds:
         # Rounds this aggregator closed (a closed row never opens again): the reports still on their way for them
         # (a commit group's other handlers, stragglers) are judged late without reading the row back.
         self._closed: dict[RoundKey, RoundStatus] = {}
+        # Uploads encoded for the wire (distributed.transfer) decoded into full-precision weights.
+        self.decoder = UpdateDecoder(storage)
 
     def keys(self) -> list[RoundKey]:
         """(job, round, attempt) of each round held."""
@@ -152,8 +155,8 @@ class OpenRounds:
         ones downloading meanwhile."""
         async with contextlib.aclosing(self._fetched(rows)) as fetched:
             async for row, data in fetched:
-                state.take_in(row["shard"], Contribution(load_weights(data, copy=False), row["samples"],
-                                                         from_json(row["metrics"], {})))
+                state.take_in(row["shard"], await self.decoder.contribution(
+                    data, state.round.weights, row["samples"], from_json(row["metrics"], {})))
 
     async def _fetched(self, rows: list[dict[str, Any]]) -> AsyncGenerator[tuple[dict[str, Any], bytes]]:
         """Each row with its object's verified bytes, in order, up to FETCH_AHEAD objects (FETCH_AHEAD_BYTES in

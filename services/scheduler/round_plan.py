@@ -11,6 +11,7 @@ from apiary import keys, proof
 from apiary.contracts import Assignment, ModelRef, ObjectRef, RoundStart, ShardInfo
 from apiary.jobspec import JobSpec
 from apiary.strategies.format import UpdateFormat
+from apiary.wire_settings import TransferSettings
 
 # The weights of a job whose round 0 (its init task, on a worker) has not made them yet.
 NO_WEIGHTS = ObjectRef(key="", size=0, sha256="")
@@ -170,7 +171,14 @@ def assignment(target: RoundTarget, plan: RoundPlan, shard: ShardInfo, urls: Ass
         deadline=plan.deadline, pinned_worker=pinned[shard.index] if pinned else None,
         issued_at=plan.started_at, ended_url=urls.ended, secret=plan.secrets.get(shard.index),
         clipping_norm=worker_clipping_norm(spec),
+        transfer=wire_transfer(spec),
     )
+
+
+def wire_transfer(spec: JobSpec) -> TransferSettings | None:
+    """The job's `distributed.transfer` for its assignments, where it is not the default (None: plain fp32)."""
+    settings = spec.distributed.transfer
+    return settings if settings != TransferSettings() else None
 
 
 def worker_clipping_norm(spec: JobSpec) -> float | None:

@@ -14,6 +14,7 @@ from apiary.contracts import Assignment, ModelRef, ShardInfo
 from apiary.jobspec import JobSpec
 from apiary.registry import dataset_info, model_info, model_ref
 from apiary.storage import Storage
+from services.scheduler.halved import HalvedWeights
 from services.scheduler.round_plan import (
     AssignmentUrls,
     Queue,
@@ -33,10 +34,14 @@ class AssignmentRouter:
     def __init__(self, bus: Bus, storage: Storage) -> None:
         self._bus, self._storage = bus, storage
         self._declared: dict[str, float] = {}  # worker queue -> when this process last declared it
+        self._halved = HalvedWeights(storage)
 
     async def assignments(self, target: RoundTarget, plan: RoundPlan, prefer: Mapping[int, str],
                           ttl: int) -> list[tuple[Assignment, str]]:
         """Each chosen shard's assignment, with URLs valid for `ttl` seconds, and its routing key."""
+        precision = target.spec.distributed.transfer.download
+        if precision != "fp32" and target.weights.key:  # the workers fetch the global weights halved
+            target = replace(target, weights=await self._halved.copy(target.job_id, target.weights, precision))
         ended_url = self._storage.presign_get(keys.job_ended(target.job_id), ttl)
         base_model = await self.base_model(target.spec, ttl)
         pinned = target.spec.worker_selection.pinned

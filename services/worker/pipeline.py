@@ -125,6 +125,7 @@ class AssignmentRun:
             model_path=str(self.model_path) if self.model_path is not None else None,
             code_path=str(self.code_path) if self.code_path is not None else None,
             clipping_norm=a.clipping_norm,
+            transfer=a.transfer.model_dump() if a.transfer is not None and a.transfer.encodes_upload else None,
         )
 
     async def _code(self) -> bool:

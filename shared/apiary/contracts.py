@@ -14,6 +14,7 @@ from apiary.policy import LIMITS
 from apiary.privacy import DifferentialPrivacy
 from apiary.strategies import DEFAULT_STRATEGY
 from apiary.strategies.format import UpdateFormat
+from apiary.wire_settings import TransferSettings
 
 SCHEMA_VERSION = 1
 JOB_ID_PATTERN = r"^[\w.\-]+$"  # a client-chosen job id: letters, digits, _ . -
@@ -223,6 +224,9 @@ class Assignment(RoundEvent):
     heartbeat_interval: float | None = Field(default=None, gt=0)
     # Differential privacy with clip_on worker: the L2 norm the worker clips its update to before upload.
     clipping_norm: float | None = Field(default=None, gt=0)
+    # The job's `distributed.transfer` where it is not the default: how the worker encodes its upload (the global
+    # weights' URL already points at their halved copy where the download is halved).
+    transfer: TransferSettings | None = None
 
 
 class WorkerProgress(RoundEvent):

@@ -25,6 +25,7 @@ from apiary.policy import Policy, job_errors
 from apiary.privacy import PRIVACY_EXTRA, DifferentialPrivacy, accounting_available, epsilon, rounds_within_budget
 from apiary.strategies import DEFAULT_STRATEGY
 from apiary.trainers.causal_lm_config import CausalLMConfig
+from apiary.wire_settings import TransferSettings
 
 ENTRYPOINT_RE = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
 DEFAULT_FUNCTION = "fl_train_model"
@@ -91,6 +92,9 @@ class DistributedConfig(BaseModel):
     differential_privacy: DifferentialPrivacy | None = Field(default=None, description="central differential "
                                                              "privacy around the strategy: clipping, noise and an "
                                                              "accountant (docs/privacy.md)")
+    transfer: TransferSettings = Field(default_factory=TransferSettings, description="how weights travel: "
+                                       "download precision, upload encoding (delta, half precision, int8 "
+                                       "blockwise) and whether contributions are kept (docs/large-models.md)")
 
     @model_validator(mode="after")
     def _min_le_max(self) -> DistributedConfig:

@@ -1,0 +1,50 @@
+"""Contributions as strategies see them: plain uploads as they are (zero-copy), encoded ones (`distributed.transfer`:
+a delta, half precision, int8 blockwise) decoded into full-precision weights in the round's dtypes first, so every
+strategy sums in full precision whatever travelled."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Mapping
+
+import torch
+
+from apiary.contracts import ObjectRef
+from apiary.storage import Storage
+from apiary.strategies.base import Contribution
+from apiary.weights import loads as load_weights
+from apiary.wire_codec import decode_update, is_encoded, needs_base
+
+BASES_HELD = 2  # global weights kept for delta decoding: the latest rounds' (a job's retry, two jobs at once)
+
+
+class UpdateDecoder:
+    """Decodes uploads, keeping the global weights that deltas are added to for the rounds decoded lately."""
+
+    def __init__(self, storage: Storage) -> None:
+        self._storage = storage
+        self._bases: collections.OrderedDict[tuple[str, str], Mapping[str, torch.Tensor]] = collections.OrderedDict()
+        self._lock = asyncio.Lock()
+
+    async def contribution(self, data: bytes, weights: ObjectRef, samples: int,
+                           metrics: Mapping[str, float]) -> Contribution:
+        """The contribution `data` stands for in a round that started from `weights`; WeightsError (a ValueError)
+        if it is malformed."""
+        if not is_encoded(data):
+            return Contribution(load_weights(data, copy=False), samples, metrics)
+        base = await self._base(weights) if needs_base(data) else None
+        decoded = await asyncio.to_thread(decode_update, data, base)
+        return Contribution(decoded, samples, metrics)
+
+    async def _base(self, weights: ObjectRef) -> Mapping[str, torch.Tensor]:
+        key = (weights.key, weights.sha256)
+        async with self._lock:
+            base = self._bases.get(key)
+            if base is None:
+                base = load_weights(await self._storage.verified_bytes(weights), copy=False)
+                self._bases[key] = base
+                while len(self._bases) > BASES_HELD:
+                    self._bases.popitem(last=False)
+            self._bases.move_to_end(key)
+            return base

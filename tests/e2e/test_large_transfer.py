@@ -1,0 +1,37 @@
+"""A whole job with distributed.transfer: halved downloads and int8 blockwise delta uploads, decoded by the
+aggregator into the same FedAvg the fp32 job computes (within the quantisation bound)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from apiary import keys
+from apiary.weights import loads
+from apiary.wire_codec import is_encoded, metadata
+from tests.fixtures.embedded import StackFactory, toy_request
+
+
+async def test_a_bf16_download_int8_delta_job_averages_as_fedavg(embedded: StackFactory, toy_dataset: Path) -> None:
+    transfer = {"download": "bf16", "upload": "int8_blockwise", "delta": True, "block_size": 64}
+    async with embedded(workers=3) as stack:
+        job_id = await stack.submit(toy_request(toy_dataset, num_rounds=2, transfer=transfer))
+        view = await stack.wait(job_id, timeout=120)
+        stored = await stack.ports.storage.list(keys.job_prefix(job_id))
+        rows = await stack.ports.db.fetch(
+            "SELECT result_key, size FROM contributions WHERE job_id = $1 AND status = 'accepted'", job_id)
+        uploads = [await stack.ports.storage.get_bytes(r["result_key"]) for r in rows if r["result_key"] in stored]
+        halved = [k for k in stored if "/wire/" in k]
+        downloaded = [loads(await stack.ports.storage.get_bytes(k)) for k in halved]
+        final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
+
+    assert view["status"] == "completed", view.get("reason")
+    assert uploads and all(is_encoded(data) for data in uploads)
+    assert all('"int8_blockwise"' in metadata(data)["apiary.update"] for data in uploads)
+    assert halved and all(w["layer.weight"].dtype == torch.bfloat16 for w in downloaded)
+    # Shard s adds s + 1 each round (5, 4 and 4 samples): the deltas are constant blocks, exact in int8.
+    step = (5 * 1 + 4 * 2 + 4 * 3) / 13
+    torch.testing.assert_close(final["layer.weight"], torch.full((2, 3), 2 * step), rtol=0, atol=1e-5)
+    torch.testing.assert_close(final["layer.bias"], torch.arange(2.0) + 2 * step, rtol=0, atol=1e-5)
+    assert final["layer.weight"].dtype == torch.float32

@@ -29,9 +29,24 @@ async def test_a_bf16_download_int8_delta_job_averages_as_fedavg(embedded: Stack
     assert view["status"] == "completed", view.get("reason")
     assert uploads and all(is_encoded(data) for data in uploads)
     assert all('"int8_blockwise"' in metadata(data)["apiary.update"] for data in uploads)
-    assert halved and all(w["layer.weight"].dtype == torch.bfloat16 for w in downloaded)
+    assert halved == [] and downloaded == []  # the halved copies went with the job's last round
     # Shard s adds s + 1 each round (5, 4 and 4 samples): the deltas are constant blocks, exact in int8.
     step = (5 * 1 + 4 * 2 + 4 * 3) / 13
     torch.testing.assert_close(final["layer.weight"], torch.full((2, 3), 2 * step), rtol=0, atol=1e-5)
     torch.testing.assert_close(final["layer.bias"], torch.arange(2.0) + 2 * step, rtol=0, atol=1e-5)
     assert final["layer.weight"].dtype == torch.float32
+
+
+async def test_finished_rounds_contributions_are_deleted_and_the_last_rounds_kept(embedded: StackFactory,
+                                                                                  toy_dataset: Path) -> None:
+    async with embedded(workers=2) as stack:
+        pruned = await stack.submit(toy_request(toy_dataset, num_rounds=3, max_workers=2))
+        kept = await stack.submit(toy_request(toy_dataset, num_rounds=3, max_workers=2,
+                                              transfer={"keep_contributions": True}))
+        views = [await stack.wait(job, timeout=120) for job in (pruned, kept)]
+        left = {job: [k for k in await stack.ports.storage.list(keys.job_prefix(job)) if "/shard-" in k
+                      and k.endswith(".safetensors")] for job in (pruned, kept)}
+
+    assert [v["status"] for v in views] == ["completed", "completed"]
+    assert sorted(left[pruned]) == [keys.contribution(pruned, 3, 1, s) for s in (0, 1)]
+    assert len(left[kept]) == 6

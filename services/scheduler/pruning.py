@@ -36,6 +36,8 @@ async def prune_after(storage: Storage, job_id: str, round_index: int, attempt: 
     how many objects went. Best effort: storage that cannot be reached now leaves them for the next round."""
     deleted = 0
     try:
+        # The round's assignments have ended: uploads they left incomplete hold parts nobody will complete.
+        deleted += await storage.abort_multipart(f"{keys.job_prefix(job_id)}rounds/{round_index:04d}/")
         if not keep_contributions:
             for back in (round_index - 1, round_index):
                 if back < 1:

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from apiary import keys, proof
-from apiary.contracts import Assignment, ModelRef, ObjectRef, RoundStart, ShardInfo
+from apiary.contracts import Assignment, ModelRef, MultipartUpload, ObjectRef, RoundStart, ShardInfo
 from apiary.jobspec import JobSpec
 from apiary.strategies.format import UpdateFormat
 from apiary.wire_settings import TransferSettings
@@ -76,6 +76,7 @@ class AssignmentUrls:
     files_upload: str
     ended: str
     base_model: ModelRef | None = None  # a built-in job's registered model, presigned
+    multipart: MultipartUpload | None = None  # a large result's multipart upload, presigned part by part
 
 
 def workers_needed(min_workers: int, pinned: list[str], online: set[str]) -> tuple[int, int]:
@@ -171,7 +172,7 @@ def assignment(target: RoundTarget, plan: RoundPlan, shard: ShardInfo, urls: Ass
         deadline=plan.deadline, pinned_worker=pinned[shard.index] if pinned else None,
         issued_at=plan.started_at, ended_url=urls.ended, secret=plan.secrets.get(shard.index),
         clipping_norm=worker_clipping_norm(spec),
-        transfer=wire_transfer(spec),
+        transfer=wire_transfer(spec), weights_size=target.weights.size, multipart=urls.multipart,
     )
 
 

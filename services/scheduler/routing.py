@@ -10,10 +10,11 @@ from typing import Any
 from apiary import bundle_store, keys
 from apiary.assignments import POOL, declare_preferred, pinned_queue, preferred_queue
 from apiary.bus import Bus
-from apiary.contracts import Assignment, ModelRef, ShardInfo
+from apiary.contracts import Assignment, ModelRef, MultipartUpload, ShardInfo
 from apiary.jobspec import JobSpec
 from apiary.registry import dataset_info, model_info, model_ref
 from apiary.storage import Storage
+from apiary.transfer_parts import planned_parts
 from services.scheduler.halved import HalvedWeights
 from services.scheduler.round_plan import (
     AssignmentUrls,
@@ -48,10 +49,20 @@ class AssignmentRouter:
         code = self.code(target.spec, ttl)
         queued = []
         for shard in plan.chosen:
-            urls = replace(self.urls(target, shard, ttl, ended_url), base_model=base_model)
+            urls = replace(self.urls(target, shard, ttl, ended_url), base_model=base_model,
+                           multipart=await self.multipart(target, shard, ttl))
             message = assignment(target, plan, shard, urls).model_copy(update=code)
             queued.append((message, await self.queue(route(shard.index, pinned, prefer))))
         return queued
+
+    async def multipart(self, target: RoundTarget, shard: ShardInfo, ttl: int) -> MultipartUpload | None:
+        """A multipart upload for the shard's result, where the round's weights take more than one part and the
+        store takes parts (S3): presigned for `ttl` seconds, with room for a result a little larger."""
+        part_size = target.spec.distributed.transfer.part_size_mib * 2**20
+        if target.weights.size <= part_size:
+            return None
+        key = keys.contribution(target.job_id, target.round, target.attempt, shard.index)
+        return await self._storage.start_multipart(key, planned_parts(target.weights.size, part_size), part_size, ttl)
 
     async def base_model(self, spec: JobSpec, ttl: int) -> ModelRef | None:
         """A built-in job's registered model, presigned for `ttl` seconds; None for user code."""

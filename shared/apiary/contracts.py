@@ -186,6 +186,20 @@ class CodeBundle(BaseModel):
     url: str
 
 
+class MultipartUpload(BaseModel):
+    """A multipart upload the scheduler opened for an assignment's result, presigned part by part: the worker PUTs
+    each part (with its Content-MD5, which the store verifies), lists what is already stored to resume, and
+    completes it; the scheduler aborts what is left incomplete once the round ends."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    upload_id: str
+    part_size: int = Field(gt=0)
+    part_urls: list[str]  # part N (from 1) at part_urls[N - 1]
+    complete_url: str  # POST: the parts' list completes the object
+    list_url: str  # GET: the parts stored so far (a resumed upload skips those whose MD5 matches)
+
+
 class Assignment(RoundEvent):
     """`assign.pool`, `assign.worker.<id>` or `assign.prefer.<id>`: train one shard for one round (or, by
     `task`, make the job's initial weights, evaluate a round's global weights or merge the final adapter into
@@ -202,6 +216,7 @@ class Assignment(RoundEvent):
     shard_sha256: str = ""
     weights_url: str = ""  # evaluate: the weights to evaluate; merge: the adapter to merge; init: none
     weights_sha256: str = ""
+    weights_size: int = 0  # the weights' bytes (0: not said): a large object downloads by parallel ranged GETs
     upload_url: str = ""  # init: where the initial weights go; merge: the merged model's zip; evaluate: none
     result_key: str = ""
     files_upload_url: str | None = None
@@ -227,6 +242,8 @@ class Assignment(RoundEvent):
     # The job's `distributed.transfer` where it is not the default: how the worker encodes its upload (the global
     # weights' URL already points at their halved copy where the download is halved).
     transfer: TransferSettings | None = None
+    # Where the result is large: a multipart upload to its result key, presigned part by part (None: one PUT).
+    multipart: MultipartUpload | None = None
 
 
 class WorkerProgress(RoundEvent):

@@ -28,6 +28,8 @@ class TransferSettings(BaseModel):
                         "instead of the weights (the aggregator adds it back); recommended with int8_blockwise")
     block_size: int = Field(default=256, ge=MIN_BLOCK, le=MAX_BLOCK, description="values per absmax block of "
                             "int8_blockwise (64 to 4096)")
+    part_size_mib: int = Field(default=64, ge=5, le=5120, description="MiB per part of a multipart upload: "
+                               "results larger than one part go up in parts, several at once, resumable")
     keep_contributions: bool = Field(default=False, description="keep every round's uploaded contributions in "
                                      "storage; by default a finished round's are deleted once a later round's "
                                      "result is stored (the last round's are kept)")

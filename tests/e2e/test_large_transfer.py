@@ -50,3 +50,29 @@ async def test_finished_rounds_contributions_are_deleted_and_the_last_rounds_kep
     assert [v["status"] for v in views] == ["completed", "completed"]
     assert sorted(left[pruned]) == [keys.contribution(pruned, 3, 1, s) for s in (0, 1)]
     assert len(left[kept]) == 6
+
+
+async def test_a_job_on_s3_moves_its_large_weights_in_parts(embedded: StackFactory, toy_dataset: Path,
+                                                            s3_url: str, s3_server: str) -> None:
+    request = toy_request(toy_dataset, num_rounds=2, transfer={"part_size_mib": 5, "download": "bf16"})
+    request["entrypoint"] = "tests.toyjobs.big:fl_train_model"
+    request["config"] = {"big_mib": 12}
+    async with embedded(workers=3, storage_url=s3_url, s3_endpoint_url=s3_server) as stack:
+        job_id = await stack.submit(request)
+        view = await stack.wait(job_id, timeout=180)
+        initial = loads(await stack.ports.storage.get_bytes(keys.global_weights(job_id, 0)))
+        final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
+        client = stack.ports.storage._client  # type: ignore[attr-defined]
+        bucket = stack.ports.storage.bucket  # type: ignore[attr-defined]
+        contribution = client.head_object(Bucket=bucket,
+                                          Key=f"runs/{keys.contribution(job_id, 2, 1, 0)}")
+        incomplete = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+
+    assert view["status"] == "completed", view.get("reason")
+    assert contribution["ETag"].strip('"').endswith("-3")  # 12 MiB in three parts of 5 MiB: a multipart object
+    assert incomplete == []
+    # Each round starts from the bf16 copy of the global weights; shards add 1/8, 2/8 and 3/8 (5, 4, 4 samples).
+    step = (5 * 1 + 4 * 2 + 4 * 3) / 13 / 8
+    once = initial["big.weight"].to(torch.bfloat16).float() + step
+    twice = once.to(torch.bfloat16).float() + step
+    torch.testing.assert_close(final["big.weight"], twice, rtol=0, atol=1e-6)

@@ -30,6 +30,7 @@ from services.aggregator.decisions import (
 from services.aggregator.open_rounds import PREFETCH_MAX_BYTES, OpenRounds
 from services.aggregator.round_state import Round, RoundKey, RoundState
 from services.aggregator.store import AggregatorStore, opened_row
+from services.aggregator.wire_decode import take_in
 
 log = logging.getLogger("apiary.aggregator")
 
@@ -103,7 +104,7 @@ class Aggregator(Component):
             if state is None:
                 return
             try:
-                state.take_in(event.shard, await self._decode(event, fetched, state))
+                await take_in(state, event.shard, await self._decode(event, fetched, state))
             except (ObjectNotFound, InvalidContribution, WeightsError, ValueError) as e:
                 settled = await self._reject(event, state, e)
                 await self._maybe_close(state, settled)
@@ -175,8 +176,9 @@ class Aggregator(Component):
         the wire, against the round's global weights); raises why it cannot be one."""
         if isinstance(fetched, Exception):
             raise fetched
-        data = fetched if fetched is not None else await self.storage.verified_bytes(event.result)
-        return await self._rounds.decoder.contribution(data, state.round.weights, event.samples, event.metrics)
+        if fetched is None:  # a large one: streamed from storage as it is folded
+            return await self._rounds.decoder.stored(event.result, state.round.weights, event.samples, event.metrics)
+        return await self._rounds.decoder.contribution(fetched, state.round.weights, event.samples, event.metrics)
 
     async def _judge(self, event: Report, delivery: Delivery) -> RoundState | None:
         """The open round this report settles a shard of; None (recorded why) if it settles nothing: it

@@ -20,7 +20,7 @@ from services.aggregator.decisions import Verdict, judge_round
 from services.aggregator.recording import GroupRecorder
 from services.aggregator.round_state import Round, RoundKey, RoundState
 from services.aggregator.store import AggregatorStore
-from services.aggregator.wire_decode import UpdateDecoder
+from services.aggregator.wire_decode import UpdateDecoder, streams, take_in
 
 SPEC_CACHE = 256  # global weights whose names, dtypes and shapes are remembered
 # Contributions downloading at once while a round is folded from storage (after a restart, or by the replica
@@ -155,13 +155,18 @@ class OpenRounds:
         ones downloading meanwhile."""
         async with contextlib.aclosing(self._fetched(rows)) as fetched:
             async for row, data in fetched:
-                state.take_in(row["shard"], await self.decoder.contribution(
-                    data, state.round.weights, row["samples"], from_json(row["metrics"], {})))
+                metrics = from_json(row["metrics"], {})
+                if data is None:  # a large one: streamed from storage as it is folded
+                    ref = ObjectRef(key=row["result_key"], size=row["size"], sha256=row["sha256"])
+                    contribution = await self.decoder.stored(ref, state.round.weights, row["samples"], metrics)
+                else:
+                    contribution = await self.decoder.contribution(data, state.round.weights, row["samples"], metrics)
+                await take_in(state, row["shard"], contribution)
 
-    async def _fetched(self, rows: list[dict[str, Any]]) -> AsyncGenerator[tuple[dict[str, Any], bytes]]:
+    async def _fetched(self, rows: list[dict[str, Any]]) -> AsyncGenerator[tuple[dict[str, Any], bytes | None]]:
         """Each row with its object's verified bytes, in order, up to FETCH_AHEAD objects (FETCH_AHEAD_BYTES in
         all; a larger one alone) downloading at once."""
-        window: collections.deque[tuple[dict[str, Any], asyncio.Task[bytes]]] = collections.deque()
+        window: collections.deque[tuple[dict[str, Any], asyncio.Future[bytes | None]]] = collections.deque()
         pending, queued = collections.deque(rows), 0
         try:
             while window or pending:
@@ -172,7 +177,7 @@ class OpenRounds:
                                                   and pending[0]["size"] <= PREFETCH_MAX_BYTES)):
                     row = pending.popleft()
                     ref = ObjectRef(key=row["result_key"], size=row["size"], sha256=row["sha256"])
-                    window.append((row, asyncio.ensure_future(self._storage.verified_bytes(ref))))
+                    window.append((row, asyncio.ensure_future(self._verified(ref))))
                     queued += row["size"]
                 row, task = window.popleft()
                 queued -= row["size"]
@@ -181,6 +186,10 @@ class OpenRounds:
             for _, task in window:
                 task.cancel()
             await asyncio.gather(*(task for _, task in window), return_exceptions=True)
+
+    async def _verified(self, ref: ObjectRef) -> bytes | None:
+        """A contribution's verified bytes; None for one large enough to be streamed as it is folded."""
+        return None if streams(ref.size) else await self._storage.verified_bytes(ref)
 
     async def _fresh(self, round_: Round, spec: WeightSpec) -> RoundState:
         """A round's state with nothing taken in: the strategy its row names, begun on the round's spec,

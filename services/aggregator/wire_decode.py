@@ -13,9 +13,14 @@ import torch
 from apiary.contracts import ObjectRef
 from apiary.storage import Storage
 from apiary.strategies.base import Contribution
+from apiary.streamed_weights import RangeSource, StreamedWeights
 from apiary.weights import loads as load_weights
-from apiary.wire_codec import decode_update, is_encoded, needs_base
+from apiary.wire_codec import UPDATE_KEY, decode_update, is_encoded, needs_base
+from services.aggregator.round_state import RoundState
 
+# A plain contribution larger than this is folded straight from storage (apiary.streamed_weights), never held whole.
+STREAM_MIN_BYTES = 32 * 2**20
+URL_SECONDS = 3600  # the lifetime of the URL a streamed contribution is read through
 BASES_HELD = 2  # global weights kept for delta decoding: the latest rounds' (a job's retry, two jobs at once)
 
 
@@ -37,6 +42,18 @@ class UpdateDecoder:
         decoded = await asyncio.to_thread(decode_update, data, base)
         return Contribution(decoded, samples, metrics)
 
+    async def stored(self, ref: ObjectRef, weights: ObjectRef, samples: int,
+                     metrics: Mapping[str, float]) -> Contribution:
+        """The contribution stored as `ref` in a round that started from `weights`: a large plain one streamed from
+        storage as it is folded (checked against `ref`'s sha256 before its last tensor), any other fetched whole
+        (checked) and decoded."""
+        if streams(ref.size):
+            source = RangeSource(self._storage.presign_get(ref.key, URL_SECONDS))
+            streamed = await asyncio.to_thread(StreamedWeights, source, ref.size, ref.sha256)
+            if UPDATE_KEY not in streamed.metadata:
+                return Contribution(streamed, samples, metrics)
+        return await self.contribution(await self._storage.verified_bytes(ref), weights, samples, metrics)
+
     async def _base(self, weights: ObjectRef) -> Mapping[str, torch.Tensor]:
         key = (weights.key, weights.sha256)
         async with self._lock:
@@ -48,3 +65,17 @@ class UpdateDecoder:
                     self._bases.popitem(last=False)
             self._bases.move_to_end(key)
             return base
+
+
+def streams(size: int) -> bool:
+    """Whether a contribution of `size` bytes is folded straight from storage rather than fetched whole."""
+    return size > STREAM_MIN_BYTES
+
+
+async def take_in(state: RoundState, shard: int, contribution: Contribution) -> None:
+    """Fold a contribution into the round's state: one streamed from storage in a thread (its reads and the
+    strategy's `add_` overlap there, the event loop free), any other here."""
+    if isinstance(contribution.weights, StreamedWeights):
+        await asyncio.to_thread(state.take_in, shard, contribution)
+    else:
+        state.take_in(shard, contribution)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
-from apiary import keys
+from apiary import keys, streamed_weights
 from apiary.weights import loads
 from apiary.wire_codec import is_encoded, metadata
+from services.aggregator import wire_decode
 from tests.fixtures.embedded import StackFactory, toy_request
 
 
@@ -76,3 +78,31 @@ async def test_a_job_on_s3_moves_its_large_weights_in_parts(embedded: StackFacto
     once = initial["big.weight"].to(torch.bfloat16).float() + step
     twice = once.to(torch.bfloat16).float() + step
     torch.testing.assert_close(final["big.weight"], twice, rtol=0, atol=1e-6)
+
+
+async def test_large_contributions_fold_straight_from_storage(embedded: StackFactory, toy_dataset: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wire_decode, "STREAM_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(streamed_weights, "READ", 1 << 20)
+    streamed: list[str] = []
+    real = streamed_weights.StreamedWeights.items
+
+    def counted(self: streamed_weights.StreamedWeights):  # type: ignore[no-untyped-def]
+        streamed.append(self.sha256)
+        return real(self)
+
+    monkeypatch.setattr(streamed_weights.StreamedWeights, "items", counted)
+    request = toy_request(toy_dataset, num_rounds=2)
+    request["entrypoint"] = "tests.toyjobs.big:fl_train_model"
+    request["config"] = {"big_mib": 10}  # over PREFETCH_MAX_BYTES: not prefetched whole
+    async with embedded(workers=3) as stack:
+        job_id = await stack.submit(request)
+        view = await stack.wait(job_id, timeout=180)
+        initial = loads(await stack.ports.storage.get_bytes(keys.global_weights(job_id, 0)))
+        final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
+
+    assert view["status"] == "completed", view.get("reason")
+    assert len(streamed) == 6  # every contribution of both rounds
+    step = (5 * 1 + 4 * 2 + 4 * 3) / 13 / 8
+    torch.testing.assert_close(final["big.weight"], initial["big.weight"] + 2 * step, rtol=0, atol=1e-5)
+    assert int(final["steps"]) == 2

@@ -1,0 +1,162 @@
+"""A stored safetensors object read as a name -> tensor map without holding it whole: its header first, then its
+tensors in file order, several ranged reads in flight (at most `window` bytes), each tensor handed over as soon as
+its bytes are in, while the next ones arrive (a fold's `add_` overlaps the network). The object's sha256 is computed
+on the way and checked before its last tensor is handed over, so a changed object never completes a fold.
+
+`declared_spec` (the header's names, dtypes and shapes) lets validation check the object without reading a tensor.
+Reads go by presigned URL: ranged GETs over HTTP (S3), `pread` for `file:` URLs (the embedded store)."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import hashlib
+import os
+import struct
+import warnings
+from collections.abc import Iterator, Mapping
+from urllib.parse import unquote, urlparse
+
+import torch
+
+from apiary.transfer import _check, _http, _Transient, _with_retries
+from apiary.weights import DTYPES, TensorSpec, WeightsError, WeightSpec, read_header
+
+READ = 32 * 2**20  # bytes per ranged read
+WINDOW = 256 * 2**20  # bytes read ahead of the tensor being handed over, at most
+READERS = 4  # ranged reads in flight
+
+
+class RangeSource:
+    """Byte ranges of one object at a URL (HTTP ranged GETs, retried; or a local file)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._path = unquote(urlparse(url).path) if url.startswith("file:") else None
+
+    def read(self, offset: int, length: int) -> bytes:
+        """`length` bytes from `offset` (WeightsError if the object is shorter)."""
+        if length <= 0:
+            return b""
+        if self._path is not None:
+            with open(self._path, "rb") as f:
+                data = os.pread(f.fileno(), length, offset)
+        else:
+            def attempt() -> bytes:
+                response = _http().get(self.url, headers={"Range": f"bytes={offset}-{offset + length - 1}"})
+                _check(response, "ranged read of", self.url)
+                if response.status_code != 206 and not (offset == 0 and len(response.content) == length):
+                    raise _Transient(f"HTTP {response.status_code} for a ranged read")
+                return response.content
+
+            data = _with_retries("ranged read of", self.url, attempt)
+        if len(data) != length:
+            raise WeightsError(f"object ended after {len(data)} of {length} bytes read at {offset}")
+        return data
+
+
+class StreamedWeights(Mapping[str, torch.Tensor]):
+    """A safetensors object of `size` bytes and `sha256` at `source`, read tensor by tensor."""
+
+    def __init__(self, source: RangeSource, size: int, sha256: str, *, window: int = WINDOW) -> None:
+        self._source, self.size, self.sha256, self._window = source, size, sha256, max(window, READ)
+        head = source.read(0, min(size, 1 << 20))
+        if len(head) < 8:
+            raise WeightsError("weights file is too short to be safetensors")
+        (length,) = struct.unpack("<Q", head[:8])
+        if 8 + length > len(head):
+            head += source.read(len(head), min(size, 8 + length) - len(head))
+        self._head = head[: 8 + length]
+        entries, base = read_header(self._head, total=size)
+        self.metadata = _metadata(self._head)
+        self._base = base
+        self._spans = sorted((e["data_offsets"][0], e["data_offsets"][1], name) for name, e in entries.items())
+        self._entries = entries
+        self.declared_spec: WeightSpec = {n: TensorSpec(DTYPES[e["dtype"]], tuple(e["shape"]))
+                                          for n, e in entries.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """One tensor, read on its own (strategies that fold stream through `items` instead)."""
+        entry = self._entries[name]
+        start, end = entry["data_offsets"]
+        return self._tensor(name, bytearray(self._source.read(self._base + start, end - start)))
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for _, _, name in self._spans)
+
+    def __len__(self) -> int:
+        return len(self._spans)
+
+    def _tensor(self, name: str, data: bytes | bytearray | memoryview) -> torch.Tensor:
+        entry = self._entries[name]
+        dtype, shape = DTYPES[entry["dtype"]], tuple(entry["shape"])
+        if not len(data):
+            return torch.empty(shape, dtype=dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:  # type: ignore[override]
+        """Every tensor in file order, read ahead in parallel; WeightsError (before the last tensor is handed over)
+        if the bytes do not hash to `sha256`."""
+        digest = hashlib.sha256(self._head)
+        reads = collections.deque((offset, min(READ, self.size - offset))
+                                  for offset in range(self._base, self.size, READ))
+        pending: collections.deque[tuple[int, concurrent.futures.Future[bytes]]] = collections.deque()
+        held: collections.deque[tuple[int, bytes]] = collections.deque()  # read, in order, not all handed over
+        with concurrent.futures.ThreadPoolExecutor(READERS, thread_name_prefix="apiary-stream") as pool:
+            queued = 0
+
+            def fill() -> None:
+                nonlocal queued
+                while reads and (not pending or queued + reads[0][1] <= self._window):
+                    offset, length = reads.popleft()
+                    pending.append((offset, pool.submit(self._source.read, offset, length)))
+                    queued += length
+
+            def take() -> None:
+                nonlocal queued
+                fill()
+                offset, future = pending.popleft()
+                chunk = future.result()
+                queued -= len(chunk)
+                digest.update(chunk)
+                held.append((offset, chunk))
+
+            try:
+                for index, (start, end, name) in enumerate(self._spans):
+                    first, last = self._base + start, self._base + end
+                    while last > first and (not held or held[-1][0] + len(held[-1][1]) < last):
+                        take()
+                    if index == len(self._spans) - 1:
+                        while pending or reads:  # the rest of the object (nothing, for a file safetensors wrote)
+                            take()
+                        if digest.hexdigest() != self.sha256:
+                            raise WeightsError(f"sha256 mismatch: the stored object hashes to "
+                                               f"{digest.hexdigest()[:12]}…, announced {self.sha256[:12]}…")
+                    while held and held[0][0] + len(held[0][1]) <= first:
+                        held.popleft()  # bytes between tensors (none, as safetensors writes them)
+                    if last == first:
+                        yield name, self._tensor(name, b"")
+                        continue
+                    at, chunk = held[0]
+                    if at + len(chunk) >= last:  # within one read: a view, no copy
+                        piece: bytearray | memoryview = memoryview(chunk)[first - at : last - at]
+                    else:  # across reads: joined once
+                        piece = bytearray(last - first)
+                        for at, chunk in held:
+                            lo, hi = max(first, at), min(last, at + len(chunk))
+                            if lo < hi:
+                                piece[lo - first : hi - first] = memoryview(chunk)[lo - at : hi - at]
+                    yield name, self._tensor(name, piece)
+                    while held and held[0][0] + len(held[0][1]) <= last:
+                        held.popleft()
+            finally:
+                for _, future in pending:
+                    future.cancel()
+
+
+def _metadata(head: bytes) -> dict[str, str]:
+    from apiary.wire_codec import metadata
+
+    return metadata(head)

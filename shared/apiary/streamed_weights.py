@@ -104,7 +104,8 @@ class StreamedWeights(Mapping[str, torch.Tensor]):
                                   for offset in range(self._base, self.size, READ))
         pending: collections.deque[tuple[int, concurrent.futures.Future[bytes]]] = collections.deque()
         held: collections.deque[tuple[int, bytes]] = collections.deque()  # read, in order, not all handed over
-        with concurrent.futures.ThreadPoolExecutor(READERS, thread_name_prefix="apiary-stream") as pool:
+        hashing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="apiary-hash")
+        with hashing, concurrent.futures.ThreadPoolExecutor(READERS, thread_name_prefix="apiary-stream") as pool:
             queued = 0
 
             def fill() -> None:
@@ -120,7 +121,7 @@ class StreamedWeights(Mapping[str, torch.Tensor]):
                 offset, future = pending.popleft()
                 chunk = future.result()
                 queued -= len(chunk)
-                digest.update(chunk)
+                hashing.submit(digest.update, chunk)  # in order, beside the fold (hashlib releases the GIL)
                 held.append((offset, chunk))
 
             try:
@@ -131,6 +132,7 @@ class StreamedWeights(Mapping[str, torch.Tensor]):
                     if index == len(self._spans) - 1:
                         while pending or reads:  # the rest of the object (nothing, for a file safetensors wrote)
                             take()
+                        hashing.submit(lambda: None).result()  # every byte hashed
                         if digest.hexdigest() != self.sha256:
                             raise WeightsError(f"sha256 mismatch: the stored object hashes to "
                                                f"{digest.hexdigest()[:12]}…, announced {self.sha256[:12]}…")

@@ -58,7 +58,7 @@ from services.scheduler.finishing import JobFinisher
 from services.scheduler.initial_and_final import checked_initial_weights, initial_weights, no_initial_weights
 from services.scheduler.job_machine import Next, after_aggregated, after_failed, is_current, too_many_failures
 from services.scheduler.presence import FleetPace, PaceReminders, PresenceFilter
-from services.scheduler.pruning import prune_after
+from services.scheduler.pruning import abort_uploads, prune_after
 from services.scheduler.round_plan import (
     NO_WEIGHTS,
     RoundTarget,
@@ -346,6 +346,8 @@ class SchedulerHandlers:
             else:
                 await store.set_failures(tx, event.job_id, decision.failures)
                 await self._start_round(tx, _target(job, decision.round, decision.attempt))
+        # The attempt's assignments have ended: what their uploads left incomplete will never be completed.
+        await abort_uploads(self._storage, event.job_id, event.round, event.attempt)
 
     async def _on_current(self, event: Outcome, act: Callable[[Job, Outcome], Awaitable[None]]) -> None:
         """Under the job's lock, `act` on the running job if the outcome is for the attempt it runs now

@@ -53,3 +53,12 @@ async def prune_after(storage: Storage, job_id: str, round_index: int, attempt: 
     except (DependencyUnavailable, OSError) as e:
         log.warning("job %s: round %d's stale contributions are left in storage for now: %s", job_id, round_index, e)
     return deleted
+
+
+async def abort_uploads(storage: Storage, job_id: str, round_index: int, attempt: int) -> int:
+    """Abort the multipart uploads a failed attempt's assignments left incomplete; how many. Best effort."""
+    try:
+        return await storage.abort_multipart(f"{keys.job_prefix(job_id)}rounds/{round_index:04d}/attempt-{attempt}/")
+    except (DependencyUnavailable, OSError) as e:
+        log.warning("job %s: round %d's incomplete uploads are left for now: %s", job_id, round_index, e)
+        return 0

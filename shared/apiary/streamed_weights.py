@@ -15,6 +15,7 @@ import os
 import struct
 import warnings
 from collections.abc import Iterator, Mapping
+from typing import Any
 from urllib.parse import unquote, urlparse
 
 import torch
@@ -96,14 +97,21 @@ class StreamedWeights(Mapping[str, torch.Tensor]):
             warnings.simplefilter("ignore", UserWarning)
             return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
 
-    def items(self) -> Iterator[tuple[str, torch.Tensor]]:  # type: ignore[override]
-        """Every tensor in file order, read ahead in parallel; WeightsError (before the last tensor is handed over)
-        if the bytes do not hash to `sha256`."""
+    def _pieces(self) -> Iterator[tuple[str, int, memoryview]]:
+        """(tensor name, byte offset in the tensor, bytes) in file order, each within one read, read ahead in
+        parallel; every empty tensor first. The object's sha256 is checked before the last read's bytes are handed
+        over (WeightsError if it does not match)."""
         digest = hashlib.sha256(self._head)
+        spans = [(self._base + start, self._base + end, name) for start, end, name in self._spans]
         reads = collections.deque((offset, min(READ, self.size - offset))
                                   for offset in range(self._base, self.size, READ))
+        if not reads:
+            self._verify(digest)
+        for first, last, name in spans:
+            if first == last:
+                yield name, 0, memoryview(b"")
+        spans = [span for span in spans if span[0] < span[1]]
         pending: collections.deque[tuple[int, concurrent.futures.Future[bytes]]] = collections.deque()
-        held: collections.deque[tuple[int, bytes]] = collections.deque()  # read, in order, not all handed over
         hashing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="apiary-hash")
         with hashing, concurrent.futures.ThreadPoolExecutor(READERS, thread_name_prefix="apiary-stream") as pool:
             queued = 0
@@ -115,47 +123,77 @@ class StreamedWeights(Mapping[str, torch.Tensor]):
                     pending.append((offset, pool.submit(self._source.read, offset, length)))
                     queued += length
 
-            def take() -> None:
-                nonlocal queued
-                fill()
-                offset, future = pending.popleft()
-                chunk = future.result()
-                queued -= len(chunk)
-                hashing.submit(digest.update, chunk)  # in order, beside the fold (hashlib releases the GIL)
-                held.append((offset, chunk))
-
             try:
-                for index, (start, end, name) in enumerate(self._spans):
-                    first, last = self._base + start, self._base + end
-                    while last > first and (not held or held[-1][0] + len(held[-1][1]) < last):
-                        take()
-                    if index == len(self._spans) - 1:
-                        while pending or reads:  # the rest of the object (nothing, for a file safetensors wrote)
-                            take()
-                        hashing.submit(lambda: None).result()  # every byte hashed
-                        if digest.hexdigest() != self.sha256:
-                            raise WeightsError(f"sha256 mismatch: the stored object hashes to "
-                                               f"{digest.hexdigest()[:12]}…, announced {self.sha256[:12]}…")
-                    while held and held[0][0] + len(held[0][1]) <= first:
-                        held.popleft()  # bytes between tensors (none, as safetensors writes them)
-                    if last == first:
-                        yield name, self._tensor(name, b"")
-                        continue
-                    at, chunk = held[0]
-                    if at + len(chunk) >= last:  # within one read: a view, no copy
-                        piece: bytearray | memoryview = memoryview(chunk)[first - at : last - at]
-                    else:  # across reads: joined once
-                        piece = bytearray(last - first)
-                        for at, chunk in held:
-                            lo, hi = max(first, at), min(last, at + len(chunk))
-                            if lo < hi:
-                                piece[lo - first : hi - first] = memoryview(chunk)[lo - at : hi - at]
-                    yield name, self._tensor(name, piece)
-                    while held and held[0][0] + len(held[0][1]) <= last:
-                        held.popleft()
+                index = 0
+                while pending or reads:
+                    fill()
+                    offset, future = pending.popleft()
+                    chunk = future.result()
+                    queued -= len(chunk)
+                    hashing.submit(digest.update, chunk)  # in order, beside the fold (hashlib releases the GIL)
+                    fill()
+                    if not pending and not reads:  # the last read: every byte is in
+                        hashing.submit(lambda: None).result()
+                        self._verify(digest)
+                    view, end = memoryview(chunk), offset + len(chunk)
+                    while index < len(spans) and spans[index][0] < end:
+                        first, last, name = spans[index]
+                        lo, hi = max(first, offset), min(last, end)
+                        if lo < hi:
+                            yield name, lo - first, view[lo - offset : hi - offset]
+                        if last > end:
+                            break
+                        index += 1
             finally:
                 for _, future in pending:
                     future.cancel()
+
+    def _verify(self, digest: Any) -> None:
+        if digest.hexdigest() != self.sha256:
+            raise WeightsError(f"sha256 mismatch: the stored object hashes to {digest.hexdigest()[:12]}…, "
+                               f"announced {self.sha256[:12]}…")
+
+    def chunks(self) -> Iterator[tuple[str, int, torch.Tensor]]:
+        """(tensor name, element offset, flat values) in file order, at most a read's worth each: a fold adds each
+        chunk into its place, so no tensor is ever held whole (`WeightedSum.fold` takes these)."""
+        carry = b""  # an element split between two reads
+        for name, at, piece in self._pieces():
+            dtype = self.declared_spec[name].dtype
+            size = torch.empty((), dtype=dtype).element_size()
+            if carry:
+                need = size - len(carry)
+                carry += bytes(piece[:need])
+                if len(carry) < size:
+                    continue
+                yield name, (at + need) // size - 1, self._flat(carry, dtype)
+                piece, at, carry = piece[need:], at + need, b""
+            whole = len(piece) - len(piece) % size
+            if whole or not len(piece):
+                yield name, at // size, self._flat(piece[:whole], dtype)
+            carry = bytes(piece[whole:])
+
+    @staticmethod
+    def _flat(data: bytes | memoryview, dtype: torch.dtype) -> torch.Tensor:
+        if not len(data):
+            return torch.empty(0, dtype=dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only bytes: the fold only reads them
+            return torch.frombuffer(data, dtype=torch.uint8).view(dtype)
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:  # type: ignore[override]
+        """Every tensor whole, in file order (one spanning reads joined once); see `chunks` for folds."""
+        parts: list[memoryview] = []
+        for name, at, piece in self._pieces():
+            entry = self._entries[name]
+            length = entry["data_offsets"][1] - entry["data_offsets"][0]
+            if at + len(piece) < length:
+                parts.append(piece)
+                continue
+            data: bytes | bytearray | memoryview = piece
+            if parts:
+                data = bytearray(b"".join([*parts, piece]))
+                parts = []
+            yield name, self._tensor(name, data)
 
 
 def _metadata(head: bytes) -> dict[str, str]:

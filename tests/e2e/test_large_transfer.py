@@ -85,13 +85,13 @@ async def test_large_contributions_fold_straight_from_storage(embedded: StackFac
     monkeypatch.setattr(wire_decode, "STREAM_MIN_BYTES", 1 << 20)
     monkeypatch.setattr(streamed_weights, "READ", 1 << 20)
     streamed: list[str] = []
-    real = streamed_weights.StreamedWeights.items
+    real = streamed_weights.StreamedWeights.chunks
 
     def counted(self: streamed_weights.StreamedWeights):  # type: ignore[no-untyped-def]
         streamed.append(self.sha256)
         return real(self)
 
-    monkeypatch.setattr(streamed_weights.StreamedWeights, "items", counted)
+    monkeypatch.setattr(streamed_weights.StreamedWeights, "chunks", counted)
     request = toy_request(toy_dataset, num_rounds=2)
     request["entrypoint"] = "tests.toyjobs.big:fl_train_model"
     request["config"] = {"big_mib": 10}  # over PREFETCH_MAX_BYTES: not prefetched whole

@@ -147,7 +147,13 @@ def fold(mode: str, sources: list[tuple[str, int, str]], spec_path: Path) -> dic
     queue = ctx.Queue()
     child = ctx.Process(target=_fold_child, args=(mode, sources, str(spec_path), queue))
     child.start()
-    result = queue.get()
+    while True:
+        try:
+            result: dict[str, Any] = queue.get(timeout=5)
+            break
+        except Exception:  # queue.Empty: still folding, unless the child died (killed for memory, say)
+            if not child.is_alive():
+                return {"error": f"the fold process exited with {child.exitcode}"}
     child.join()
     return result
 
@@ -187,14 +193,19 @@ def raw_read_local(paths: list[Path]) -> dict[str, Any]:
 
 
 def wire_bytes(base: Path, trained: Path) -> dict[str, Any]:
-    from apiary.weights import loads
+    """Bytes per worker and round, fp32 against bf16 download + int8_blockwise delta upload: each tensor encoded on
+    its own (memory: two tensors), the sizes summed (each tensor's small header counted, a little over the truth)."""
+    from safetensors import safe_open
+
     from apiary.wire_codec import encode_update, halve
 
-    g = loads(base.read_bytes())
-    t = loads(trained.read_bytes())
+    down = up = 0
+    with safe_open(str(base), framework="pt") as g, safe_open(str(trained), framework="pt") as t:
+        for name in g.keys():
+            reference = {name: g.get_tensor(name)}
+            down += len(halve(reference, "bf16"))
+            up += len(encode_update({name: t.get_tensor(name)}, reference, "int8_blockwise", 256))
     fp32 = base.stat().st_size + trained.stat().st_size
-    down = len(halve(g, "bf16"))
-    up = len(encode_update(t, g, "int8_blockwise", 256))
     return {"fp32_bytes": fp32, "bf16_int8_bytes": down + up, "bf16_download": down, "int8_delta_upload": up,
             "ratio": (down + up) / fp32}
 
@@ -232,6 +243,32 @@ def resume(storage: Any, source: Path, part_mib: int) -> dict[str, Any]:
             "resent_beyond_missing": resent - missing_at_kill, "resume_seconds": elapsed}
 
 
+def round_times(model_bytes: int, k: int, transfer: dict[str, Any], rounds: int, work: Path) -> dict[str, Any]:
+    """Whole rounds of a job on the embedded stack (K workers, tests/toyjobs/big.py's model of `model_bytes`):
+    each aggregated round's time, from its start to its result stored."""
+    from apiary.settings import Settings
+    from services.app.runtime import Embedded
+    from tests.toyjobs.toy import make_dataset
+
+    home = Path(tempfile.mkdtemp(prefix="round-", dir=work))
+    request = {"name": "large", "entrypoint": "tests.toyjobs.big:fl_train_model",
+               "dataset": str(make_dataset(home / "data", 4 * k)), "config": {"big_mib": model_bytes / 2**20},
+               "distributed": {"num_rounds": rounds, "min_workers": k, "max_workers": k, "aggregation_timeout": 3600,
+                               "fault_tolerance": 0, "transfer": transfer}}
+
+    async def run() -> dict[str, Any]:
+        settings = Settings(home=home / ".apiary", heartbeat_interval=1.0, progress_interval=0.0)
+        async with Embedded(settings, workers=k, code_paths=[str(ROOT)]) as stack:
+            job_id = await stack.submit(request)
+            view = await stack.wait(job_id, timeout=3600)
+            rows = await stack.ports.db.fetch("SELECT round, started_at, ended_at FROM rounds WHERE job_id = $1"
+                                              " AND status = 'aggregated' ORDER BY round", job_id)
+        seconds = [r["ended_at"] - r["started_at"] for r in rows]
+        return {"status": view["status"], "round_s": seconds, "median_round_s": sorted(seconds)[len(seconds) // 2]}
+
+    return asyncio.run(run())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=63e6)
@@ -239,6 +276,9 @@ def main() -> None:
     parser.add_argument("--part-mib", type=int, default=64)
     parser.add_argument("--work", default=None, help="folder for the generated files (default: a temporary one)")
     parser.add_argument("--skip-s3", action="store_true")
+    parser.add_argument("--skip-whole", action="store_true", help="skip the whole-object fold (it holds 2 x model)")
+    parser.add_argument("--rounds", type=int, default=0, help="also time this many whole rounds on the embedded "
+                        "stack, fp32 and bf16 + int8 delta (K workers on this machine)")
     parser.add_argument("--upload-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.upload_child:
@@ -255,23 +295,24 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     base = work / "global.safetensors"
     write_model(base, shapes, 0)
+    local = LocalStorage(work / "store")
     contributions = []
-    for i in range(args.k):
-        path = work / f"contribution-{i}.safetensors"
+    for i in range(args.k):  # written straight into the local store (no copy)
+        path = local.root / "c" / str(i)
+        path.parent.mkdir(parents=True, exist_ok=True)
         write_model(path, shapes, i + 1, base)
         contributions.append(path)
     model_bytes = base.stat().st_size
-    digests = [hashlib.sha256(p.read_bytes()).hexdigest() for p in contributions]
+    digests = [hashlib.file_digest(p.open("rb"), "sha256").hexdigest() for p in contributions]
     out: dict[str, Any] = {"params": params, "model_bytes": model_bytes, "k": args.k,
                            "wire": wire_bytes(base, contributions[0])}
     out["wire"]["per_worker_round_1b_gb"] = {k: v / params * 1e9 / 1e9 for k, v in out["wire"].items()
                                              if k.endswith("bytes")}
-    local = LocalStorage(work / "store")
-    refs = [asyncio.run(local.put_file(f"c/{i}", p)) for i, p in enumerate(contributions)]
-    sources = [(local.presign_get(r.key, 3600), r.size, d) for r, d in zip(refs, digests, strict=True)]
-    out["local"] = {"raw_read": raw_read_local([local.root / r.key for r in refs]),
-                    "fold_streamed": fold("streamed", sources, base),
-                    "fold_whole": fold("whole", sources, base)}
+    sources = [(local.presign_get(f"c/{i}", 3600), p.stat().st_size, d)
+               for i, (p, d) in enumerate(zip(contributions, digests, strict=True))]
+    out["local"] = {"raw_read": raw_read_local(contributions), "fold_streamed": fold("streamed", sources, base)}
+    if not args.skip_whole:
+        out["local"]["fold_whole"] = fold("whole", sources, base)
     if not args.skip_s3:
         from tests.fixtures import s3server
 
@@ -281,12 +322,17 @@ def main() -> None:
             refs = [asyncio.run(s3.put_file(f"c/{i}", p)) for i, p in enumerate(contributions)]
             sources = [(s3.presign_get(r.key, 3600), r.size, d) for r, d in zip(refs, digests, strict=True)]
             out["moto"] = {"raw_read": raw_read_s3(s3._client, s3.bucket, [f"runs/{r.key}" for r in refs]),
-                           "fold_streamed": fold("streamed", sources, base),
-                           "fold_whole": fold("whole", sources, base)}
+                           "fold_streamed": fold("streamed", sources, base)}
+            if not args.skip_whole:
+                out["moto"]["fold_whole"] = fold("whole", sources, base)
             out["moto"]["resume"] = resume(s3, contributions[0], args.part_mib)
         finally:
             server.terminate()
             server.wait()
+    if args.rounds:
+        out["rounds"] = {name: round_times(model_bytes, args.k, transfer, args.rounds, work) for name, transfer in
+                         {"fp32": {}, "bf16_int8_delta": {"download": "bf16", "upload": "int8_blockwise",
+                                                          "delta": True}}.items()}
     for where in ("local", "moto"):
         if where in out:
             r = out[where]

@@ -72,8 +72,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     g = torch.Generator().manual_seed(0)
-    model = {n: torch.empty(s).uniform_(-0.05, 0.05, generator=g).numpy() for n, s in layout(int(args.params)).items()}
-    model_bytes = sum(a.nbytes for a in model.values())
+    model = {n: torch.empty(s).uniform_(-0.05, 0.05, generator=g) for n, s in layout(int(args.params)).items()}
+    model_bytes = sum(t.numel() * t.element_size() for t in model.values())
     baseline = tree_pss()
     peak = [baseline]
     stop = threading.Event()
@@ -94,7 +94,7 @@ def main() -> None:
         strategy.start(grid=grid, initial_arrays=ArrayRecord(model), num_rounds=2,
                        evaluate_fn=lambda rnd, arrays: ends.append(time.monotonic()) or None)
 
-    out: dict[str, Any] = {"params": int(sum(a.size for a in model.values())), "model_bytes": model_bytes,
+    out: dict[str, Any] = {"params": sum(t.numel() for t in model.values()), "model_bytes": model_bytes,
                            "k": args.k}
     started = time.monotonic()
     try:

@@ -41,6 +41,7 @@ class AssignmentRouter:
                           ttl: int) -> list[tuple[Assignment, str]]:
         """Each chosen shard's assignment, with URLs valid for `ttl` seconds, and its routing key."""
         precision = target.spec.distributed.transfer.download
+        full_size = target.weights.size  # a result is about the fp32 weights' size, whatever is downloaded
         if precision != "fp32" and target.weights.key:  # the workers fetch the global weights halved
             target = replace(target, weights=await self._halved.copy(target.job_id, target.weights, precision))
         ended_url = self._storage.presign_get(keys.job_ended(target.job_id), ttl)
@@ -50,19 +51,20 @@ class AssignmentRouter:
         queued = []
         for shard in plan.chosen:
             urls = replace(self.urls(target, shard, ttl, ended_url), base_model=base_model,
-                           multipart=await self.multipart(target, shard, ttl))
+                           multipart=await self.multipart(target, shard, ttl, full_size))
             message = assignment(target, plan, shard, urls).model_copy(update=code)
             queued.append((message, await self.queue(route(shard.index, pinned, prefer))))
         return queued
 
-    async def multipart(self, target: RoundTarget, shard: ShardInfo, ttl: int) -> MultipartUpload | None:
-        """A multipart upload for the shard's result, where the round's weights take more than one part and the
-        store takes parts (S3): presigned for `ttl` seconds, with room for a result a little larger."""
+    async def multipart(self, target: RoundTarget, shard: ShardInfo, ttl: int,
+                        expected: int) -> MultipartUpload | None:
+        """A multipart upload for the shard's result (`expected` bytes, about), where it takes more than one part
+        and the store takes parts (S3): presigned for `ttl` seconds, with room for a result a little larger."""
         part_size = target.spec.distributed.transfer.part_size_mib * 2**20
-        if target.weights.size <= part_size:
+        if expected <= part_size:
             return None
         key = keys.contribution(target.job_id, target.round, target.attempt, shard.index)
-        return await self._storage.start_multipart(key, planned_parts(target.weights.size, part_size), part_size, ttl)
+        return await self._storage.start_multipart(key, planned_parts(expected, part_size), part_size, ttl)
 
     async def base_model(self, spec: JobSpec, ttl: int) -> ModelRef | None:
         """A built-in job's registered model, presigned for `ttl` seconds; None for user code."""

@@ -66,3 +66,27 @@ def test_pruning_spares_the_aggregated_attempt_and_run_files() -> None:
     stale = stale_contributions(listed, round_index=2, attempt=2)
 
     assert stale == [keys.contribution("j", 1, 1, 0), keys.contribution("j", 2, 1, 0)]
+
+
+class _PartsStore(LocalStorage):
+    """A local store that says how many parts each multipart upload was opened with."""
+
+    opened: list[int] = []
+
+    async def start_multipart(self, key: str, parts: int, part_size: int, expires: int) -> Any:
+        self.opened.append(parts)
+        return None
+
+
+async def test_multipart_uploads_are_planned_for_the_fp32_result_even_when_downloads_are_halved(tmp_path: Path) -> None:
+    storage = _PartsStore(tmp_path)
+    weights = {"w": torch.randn(3 * 2**20)}  # 12 MiB
+    ref = await storage.put_bytes(keys.global_weights("j1", 1), dumps(weights))
+    shards = [ShardInfo(index=0, key=keys.shard("j1", 0), size=1, sha256="s" * 64, num_samples=4)]
+    spec = _spec({"download": "bf16", "part_size_mib": 5})
+    router = AssignmentRouter(None, storage)  # type: ignore[arg-type]
+
+    await router.assignments(RoundTarget("j1", spec, shards, ref, round=2, attempt=1), plan_round(spec, shards, 0.0),
+                             {}, ttl=60)
+
+    assert storage.opened == [4]  # 12 MiB + 10% in parts of 5 MiB, and one more; not the 6 MiB halved copy's 3

@@ -41,7 +41,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "shared"), str(ROOT)]
 
 import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
 
 HIDDEN = 2048
 
@@ -67,19 +66,27 @@ def layout(params: int) -> dict[str, tuple[int, ...]]:
 
 
 def write_model(path: Path, shapes: dict[str, tuple[int, ...]], seed: int, base: Path | None = None) -> None:
-    """A model file: seeded random weights or, given `base`, those plus small noise (a trained contribution)."""
+    """A float32 safetensors file written tensor by tensor (memory: one tensor): seeded random weights or, given
+    `base`, those plus small noise (a trained contribution)."""
     from safetensors import safe_open
 
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    reference = safe_open(str(base), framework="pt") if base is not None else None
+    header: dict[str, Any] = {}
+    offset = 0
     for name, shape in shapes.items():
-        t = torch.empty(shape).uniform_(-0.05, 0.05, generator=g)
-        if reference is not None:
-            t = reference.get_tensor(name).add_(t, alpha=0.02)
-        tensors[name] = t
-    save_file(tensors, str(path))
-    del tensors
+        size = math.prod(shape) * 4
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data section 8-byte aligned, as safetensors writes it
+    g = torch.Generator().manual_seed(seed)
+    reference = safe_open(str(base), framework="pt") if base is not None else None
+    with open(path, "wb") as out:
+        out.write(len(encoded).to_bytes(8, "little") + encoded)
+        for name, shape in shapes.items():
+            t = torch.empty(shape).uniform_(-0.05, 0.05, generator=g)
+            if reference is not None:
+                t = reference.get_tensor(name).add_(t, alpha=0.02)
+            out.write(t.numpy().tobytes())
 
 
 def rss() -> int:
@@ -101,7 +108,7 @@ def peak_rss() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def _fold_child(mode: str, sources: list[tuple[str, int, str]], spec_path: str, queue: Any) -> None:
+def _fold_child(mode: str, sources: list[tuple[str, int, str, str | None]], spec_path: str, queue: Any) -> None:
     """In a fresh process: FedAvg over the contributions (streamed, or fetched whole), timed, with peak RSS."""
     from apiary.strategies.base import Contribution, create
     from apiary.strategies.format import UpdateFormat
@@ -121,9 +128,9 @@ def _fold_child(mode: str, sources: list[tuple[str, int, str]], spec_path: str, 
     strategy.begin(spec, UpdateFormat.FULL)
     started = time.perf_counter()
     total = 0
-    for index, (url, size, digest) in enumerate(sources):
+    for index, (url, size, digest, etag) in enumerate(sources):
         if mode == "streamed":
-            weights: Any = StreamedWeights(RangeSource(url), size, digest)
+            weights: Any = StreamedWeights(RangeSource(url, etag), size, digest)
         else:
             if url.startswith("file:"):
                 blob = Path(url[len("file://"):]).read_bytes()
@@ -142,7 +149,7 @@ def _fold_child(mode: str, sources: list[tuple[str, int, str]], spec_path: str, 
                "peak_extra_bytes": peak - baseline})
 
 
-def fold(mode: str, sources: list[tuple[str, int, str]], spec_path: Path) -> dict[str, Any]:
+def fold(mode: str, sources: list[tuple[str, int, str, str | None]], spec_path: Path) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     child = ctx.Process(target=_fold_child, args=(mode, sources, str(spec_path), queue))
@@ -169,7 +176,7 @@ def raw_read_s3(client: Any, bucket: str, keys: list[str]) -> dict[str, Any]:
             self.n += len(b)
             return len(b)
 
-    config = TransferConfig(multipart_chunksize=32 * 2**20, max_concurrency=8)
+    config = TransferConfig(multipart_chunksize=32 * 2**20, max_concurrency=4)  # as many reads as the fold's
     started = time.perf_counter()
     total = 0
     for key in keys:
@@ -236,7 +243,7 @@ def resume(storage: Any, source: Path, part_mib: int) -> dict[str, Any]:
     stored_at_kill = len(storage._client.list_parts(Bucket=storage.bucket, Key=full,
                                                     UploadId=upload.upload_id).get("Parts", []))
     started = time.perf_counter()
-    resent = asyncio.run(transfer_parts.upload(upload, source))
+    resent = asyncio.run(transfer_parts.upload(upload, source)).sent
     elapsed = time.perf_counter() - started
     missing_at_kill = parts - stored_at_kill
     return {"parts": parts, "part_mib": part_mib, "stored_at_kill": stored_at_kill, "resent": resent,
@@ -313,7 +320,7 @@ def main() -> None:
                            "wire": wire_bytes(base, contributions[0])}
     out["wire"]["per_worker_round_1b_gb"] = {k: v / params * 1e9 / 1e9 for k, v in out["wire"].items()
                                              if k.endswith("bytes")}
-    sources = [(local.presign_get(f"c/{i}", 3600), p.stat().st_size, d)
+    sources = [(local.presign_get(f"c/{i}", 3600), p.stat().st_size, d, None)
                for i, (p, d) in enumerate(zip(contributions, digests, strict=True))]
     out["local"] = {"raw_read": raw_read_local(contributions), "fold_streamed": fold("streamed", sources, base)}
     if not args.skip_whole:
@@ -325,9 +332,13 @@ def main() -> None:
         try:
             s3 = S3Storage("s3://bench-large/runs", endpoint_url=endpoint)
             refs = [asyncio.run(s3.put_file(f"c/{i}", p)) for i, p in enumerate(contributions)]
-            sources = [(s3.presign_get(r.key, 3600), r.size, d) for r, d in zip(refs, digests, strict=True)]
+            # Read by the ETag S3 gave the objects (If-Match, no hashing), as the aggregator reads multipart results.
+            etags = [s3._client.head_object(Bucket=s3.bucket, Key=f"runs/{r.key}")["ETag"] for r in refs]
+            sources = [(s3.presign_get(r.key, 3600), r.size, d, e)
+                       for r, d, e in zip(refs, digests, etags, strict=True)]
             out["moto"] = {"raw_read": raw_read_s3(s3._client, s3.bucket, [f"runs/{r.key}" for r in refs]),
-                           "fold_streamed": fold("streamed", sources, base)}
+                           "fold_streamed_sha256": fold("streamed", [(u, n, d, None) for u, n, d, _ in sources], base)}
+            out["moto"]["fold_streamed"] = fold("streamed", sources, base)
             if not args.skip_whole:
                 out["moto"]["fold_whole"] = fold("whole", sources, base)
             out["moto"]["resume"] = resume(s3, contributions[0], args.part_mib)
@@ -339,7 +350,7 @@ def main() -> None:
                          {"fp32": {}, "bf16_int8_delta": {"download": "bf16", "upload": "int8_blockwise",
                                                           "delta": True}}.items()}
     for where in ("local", "moto"):
-        if where in out:
+        if where in out and "error" not in out[where]["fold_streamed"]:
             r = out[where]
             r["fold_over_raw"] = r["fold_streamed"]["gb_per_s"] / r["raw_read"]["gb_per_s"]
             r["peak_extra_over_model"] = r["fold_streamed"]["peak_extra_bytes"] / model_bytes

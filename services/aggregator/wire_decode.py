@@ -48,7 +48,7 @@ class UpdateDecoder:
         storage as it is folded (checked against `ref`'s sha256 before its last tensor), any other fetched whole
         (checked) and decoded."""
         if streams(ref.size):
-            source = RangeSource(self._storage.presign_get(ref.key, URL_SECONDS))
+            source = RangeSource(self._storage.presign_get(ref.key, URL_SECONDS), ref.etag)
             streamed = await asyncio.to_thread(StreamedWeights, source, ref.size, ref.sha256)
             if UPDATE_KEY not in streamed.metadata:
                 return Contribution(streamed, samples, metrics)

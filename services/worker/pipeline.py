@@ -55,9 +55,12 @@ class AssignmentRun:
             return None
         call = self._call(data_root)
         result = await self._train(call)
-        if result is None or not await self._upload(result):
+        if result is None:
             return None
-        return await self._report(result, time.monotonic() - started)
+        uploaded, etag = await self._upload(result)
+        if not uploaded:
+            return None
+        return await self._report(result, time.monotonic() - started, etag)
 
     async def _download(self, ended: asyncio.Task[bool] | None, span: Span) -> Path | None:
         """The shard's folder, with the global weights beside it; None if the job ended or a download failed."""
@@ -164,23 +167,25 @@ class AssignmentRun:
             return None
         return result
 
-    async def _upload(self, result: TrainResult) -> bool:
-        """Upload the trained weights and the run's files; False (reported) if that failed."""
+    async def _upload(self, result: TrainResult) -> tuple[bool, str | None]:
+        """Upload the trained weights and the run's files; False (reported) if that failed, and the result's ETag
+        where it went in parts."""
         a, space = self.a, self.space
         with telemetry.tracer().start_as_current_span("upload", attributes=self.worker.span_attributes(a)) as span:
             try:
-                moved = await transfers.upload_outputs(a, space.result, result.size, space.out_dir, space.work)
+                moved, etag = await transfers.upload_outputs(a, space.result, result.size, space.out_dir, space.work)
                 span.set_attribute("apiary.bytes", moved)
             except transfers.UPLOAD_ERRORS as e:
                 telemetry.fail(span, "upload.failed", str(e))
                 await self.worker.failed(a, f"result upload failed: {e}")
-                return False
-        return True
+                return False, None
+        return True, etag
 
-    async def _report(self, result: TrainResult, duration: float) -> float:
-        """Report the trained shard (worker.done); the samples per second it measured."""
+    async def _report(self, result: TrainResult, duration: float, etag: str | None = None) -> float:
+        """Report the trained shard (worker.done, with the result's ETag where it went in parts); the samples per
+        second it measured."""
         a, worker = self.a, self.worker
-        ref = ObjectRef(key=a.result_key, size=result.size, sha256=result.sha256)
+        ref = ObjectRef(key=a.result_key, size=result.size, sha256=result.sha256, etag=etag)
         done = WorkerDone(
             job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=worker.worker_id, shard=a.shard,
             result=ref, samples=result.samples, metrics=result.metrics, duration_s=duration, secret=a.secret or "",

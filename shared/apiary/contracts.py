@@ -57,6 +57,9 @@ class ObjectRef(BaseModel):
     key: str
     size: int
     sha256: str
+    # The object's ETag where it was uploaded in parts whose MD5 the store verified (S3's md5-of-md5s-N): a reader
+    # that gets these bytes only while the object still has this ETag (If-Match) need not hash them again.
+    etag: str | None = None
 
 
 class JobRequested(JobSpec):

@@ -31,9 +31,11 @@ READERS = 4  # ranged reads in flight
 class RangeSource:
     """Byte ranges of one object at a URL (HTTP ranged GETs, retried; or a local file)."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, url: str, etag: str | None = None) -> None:
+        self.url, self.etag = url, etag
         self._path = unquote(urlparse(url).path) if url.startswith("file:") else None
+        if self._path is not None:
+            self.etag = None  # a local file has no ETag: its bytes are hashed
 
     def read(self, offset: int, length: int) -> bytes:
         """`length` bytes from `offset` (WeightsError if the object is shorter)."""
@@ -44,7 +46,12 @@ class RangeSource:
                 data = os.pread(f.fileno(), length, offset)
         else:
             def attempt() -> bytes:
-                response = _http().get(self.url, headers={"Range": f"bytes={offset}-{offset + length - 1}"})
+                headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
+                if self.etag is not None:
+                    headers["If-Match"] = self.etag  # the object the store verified, or 412
+                response = _http().get(self.url, headers=headers)
+                if response.status_code == 412:
+                    raise WeightsError(f"the stored object is no longer the one uploaded (ETag {self.etag})")
                 _check(response, "ranged read of", self.url)
                 if response.status_code != 206 and not (offset == 0 and len(response.content) == length):
                     raise _Transient(f"HTTP {response.status_code} for a ranged read")
@@ -57,7 +64,8 @@ class RangeSource:
 
 
 class StreamedWeights(Mapping[str, torch.Tensor]):
-    """A safetensors object of `size` bytes and `sha256` at `source`, read tensor by tensor."""
+    """A safetensors object of `size` bytes and `sha256` at `source`, read tensor by tensor; its bytes hashed unless
+    the source reads them only from the object with the ETag the store computed from the parts it verified."""
 
     def __init__(self, source: RangeSource, size: int, sha256: str, *, window: int = WINDOW) -> None:
         self._source, self.size, self.sha256, self._window = source, size, sha256, max(window, READ)
@@ -130,7 +138,8 @@ class StreamedWeights(Mapping[str, torch.Tensor]):
                     offset, future = pending.popleft()
                     chunk = future.result()
                     queued -= len(chunk)
-                    hashing.submit(digest.update, chunk)  # in order, beside the fold (hashlib releases the GIL)
+                    if self._source.etag is None:  # else each read was of the object the store verified (If-Match)
+                        hashing.submit(digest.update, chunk)  # in order, beside the fold (the GIL released)
                     fill()
                     if not pending and not reads:  # the last read: every byte is in
                         hashing.submit(lambda: None).result()
@@ -149,6 +158,8 @@ class StreamedWeights(Mapping[str, torch.Tensor]):
                     future.cancel()
 
     def _verify(self, digest: Any) -> None:
+        if self._source.etag is not None:
+            return
         if digest.hexdigest() != self.sha256:
             raise WeightsError(f"sha256 mismatch: the stored object hashes to {digest.hexdigest()[:12]}…, "
                                f"announced {self.sha256[:12]}…")

@@ -14,6 +14,7 @@ import threading
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from apiary import metrics
 from apiary.contracts import MultipartUpload
@@ -51,8 +52,16 @@ def _stored_parts(url: str) -> dict[int, str]:
     return _with_retries("listing parts at", url, attempt)
 
 
+class Uploaded(NamedTuple):
+    """A multipart upload completed: how many parts went this time, and the object's ETag (the MD5 of the parts'
+    MD5s and their count, as S3 computes it from the parts it verified)."""
+
+    sent: int
+    etag: str
+
+
 def _upload_parts(upload: MultipartUpload, source: Path, deadline: float | None,
-                  sent: Callable[[int], None] | None) -> int:
+                  sent: Callable[[int], None] | None) -> Uploaded:
     size = source.stat().st_size
     count = part_count(size, upload.part_size)
     if count > len(upload.part_urls):
@@ -101,16 +110,17 @@ def _upload_parts(upload: MultipartUpload, source: Path, deadline: float | None,
             raise _Transient(response.content[:200].decode(errors="replace"))
 
     _with_retries("completing the upload at", upload.complete_url, complete, deadline)
-    return resent
+    composite = hashlib.md5(b"".join(bytes.fromhex(e.strip('"')) for e in etags), usedforsecurity=False)
+    return Uploaded(resent, f'"{composite.hexdigest()}-{len(etags)}"')
 
 
 async def upload(upload: MultipartUpload, source: Path, *, deadline: float | None = None,
-                 sent: Callable[[int], None] | None = None) -> int:
+                 sent: Callable[[int], None] | None = None) -> Uploaded:
     """Upload a file in parts (those already stored, byte for byte, are not sent again) and complete the object;
-    how many parts were sent. `sent(part_number)` is called after each part stored."""
-    parts = await asyncio.to_thread(_upload_parts, upload, source, deadline, sent)
+    how many parts were sent, and its ETag. `sent(part_number)` is called after each part stored."""
+    done = await asyncio.to_thread(_upload_parts, upload, source, deadline, sent)
     metrics.transferred("upload", source.stat().st_size)
-    return parts
+    return done
 
 
 def _download_ranges(url: str, target: Path, size: int, deadline: float | None) -> str:

@@ -39,7 +39,7 @@ async def test_a_multipart_upload_stores_the_whole_file(s3: S3Storage, tmp_path:
     upload = await s3.start_multipart("jobs/j/rounds/0001/attempt-1/shard-0000.safetensors", 5, PART, 300)
     assert upload is not None
 
-    sent = await transfer_parts.upload(upload, source)
+    sent = (await transfer_parts.upload(upload, source)).sent
 
     stored = await s3.get_bytes("jobs/j/rounds/0001/attempt-1/shard-0000.safetensors")
     assert sent == 4
@@ -60,7 +60,7 @@ async def test_an_interrupted_upload_resumes_sending_only_the_missing_parts(s3: 
 
     with pytest.raises(Interrupted):
         await transfer_parts.upload(upload, source, sent=stop_at_half)
-    resent = await transfer_parts.upload(upload, source)
+    resent = (await transfer_parts.upload(upload, source)).sent
 
     data = await s3.get_bytes(key)
     assert hashlib.sha256(data).hexdigest() == digest
@@ -119,3 +119,29 @@ async def test_a_large_object_downloads_by_parallel_ranges(s3: S3Storage, tmp_pa
     with pytest.raises(TransferError, match="sha256 mismatch"):
         await transfer_parts.download(url, tmp_path / "other", "0" * 64, ref.size)
 
+
+
+async def test_a_multipart_result_is_read_back_by_its_etag_without_hashing(s3: S3Storage, tmp_path: Path) -> None:
+    import torch
+
+    from apiary.streamed_weights import RangeSource, StreamedWeights
+    from apiary.weights import WeightsError, dumps, loads
+
+    weights = {"w": torch.randn(3 * 2**20), "b": torch.randn(5)}
+    source = tmp_path / "result.safetensors"
+    source.write_bytes(dumps(weights))
+    key = "jobs/j/rounds/0001/attempt-1/shard-0005.safetensors"
+    upload = await s3.start_multipart(key, 4, PART, 300)
+    assert upload is not None
+
+    done = await transfer_parts.upload(upload, source)
+
+    head = s3._client.head_object(Bucket=s3.bucket, Key=f"runs/{key}")
+    assert head["ETag"] == done.etag
+    # A wrong sha256 is not even looked at: the store's ETag vouches for the bytes.
+    streamed = StreamedWeights(RangeSource(s3.presign_get(key, 300), done.etag), source.stat().st_size, "0" * 64)
+    assert all(torch.equal(t, weights[n]) for n, t in streamed.items())
+    await s3.put_bytes(key, dumps({"w": torch.zeros(3 * 2**20), "b": torch.zeros(5)}))  # replaced since
+    with pytest.raises(WeightsError, match="no longer the one uploaded"):
+        StreamedWeights(RangeSource(s3.presign_get(key, 300), done.etag), source.stat().st_size, "0" * 64)
+    assert loads(await s3.get_bytes(key))["b"].sum() == 0

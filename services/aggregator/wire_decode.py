@@ -75,7 +75,15 @@ def streams(size: int) -> bool:
 async def take_in(state: RoundState, shard: int, contribution: Contribution) -> None:
     """Fold a contribution into the round's state: one streamed from storage in a thread (its reads and the
     strategy's `add_` overlap there, the event loop free), any other here."""
-    if isinstance(contribution.weights, StreamedWeights):
-        await asyncio.to_thread(state.take_in, shard, contribution)
-    else:
+    if not isinstance(contribution.weights, StreamedWeights):
         state.take_in(shard, contribution)
+        return
+    fold = asyncio.ensure_future(asyncio.to_thread(state.take_in, shard, contribution))
+    try:
+        await asyncio.shield(fold)
+    except asyncio.CancelledError:
+        # The thread folds on; its contribution's row will not be recorded: once it ends, the state is marked
+        # stale, so the round is recovered from its rows (exactly once) when next used.
+        await asyncio.gather(fold, return_exceptions=True)
+        state.stale = True
+        raise

@@ -86,3 +86,29 @@ def test_a_non_finite_chunk_after_others_spoils_the_sum_as_a_whole_tensor_would(
         s.accept(Contribution(_stored(tmp_path, "b", bad), 1))
 
     assert s.spoiled is not None
+
+
+async def test_a_streamed_fold_cancelled_part_way_leaves_the_round_to_be_recovered(tmp_path: Path) -> None:
+    import asyncio
+
+    from services.aggregator.round_state import Round, RoundState
+    from services.aggregator.wire_decode import take_in
+
+    strategy = create("federated_averaging")
+    strategy.begin(spec_of_tensors(_model(1)), UpdateFormat.FULL)
+    round_ = Round(key=("j", 1, 1), shards=frozenset({0}), min_workers=1, weights=None,  # type: ignore[arg-type]
+                   deadline=0.0, traceparent=None, strategy="federated_averaging", strategy_params={},
+                   update_format=UpdateFormat.FULL, secret_digests="{}")
+    state = RoundState(round=round_, strategy=strategy)
+    folding = asyncio.ensure_future(take_in(state, 0, Contribution(_stored(tmp_path, "a", _model(1)), 1)))
+    await asyncio.sleep(0)
+
+    folding.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await folding
+    deadline = asyncio.get_running_loop().time() + 30
+    while 0 not in state.settled and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)  # the thread's fold ends on its own
+
+    assert 0 in state.settled  # folded, but its row was never recorded
+    assert not state.sound

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from apiary import streamed_weights
+from apiary.backoff import Backoff, poll
 from apiary.strategies.base import Contribution, create
 from apiary.strategies.format import UpdateFormat
 from apiary.strategies.validation import InvalidContribution
@@ -106,9 +107,8 @@ async def test_a_streamed_fold_cancelled_part_way_leaves_the_round_to_be_recover
     folding.cancel()
     with pytest.raises(asyncio.CancelledError):
         await folding
-    deadline = asyncio.get_running_loop().time() + 30
-    while 0 not in state.settled and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.01)  # the thread's fold ends on its own
+    async def folded() -> bool:  # the thread's fold ends on its own
+        return 0 in state.settled
 
-    assert 0 in state.settled  # folded, but its row was never recorded
+    assert await poll(folded, Backoff(base=0.01, cap=0.1), 30)  # folded, but its row was never recorded
     assert not state.sound

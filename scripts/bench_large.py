@@ -293,6 +293,7 @@ def main() -> None:
     parser.add_argument("--part-mib", type=int, default=64)
     parser.add_argument("--work", default=None, help="folder for the generated files (default: a temporary one)")
     parser.add_argument("--skip-s3", action="store_true")
+    parser.add_argument("--reuse", action="store_true", help="keep the model files a run left in --work")
     parser.add_argument("--skip-whole", action="store_true", help="skip the whole-object fold (it holds 2 x model)")
     parser.add_argument("--rounds", type=int, default=0, help="also time this many whole rounds on the embedded "
                         "stack, fp32 and bf16 + int8 delta (K workers on this machine)")
@@ -311,13 +312,16 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-large-"))
     work.mkdir(parents=True, exist_ok=True)
     base = work / "global.safetensors"
-    write_model(base, shapes, 0)
+    reuse = args.reuse and base.is_file() and base.stat().st_size >= params * 4
+    if not reuse:
+        write_model(base, shapes, 0)
     local = LocalStorage(work / "store")
     contributions = []
     for i in range(args.k):  # written straight into the local store (no copy)
         path = local.root / "c" / str(i)
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_model(path, shapes, i + 1, base)
+        if not (reuse and path.is_file() and path.stat().st_size == base.stat().st_size):
+            write_model(path, shapes, i + 1, base)
         contributions.append(path)
     model_bytes = base.stat().st_size
     digests = [hashlib.file_digest(p.open("rb"), "sha256").hexdigest() for p in contributions]

@@ -26,6 +26,7 @@ from apiary.weights import DTYPES, TensorSpec, WeightsError, WeightSpec, read_he
 READ = 32 * 2**20  # bytes per ranged read
 WINDOW = 256 * 2**20  # bytes read ahead of the tensor being handed over, at most
 READERS = 4  # ranged reads in flight
+HASH_BACKLOG = 2  # reads waiting for the hashing thread, at most: the fold waits for it rather than hold more
 
 
 class RangeSource:
@@ -120,6 +121,7 @@ class StreamedWeights(Mapping[str, torch.Tensor]):
                 yield name, 0, memoryview(b"")
         spans = [span for span in spans if span[0] < span[1]]
         pending: collections.deque[tuple[int, concurrent.futures.Future[bytes]]] = collections.deque()
+        hashed: collections.deque[concurrent.futures.Future[None]] = collections.deque()
         hashing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="apiary-hash")
         with hashing, concurrent.futures.ThreadPoolExecutor(READERS, thread_name_prefix="apiary-stream") as pool:
             queued = 0
@@ -139,7 +141,9 @@ class StreamedWeights(Mapping[str, torch.Tensor]):
                     chunk = future.result()
                     queued -= len(chunk)
                     if self._source.etag is None:  # else each read was of the object the store verified (If-Match)
-                        hashing.submit(digest.update, chunk)  # in order, beside the fold (the GIL released)
+                        hashed.append(hashing.submit(digest.update, chunk))  # in order, beside the fold
+                        while len(hashed) > HASH_BACKLOG:  # the reads it holds count against memory too
+                            hashed.popleft().result()
                     fill()
                     if not pending and not reads:  # the last read: every byte is in
                         hashing.submit(lambda: None).result()

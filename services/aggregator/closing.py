@@ -5,8 +5,11 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from apiary import keys, metrics, telemetry
 from apiary.contracts import RoundAggregated, RoundFailed
@@ -133,5 +136,8 @@ class RoundCloser:
         if strategy.streaming:
             return strategy.finish(global_weights)
         with tempfile.TemporaryDirectory(prefix="apiary-round-") as folder:
-            stored = await StoredRound.download(self._storage, accepted, Path(folder))
+            async def decode(data: bytes) -> Mapping[str, torch.Tensor]:
+                return (await self._rounds.decoder.contribution(data, state.round.weights, 1, {})).weights
+
+            stored = await StoredRound.download(self._storage, accepted, Path(folder), decode)
             return strategy.finish(global_weights, stored=stored)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -17,7 +18,6 @@ from apiary.storage import ObjectNotFound
 from apiary.strategies.base import Contribution
 from apiary.strategies.validation import InvalidContribution
 from apiary.weights import WeightsError
-from apiary.weights import loads as load_weights
 from services.aggregator.closing import RoundCloser
 from services.aggregator.decisions import (
     Report,
@@ -32,6 +32,7 @@ from services.aggregator.open_rounds import PREFETCH_MAX_BYTES, OpenRounds
 from services.aggregator.round_state import Round, RoundKey, RoundState
 from services.aggregator.secure_rounds import SecureRounds
 from services.aggregator.store import AggregatorStore, opened_row
+from services.aggregator.wire_decode import take_in
 
 log = logging.getLogger("apiary.aggregator")
 
@@ -114,7 +115,7 @@ class Aggregator(Component):
             if state is None:
                 return
             try:
-                state.take_in(event.shard, await self._decode(event, fetched))
+                await take_in(state, event.shard, await self._decode(event, fetched, state))
             except (ObjectNotFound, InvalidContribution, WeightsError, ValueError) as e:
                 settled = await self._reject(event, state, e)
                 await self._maybe_close(state, settled)
@@ -182,12 +183,19 @@ class Aggregator(Component):
         except (ObjectNotFound, ValueError) as e:
             return e  # the refusal of a report that _judge may yet find forged, late or a duplicate
 
-    async def _decode(self, event: contracts.WorkerDone, fetched: bytes | Exception | None) -> Contribution:
-        """The report's contribution, from its prefetched bytes or fetched now; raises why it cannot be one."""
+    async def _decode(self, event: contracts.WorkerDone, fetched: bytes | Exception | None,
+                      state: RoundState) -> Contribution:
+        """The report's contribution, from its prefetched bytes or fetched now (decoded, where it was encoded for
+        the wire, against the round's global weights); raises why it cannot be one."""
         if isinstance(fetched, Exception):
             raise fetched
-        data = fetched if fetched is not None else await self.storage.verified_bytes(event.result)
-        return Contribution(load_weights(data, copy=False), event.samples, event.metrics, shard=event.shard)
+        if fetched is None:  # a large one: streamed from storage as it is folded
+            contribution = await self._rounds.decoder.stored(event.result, state.round.weights, event.samples,
+                                                             event.metrics)
+        else:
+            contribution = await self._rounds.decoder.contribution(fetched, state.round.weights, event.samples,
+                                                                   event.metrics)
+        return dataclasses.replace(contribution, shard=event.shard)
 
     async def _judge(self, event: Report, delivery: Delivery) -> RoundState | None:
         """The open round this report settles a shard of; None (recorded why) if it settles nothing: it

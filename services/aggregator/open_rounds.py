@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
@@ -12,7 +13,7 @@ from apiary.component import from_json
 from apiary.contracts import ObjectRef
 from apiary.status import ContributionStatus, RoundStatus
 from apiary.storage import Storage
-from apiary.strategies.base import Contribution, Strategy, create
+from apiary.strategies.base import Strategy, create
 from apiary.strategies.private import private
 from apiary.weights import WeightSpec, spec_of
 from apiary.weights import loads as load_weights
@@ -20,6 +21,7 @@ from services.aggregator.decisions import Verdict, judge_round
 from services.aggregator.recording import GroupRecorder
 from services.aggregator.round_state import Round, RoundKey, RoundState
 from services.aggregator.store import AggregatorStore
+from services.aggregator.wire_decode import UpdateDecoder, streams, take_in
 
 SPEC_CACHE = 256  # global weights whose names, dtypes and shapes are remembered
 # Contributions downloading at once while a round is folded from storage (after a restart, or by the replica
@@ -46,6 +48,8 @@ class OpenRounds:
         self.wrap: Callable[[Round, Strategy], Strategy] = lambda round_, strategy: strategy
         # What a round's state needs restored before its strategy is made (secure aggregation's key agreement).
         self.restore: Callable[[Round], Awaitable[None]] = _nothing
+        # Uploads encoded for the wire (distributed.transfer) decoded into full-precision weights.
+        self.decoder = UpdateDecoder(storage)
 
     def keys(self) -> list[RoundKey]:
         """(job, round, attempt) of each round held."""
@@ -156,13 +160,18 @@ class OpenRounds:
         ones downloading meanwhile."""
         async with contextlib.aclosing(self._fetched(rows)) as fetched:
             async for row, data in fetched:
-                state.take_in(row["shard"], Contribution(load_weights(data, copy=False), row["samples"],
-                                                         from_json(row["metrics"], {}), shard=row["shard"]))
+                metrics = from_json(row["metrics"], {})
+                if data is None:  # a large one: streamed from storage as it is folded
+                    ref = ObjectRef(key=row["result_key"], size=row["size"], sha256=row["sha256"])
+                    contribution = await self.decoder.stored(ref, state.round.weights, row["samples"], metrics)
+                else:
+                    contribution = await self.decoder.contribution(data, state.round.weights, row["samples"], metrics)
+                await take_in(state, row["shard"], dataclasses.replace(contribution, shard=row["shard"]))
 
-    async def _fetched(self, rows: list[dict[str, Any]]) -> AsyncGenerator[tuple[dict[str, Any], bytes]]:
+    async def _fetched(self, rows: list[dict[str, Any]]) -> AsyncGenerator[tuple[dict[str, Any], bytes | None]]:
         """Each row with its object's verified bytes, in order, up to FETCH_AHEAD objects (FETCH_AHEAD_BYTES in
         all; a larger one alone) downloading at once."""
-        window: collections.deque[tuple[dict[str, Any], asyncio.Task[bytes]]] = collections.deque()
+        window: collections.deque[tuple[dict[str, Any], asyncio.Future[bytes | None]]] = collections.deque()
         pending, queued = collections.deque(rows), 0
         try:
             while window or pending:
@@ -173,7 +182,7 @@ class OpenRounds:
                                                   and pending[0]["size"] <= PREFETCH_MAX_BYTES)):
                     row = pending.popleft()
                     ref = ObjectRef(key=row["result_key"], size=row["size"], sha256=row["sha256"])
-                    window.append((row, asyncio.ensure_future(self._storage.verified_bytes(ref))))
+                    window.append((row, asyncio.ensure_future(self._verified(ref))))
                     queued += row["size"]
                 row, task = window.popleft()
                 queued -= row["size"]
@@ -182,6 +191,10 @@ class OpenRounds:
             for _, task in window:
                 task.cancel()
             await asyncio.gather(*(task for _, task in window), return_exceptions=True)
+
+    async def _verified(self, ref: ObjectRef) -> bytes | None:
+        """A contribution's verified bytes; None for one large enough to be streamed as it is folded."""
+        return None if streams(ref.size) else await self._storage.verified_bytes(ref)
 
     async def _fresh(self, round_: Round, spec: WeightSpec) -> RoundState:
         """A round's state with nothing taken in: the strategy its row names, begun on the round's spec,

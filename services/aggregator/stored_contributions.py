@@ -3,8 +3,9 @@ that cannot fold as contributions arrive (median, trimmed mean, Krum): peak memo
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,11 @@ import torch
 from safetensors import safe_open
 
 from apiary.storage import Storage
+from apiary.weights import dumps
+from apiary.wire_codec import file_is_encoded
+
+# Turns an upload's bytes into the weights it stands for (apiary.wire_codec, through the round's global weights).
+Decode = Callable[[bytes], Awaitable[Mapping[str, torch.Tensor]]]
 
 
 class StoredRound:
@@ -21,13 +27,18 @@ class StoredRound:
         self._paths, self._samples = paths, samples
 
     @classmethod
-    async def download(cls, storage: Storage, accepted: list[dict[str, Any]], folder: Path) -> StoredRound:
-        """Fetch each accepted contribution (rows in arrival order) into `folder`, checked against its row."""
+    async def download(cls, storage: Storage, accepted: list[dict[str, Any]], folder: Path,
+                       decode: Decode | None = None) -> StoredRound:
+        """Fetch each accepted contribution (rows in arrival order) into `folder`, checked against its row; one
+        encoded for the wire (`distributed.transfer`) rewritten there as the full-precision weights `decode` makes
+        of it."""
         paths = []
         for index, row in enumerate(accepted):
             path = folder / f"contribution-{index:05d}.safetensors"
             await storage.get_file(row["result_key"], path)
             _check(path, row)
+            if decode is not None:
+                await _decoded(path, decode)
             paths.append(path)
         return cls(paths, [int(row["samples"]) for row in accepted])
 
@@ -43,6 +54,14 @@ class StoredRound:
             with safe_open(str(path), framework="pt") as f:
                 out.append(f.get_tensor(name))
         return out
+
+
+async def _decoded(path: Path, decode: Decode) -> None:
+    """Rewrite an encoded contribution's file as the plain weights it stands for (a plain one is left alone)."""
+    if not await asyncio.to_thread(file_is_encoded, path):
+        return
+    weights = await decode(await asyncio.to_thread(path.read_bytes))
+    await asyncio.to_thread(path.write_bytes, dumps(weights))
 
 
 def _check(path: Path, row: dict[str, Any]) -> None:

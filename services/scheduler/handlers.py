@@ -58,6 +58,7 @@ from services.scheduler.finishing import JobFinisher
 from services.scheduler.initial_and_final import checked_initial_weights, initial_weights, no_initial_weights
 from services.scheduler.job_machine import Next, after_aggregated, after_failed, is_current, too_many_failures
 from services.scheduler.presence import FleetPace, PaceReminders, PresenceFilter
+from services.scheduler.pruning import abort_uploads, prune_after
 from services.scheduler.round_plan import (
     NO_WEIGHTS,
     RoundTarget,
@@ -238,6 +239,9 @@ class SchedulerHandlers:
             # Queued after the next round's assignments: a worker takes its training first.
             if evaluation_due(spec, event.round, job.evaluates):
                 await self._queue_evaluation(tx, event.job_id, spec, event.round, event.attempt, event.weights)
+        # The round's result is durable: what no round needs any more goes (distributed.transfer.keep_contributions).
+        await prune_after(self._storage, event.job_id, event.round, event.attempt, event.weights.sha256,
+                          keep_contributions=spec.distributed.transfer.keep_contributions)
         if may_end(spec, decision.next is Next.FINISH):
             # Read back before the next round's assignments go out: skipped where nothing can end the job yet.
             await self._finisher.settle(event.job_id)
@@ -342,6 +346,8 @@ class SchedulerHandlers:
             else:
                 await store.set_failures(tx, event.job_id, decision.failures)
                 await self._start_round(tx, _target(job, decision.round, decision.attempt))
+        # The attempt's assignments have ended: what their uploads left incomplete will never be completed.
+        await abort_uploads(self._storage, event.job_id, event.round, event.attempt)
 
     async def _on_current(self, event: Outcome, act: Callable[[Job, Outcome], Awaitable[None]]) -> None:
         """Under the job's lock, `act` on the running job if the outcome is for the attempt it runs now

@@ -8,10 +8,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from apiary import keys, proof
-from apiary.contracts import Assignment, ModelRef, ObjectRef, RoundStart, ShardInfo
+from apiary.contracts import Assignment, ModelRef, MultipartUpload, ObjectRef, RoundStart, ShardInfo
 from apiary.jobspec import JobSpec
 from apiary.secagg.crypto import round_context, verify_keys_of
 from apiary.strategies.format import UpdateFormat
+from apiary.wire_settings import TransferSettings
 
 # The weights of a job whose round 0 (its init task, on a worker) has not made them yet.
 NO_WEIGHTS = ObjectRef(key="", size=0, sha256="")
@@ -76,6 +77,7 @@ class AssignmentUrls:
     files_upload: str
     ended: str
     base_model: ModelRef | None = None  # a built-in job's registered model, presigned
+    multipart: MultipartUpload | None = None  # a large result's multipart upload, presigned part by part
 
 
 def workers_needed(min_workers: int, pinned: list[str], online: set[str]) -> tuple[int, int]:
@@ -173,6 +175,7 @@ def assignment(target: RoundTarget, plan: RoundPlan, shard: ShardInfo, urls: Ass
         issued_at=plan.started_at, ended_url=urls.ended, secret=plan.secrets.get(shard.index),
         clipping_norm=worker_clipping_norm(spec), secure_aggregation=spec.distributed.secure_aggregation,
         secagg_verify_keys=secagg_verify_keys(target, plan),
+        transfer=wire_transfer(spec), weights_size=target.weights.size, multipart=urls.multipart,
     )
 
 
@@ -181,6 +184,12 @@ def secagg_verify_keys(target: RoundTarget, plan: RoundPlan) -> dict[int, str]:
     if target.spec.distributed.secure_aggregation is None:
         return {}
     return verify_keys_of(plan.secrets, round_context(target.job_id, target.round, target.attempt))
+
+
+def wire_transfer(spec: JobSpec) -> TransferSettings | None:
+    """The job's `distributed.transfer` for its assignments, where it is not the default (None: plain fp32)."""
+    settings = spec.distributed.transfer
+    return settings if settings != TransferSettings() else None
 
 
 def worker_clipping_norm(spec: JobSpec) -> float | None:

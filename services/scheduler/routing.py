@@ -10,10 +10,12 @@ from typing import Any
 from apiary import bundle_store, keys
 from apiary.assignments import POOL, declare_preferred, pinned_queue, preferred_queue
 from apiary.bus import Bus
-from apiary.contracts import Assignment, ModelRef, ShardInfo
+from apiary.contracts import Assignment, ModelRef, MultipartUpload, ShardInfo
 from apiary.jobspec import JobSpec
 from apiary.registry import dataset_info, model_info, model_ref
 from apiary.storage import Storage
+from apiary.transfer_parts import planned_parts
+from services.scheduler.halved import HalvedWeights
 from services.scheduler.round_plan import (
     AssignmentUrls,
     Queue,
@@ -33,20 +35,36 @@ class AssignmentRouter:
     def __init__(self, bus: Bus, storage: Storage) -> None:
         self._bus, self._storage = bus, storage
         self._declared: dict[str, float] = {}  # worker queue -> when this process last declared it
+        self._halved = HalvedWeights(storage)
 
     async def assignments(self, target: RoundTarget, plan: RoundPlan, prefer: Mapping[int, str],
                           ttl: int) -> list[tuple[Assignment, str]]:
         """Each chosen shard's assignment, with URLs valid for `ttl` seconds, and its routing key."""
+        precision = target.spec.distributed.transfer.download
+        full_size = target.weights.size  # a result is about the fp32 weights' size, whatever is downloaded
+        if precision != "fp32" and target.weights.key:  # the workers fetch the global weights halved
+            target = replace(target, weights=await self._halved.copy(target.job_id, target.weights, precision))
         ended_url = self._storage.presign_get(keys.job_ended(target.job_id), ttl)
         base_model = await self.base_model(target.spec, ttl)
         pinned = target.spec.worker_selection.pinned
         code = self.code(target.spec, ttl)
         queued = []
         for shard in plan.chosen:
-            urls = replace(self.urls(target, shard, ttl, ended_url), base_model=base_model)
+            urls = replace(self.urls(target, shard, ttl, ended_url), base_model=base_model,
+                           multipart=await self.multipart(target, shard, ttl, full_size))
             message = assignment(target, plan, shard, urls).model_copy(update=code)
             queued.append((message, await self.queue(route(shard.index, pinned, prefer))))
         return queued
+
+    async def multipart(self, target: RoundTarget, shard: ShardInfo, ttl: int,
+                        expected: int) -> MultipartUpload | None:
+        """A multipart upload for the shard's result (`expected` bytes, about), where it takes more than one part
+        and the store takes parts (S3): presigned for `ttl` seconds, with room for a result a little larger."""
+        part_size = target.spec.distributed.transfer.part_size_mib * 2**20
+        if expected <= part_size:
+            return None
+        key = keys.contribution(target.job_id, target.round, target.attempt, shard.index)
+        return await self._storage.start_multipart(key, planned_parts(expected, part_size), part_size, ttl)
 
     async def base_model(self, spec: JobSpec, ttl: int) -> ModelRef | None:
         """A built-in job's registered model, presigned for `ttl` seconds; None for user code."""

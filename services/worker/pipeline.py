@@ -58,9 +58,12 @@ class AssignmentRun:
         if self.a.secure_aggregation is not None:
             return await self._secure(call, started)
         result = await self._train(call)
-        if result is None or not await self._upload(result):
+        if result is None:
             return None
-        return await self._report(result, time.monotonic() - started)
+        uploaded, etag = await self._upload(result)
+        if not uploaded:
+            return None
+        return await self._report(result, time.monotonic() - started, etag)
 
     async def _secure(self, call: TrainCall, started: float) -> float | None:
         """Train, upload and report with secure aggregation (services.worker.secure_rounds): keys advertised
@@ -160,6 +163,7 @@ class AssignmentRun:
             model_path=str(self.model_path) if self.model_path is not None else None,
             code_path=str(self.code_path) if self.code_path is not None else None,
             clipping_norm=a.clipping_norm,
+            transfer=a.transfer.model_dump() if a.transfer is not None and a.transfer.encodes_upload else None,
         )
 
     async def _code(self) -> bool:
@@ -198,23 +202,25 @@ class AssignmentRun:
             return None
         return result
 
-    async def _upload(self, result: TrainResult) -> bool:
-        """Upload the trained weights and the run's files; False (reported) if that failed."""
+    async def _upload(self, result: TrainResult) -> tuple[bool, str | None]:
+        """Upload the trained weights and the run's files; False (reported) if that failed, and the result's ETag
+        where it went in parts."""
         a, space = self.a, self.space
         with telemetry.tracer().start_as_current_span("upload", attributes=self.worker.span_attributes(a)) as span:
             try:
-                moved = await transfers.upload_outputs(a, space.result, result.size, space.out_dir, space.work)
+                moved, etag = await transfers.upload_outputs(a, space.result, result.size, space.out_dir, space.work)
                 span.set_attribute("apiary.bytes", moved)
             except transfers.UPLOAD_ERRORS as e:
                 telemetry.fail(span, "upload.failed", str(e))
                 await self.worker.failed(a, f"result upload failed: {e}")
-                return False
-        return True
+                return False, None
+        return True, etag
 
-    async def _report(self, result: TrainResult, duration: float) -> float:
-        """Report the trained shard (worker.done); the samples per second it measured."""
+    async def _report(self, result: TrainResult, duration: float, etag: str | None = None) -> float:
+        """Report the trained shard (worker.done, with the result's ETag where it went in parts); the samples per
+        second it measured."""
         a, worker = self.a, self.worker
-        ref = ObjectRef(key=a.result_key, size=result.size, sha256=result.sha256)
+        ref = ObjectRef(key=a.result_key, size=result.size, sha256=result.sha256, etag=etag)
         done = WorkerDone(
             job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=worker.worker_id, shard=a.shard,
             result=ref, samples=result.samples, metrics=result.metrics, duration_s=duration, secret=a.secret or "",

@@ -8,10 +8,11 @@ import asyncio
 import zipfile
 from pathlib import Path
 
-from apiary import transfer
+from apiary import transfer, transfer_parts
 from apiary.contracts import Assignment
 from apiary.dataset import extract_shard
 from apiary.dataset_text import JSONL
+from apiary.transfer_parts import part_count
 
 # What a failed download or upload raises: reported as the shard's failure, never a crash.
 FETCH_ERRORS = (transfer.TransferError, zipfile.BadZipFile, OSError, ValueError)
@@ -66,13 +67,20 @@ def fetch_weights(a: Assignment, target: Path) -> asyncio.Future[None]:
     on this machine where a rename to a free name takes 0.1 ms (the trained result likewise:
     `Workspace.clear_outputs`)."""
     target.unlink(missing_ok=True)
-    return asyncio.ensure_future(transfer.download(a.weights_url, target, a.weights_sha256, deadline=a.deadline))
+    return asyncio.ensure_future(transfer_parts.download(a.weights_url, target, a.weights_sha256, a.weights_size,
+                                                         deadline=a.deadline))
 
 
-async def upload_outputs(a: Assignment, result: Path, size: int, out_dir: Path, work: Path) -> int:
-    """Upload the trained weights (`size` bytes) and the run's files; the bytes sent."""
-    await transfer.upload(a.upload_url, result, deadline=a.deadline)
-    return size + await _upload_files(a, out_dir, work)
+async def upload_outputs(a: Assignment, result: Path, size: int, out_dir: Path,
+                         work: Path) -> tuple[int, str | None]:
+    """Upload the trained weights (`size` bytes: in parts where the assignment opened a multipart upload and they
+    fit its parts, else whole) and the run's files; the bytes sent, and the result's ETag where it went in parts."""
+    etag = None
+    if a.multipart is not None and part_count(size, a.multipart.part_size) <= len(a.multipart.part_urls):
+        etag = (await transfer_parts.upload(a.multipart, result, deadline=a.deadline)).etag
+    else:
+        await transfer.upload(a.upload_url, result, deadline=a.deadline)
+    return size + await _upload_files(a, out_dir, work), etag
 
 
 async def _upload_files(a: Assignment, out_dir: Path, work: Path) -> int:

@@ -15,6 +15,7 @@ from apiary.privacy import DifferentialPrivacy
 from apiary.secagg.settings import SecureAggregation
 from apiary.strategies import DEFAULT_STRATEGY
 from apiary.strategies.format import UpdateFormat
+from apiary.wire_settings import TransferSettings
 
 SCHEMA_VERSION = 1
 JOB_ID_PATTERN = r"^[\w.\-]+$"  # a client-chosen job id: letters, digits, _ . -
@@ -65,6 +66,11 @@ class ObjectRef(BaseModel):
     """The object's size in bytes."""
     sha256: str
     """The object's SHA-256 in hex: whoever fetches the bytes checks them against it."""
+    # The object's ETag where it was uploaded in parts whose MD5 the store verified (S3's md5-of-md5s-N): a reader
+    # that gets these bytes only while the object still has this ETag (If-Match) need not hash them again.
+    etag: str | None = None
+    """The object's ETag where it was uploaded in parts whose MD5 the store verified; a reader that gets the bytes
+    under this ETag (If-Match) need not hash them again. None: a single PUT, checked by its sha256."""
 
 
 class JobRequested(JobSpec):
@@ -240,6 +246,25 @@ class CodeBundle(BaseModel):
     """A presigned GET URL of the bundle, valid until a while after the assignment's deadline."""
 
 
+class MultipartUpload(BaseModel):
+    """A multipart upload the scheduler opened for an assignment's result, presigned part by part: the worker PUTs
+    each part (with its Content-MD5, which the store verifies), lists what is already stored to resume, and
+    completes it; the scheduler aborts what is left incomplete once the round ends."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, use_attribute_docstrings=True)
+
+    upload_id: str
+    """The store's id of the multipart upload."""
+    part_size: int = Field(gt=0)
+    """Bytes per part (the last one may be shorter)."""
+    part_urls: list[str]  # part N (from 1) at part_urls[N - 1]
+    """Presigned PUT URL of each part: part N (from 1) at index N - 1."""
+    complete_url: str  # POST: the parts' list completes the object
+    """Presigned POST URL that completes the object from the list of its parts."""
+    list_url: str  # GET: the parts stored so far (a resumed upload skips those whose MD5 matches)
+    """Presigned GET URL listing the parts stored so far (a resumed upload skips those whose MD5 matches)."""
+
+
 class Assignment(RoundEvent):
     """`assign.pool`, `assign.worker.<id>` or `assign.prefer.<id>`: train one shard for one round (or, by
     `task`, make the job's initial weights, evaluate a round's global weights or merge the final adapter into
@@ -266,6 +291,8 @@ class Assignment(RoundEvent):
     """A presigned GET URL of the weights to train from or evaluate, or the adapter to merge; init: empty."""
     weights_sha256: str = ""
     """The SHA-256 (hex) of the weights at `weights_url`: the worker checks the download against it."""
+    weights_size: int = 0  # the weights' bytes (0: not said): a large object downloads by parallel ranged GETs
+    """The global weights' size in bytes (0: not said); a large object downloads by parallel ranged GETs."""
     upload_url: str = ""  # init: where the initial weights go; merge: the merged model's zip; evaluate: none
     """A presigned PUT URL for the result: trained or initial weights, the merged zip; evaluate: empty."""
     result_key: str = ""
@@ -310,6 +337,13 @@ class Assignment(RoundEvent):
     secagg_verify_keys: dict[int, str] = Field(default_factory=dict)
     """Per shard, the Ed25519 verify key (hex) its worker signs its protocol keys with; empty without secure
     aggregation."""
+    # The job's `distributed.transfer` where it is not the default: how the worker encodes its upload (the global
+    # weights' URL already points at their halved copy where the download is halved).
+    transfer: TransferSettings | None = None
+    """How the worker encodes its upload (delta, half precision, int8 blockwise); None: plain fp32."""
+    # Where the result is large: a multipart upload to its result key, presigned part by part (None: one PUT).
+    multipart: MultipartUpload | None = None
+    """The result's multipart upload, presigned part by part, where the result is large; None: one PUT."""
 
 
 class WorkerProgress(RoundEvent):

@@ -26,6 +26,7 @@ from apiary.privacy import PRIVACY_EXTRA, DifferentialPrivacy, accounting_availa
 from apiary.secagg.settings import SecureAggregation, job_error
 from apiary.strategies import DEFAULT_STRATEGY
 from apiary.trainers.causal_lm_config import CausalLMConfig
+from apiary.wire_settings import TransferSettings
 
 ENTRYPOINT_RE = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
 DEFAULT_FUNCTION = "fl_train_model"
@@ -95,6 +96,9 @@ class DistributedConfig(BaseModel):
     secure_aggregation: SecureAggregation | None = Field(default=None, description="SecAgg+: workers upload "
                                                          "masked, quantised updates whose sum alone the aggregator "
                                                          "learns (docs/security.md)")
+    transfer: TransferSettings = Field(default_factory=TransferSettings, description="how weights travel: "
+                                       "download precision, upload encoding (delta, half precision, int8 "
+                                       "blockwise) and whether contributions are kept (docs/large-models.md)")
 
     @model_validator(mode="after")
     def _min_le_max(self) -> DistributedConfig:
@@ -118,6 +122,9 @@ class DistributedConfig(BaseModel):
                               None if dp is None else dp.clip_on == "worker")
             if error:
                 raise ValueError(f"secure_aggregation: {error}")
+            if self.transfer.upload != "fp32" or self.transfer.delta:
+                raise ValueError("secure_aggregation: workers upload masked vectors of their own encoding; leave "
+                                 "transfer.upload at fp32 and transfer.delta false")
         return self
 
 

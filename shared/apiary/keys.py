@@ -57,3 +57,8 @@ def dataset(dataset_id: str, name: str) -> str:
 def code_bundle(sha256: str) -> str:
     """A code bundle, content-addressed: the same code is stored once, whoever ships it."""
     return f"code/{sha256}.zip"
+
+
+def halved_weights(job_id: str, sha256: str, precision: str) -> str:
+    """Global weights (by their sha256) halved to `precision` for download (distributed.transfer.download)."""
+    return f"jobs/{job_id}/wire/global-{sha256[:32]}-{precision}.safetensors"

@@ -49,8 +49,9 @@ def dumps(weights: Mapping[str, torch.Tensor]) -> bytes:
     return _save(tensors)
 
 
-def read_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, dict], int]:
-    """Parse and check a safetensors header; return (entries, offset of the data section)."""
+def read_header(data: bytes | bytearray | memoryview, total: int | None = None) -> tuple[dict[str, dict], int]:
+    """Parse and check a safetensors header; return (entries, offset of the data section). `total`: the whole
+    object's size where `data` is only its start (the header read first, the tensors streamed after)."""
     view = memoryview(data)
     if len(view) < 8:
         raise WeightsError("weights file is too short to be safetensors")
@@ -67,7 +68,7 @@ def read_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, dict], 
     if len(header) > LIMITS.tensors:
         raise WeightsError(f"safetensors header lists {len(header)} tensors, over the limit of {LIMITS.tensors}")
     base = 8 + header_len
-    size = len(view) - base
+    size = (len(view) if total is None else total) - base
     spans = []
     for name, entry in header.items():
         if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str) or entry["dtype"] not in DTYPES:

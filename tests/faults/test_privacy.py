@@ -126,7 +126,9 @@ def test_workers_clip_before_upload_and_the_aggregator_holds_no_unclipped_update
     cluster.start(workers=3)
     job_id = new_id("privacy-worker-clip")
     privacy = {"clip_on": "worker", "noise_multiplier": 0.0, "clipping_norm": 5.0}
-    cluster.publish_job(private_job(job_id, toy_data(15), privacy, rounds=2, max_workers=3))
+    request = private_job(job_id, toy_data(15), privacy, rounds=2, max_workers=3)
+    request["distributed"]["transfer"] = {"keep_contributions": True}  # round 1's are read below
+    cluster.publish_job(request)
     job = cluster.wait_job(job_id)
 
     assert job["status"] == "completed", job["reason"]

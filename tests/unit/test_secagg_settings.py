@@ -86,6 +86,10 @@ def test_a_stored_spec_validates_again_as_it_was() -> None:
     ({"num_shares": 3, "reconstruction_threshold": 2},
      {"differential_privacy": {"noise_multiplier": 1.0, "clipping_norm": 1.0}},
      "distributed: secure_aggregation: with differential_privacy needs clip_on 'worker': the aggregator never sees"),
+    ({"num_shares": 3, "reconstruction_threshold": 2}, {"transfer": {"upload": "int8_blockwise"}},
+     "distributed: secure_aggregation: workers upload masked vectors of their own encoding"),
+    ({"num_shares": 3, "reconstruction_threshold": 2}, {"transfer": {"delta": True}},
+     "distributed: secure_aggregation: workers upload masked vectors of their own encoding"),
 ])
 def test_bad_settings_are_refused_in_one_line(secagg: dict[str, Any], distributed: dict[str, Any],
                                               expected: str) -> None:

@@ -6,7 +6,7 @@ import hashlib
 from abc import ABC, abstractmethod
 from pathlib import Path
 
-from apiary.contracts import ObjectRef
+from apiary.contracts import MultipartUpload, ObjectRef
 from apiary.errors import DependencyUnavailable
 
 CHUNK = 8 * 1024 * 1024
@@ -79,6 +79,15 @@ class Storage(ABC):
     @abstractmethod
     def uri(self, key: str) -> str:
         """The object's address for people: `file:///...` or `s3://bucket/...`."""
+
+    async def start_multipart(self, key: str, parts: int, part_size: int, expires: int) -> MultipartUpload | None:
+        """Open a multipart upload to `key` of at most `parts` parts of `part_size` bytes, presigned for `expires`
+        seconds; None where the store takes whole objects only (a local folder: a copy)."""
+        return None
+
+    async def abort_multipart(self, prefix: str) -> int:
+        """Abort the incomplete multipart uploads to keys under `prefix`; how many there were."""
+        return 0
 
     async def verified_bytes(self, ref: ObjectRef) -> bytes:
         """The object's bytes, checked against the claim's size and sha256 (ValueError if not)."""

@@ -80,11 +80,13 @@ class LocalStorage(Storage):
 
     async def list(self, prefix: str) -> list[str]:
         def walk() -> list[str]:
-            if not self.root.exists():
+            # Walked from the deepest folder the prefix names, not from the root (every job's objects).
+            folder = self.root.joinpath(*prefix.split("/")[:-1]) if "/" in prefix else self.root
+            if ".." in prefix.split("/") or not folder.is_dir():
                 return []
             keys = (
                 p.relative_to(self.root).as_posix()
-                for p in self.root.rglob("*")
+                for p in folder.rglob("*")
                 if p.is_file() and not p.name.startswith(".")
             )
             return sorted(k for k in keys if k.startswith(prefix))

@@ -29,7 +29,7 @@ from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadErro
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from apiary.backoff import Backoff
-from apiary.contracts import ObjectRef
+from apiary.contracts import MultipartUpload, ObjectRef
 from apiary.storage.base import ObjectNotFound, Storage, StorageUnavailable, check_key, sha256_file
 from apiary.storage.presign import Endpoint, Presigner
 from apiary.storage.s3_direct import DirectRequests
@@ -304,6 +304,42 @@ class S3Storage(Storage):
 
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{self._key(key)}"
+
+    async def start_multipart(self, key: str, parts: int, part_size: int, expires: int) -> MultipartUpload | None:
+        full = self._key(key)
+        await self.ensure_bucket()
+        created = await self._call(self._client.create_multipart_upload, Bucket=self.bucket, Key=full,
+                                   ContentType="application/octet-stream")
+        upload_id = str(created["UploadId"])
+        target = {"Bucket": self.bucket, "Key": full, "UploadId": upload_id}
+
+        def sign(operation: str, **extra: Any) -> str:
+            url: str = self._client.generate_presigned_url(operation, Params={**target, **extra}, ExpiresIn=expires)
+            return url
+
+        return MultipartUpload(upload_id=upload_id, part_size=part_size,
+                               part_urls=[sign("upload_part", PartNumber=n) for n in range(1, parts + 1)],
+                               complete_url=sign("complete_multipart_upload"), list_url=sign("list_parts"))
+
+    async def abort_multipart(self, prefix: str) -> int:
+        base = f"{self.prefix}/" if self.prefix else ""
+
+        def abort() -> int:
+            aborted = 0
+            paginator = self._client.get_paginator("list_multipart_uploads")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=base + prefix):
+                for upload in page.get("Uploads", []):
+                    self._client.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"],
+                                                        UploadId=upload["UploadId"])
+                    aborted += 1
+            return aborted
+
+        try:
+            return await self._call(abort)
+        except ClientError as e:
+            if _code(e) in _NO_BUCKET:
+                return 0
+            raise
 
     async def delete_bucket(self) -> None:
         """Delete every object under the bucket and the bucket itself (for tests)."""

@@ -17,7 +17,7 @@ for half floats), where the order of arrival shows in the last bits.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import NoReturn
 
 import torch
@@ -60,6 +60,10 @@ class WeightedSum:
         if samples <= 0:
             raise InvalidContribution(f"sample count must be positive, got {samples}")
         self._usable()
+        chunks = getattr(weights, "chunks", None)
+        if callable(chunks):  # streamed from storage (apiary.streamed_weights): folded chunk by chunk
+            self._fold_chunks(weights, chunks(), samples)
+            return
         if self._sum and weights.keys() != self._sum.keys():
             raise InvalidContribution("contribution's tensor names differ from the accumulated ones")
         for added, (name, tensor) in enumerate(weights.items()):
@@ -70,6 +74,31 @@ class WeightedSum:
                 self._sum[name] = self._start(name, tensor, samples)
             else:  # a narrower tensor is widened element by element, without a copy of it
                 acc.add_(tensor, alpha=samples)
+        self.total_samples += samples
+        self.count += 1
+
+    def _fold_chunks(self, weights: Mapping[str, torch.Tensor], chunks: Iterable[tuple[str, int, torch.Tensor]],
+                     samples: int) -> None:
+        """`fold` for weights that come as (name, element offset, flat values) chunks and declare their spec: each
+        chunk is checked and added into its place (the same bits as whole tensors: the operations are elementwise);
+        a refusal part way behaves as `fold`'s."""
+        spec: WeightSpec = weights.declared_spec  # type: ignore[attr-defined]
+        if self._sum and spec.keys() != self._sum.keys():
+            raise InvalidContribution("contribution's tensor names differ from the accumulated ones")
+        for added, (name, offset, values) in enumerate(chunks):
+            if not all_finite(values):
+                self._refuse(name, added)
+            acc = self._sum.get(name)
+            if acc is None:
+                dtype = spec[name].dtype
+                self._dtypes[name] = dtype
+                acc = self._sum[name] = torch.empty(spec[name].shape, dtype=torch.float64 if self.wide
+                                                    else step_dtype(dtype))
+            region = acc.view(-1)[offset : offset + values.numel()]
+            if self.count:
+                region.add_(values, alpha=samples)
+            else:  # the first contribution starts the sum, as `_start` does
+                region.copy_(values).mul_(samples)
         self.total_samples += samples
         self.count += 1
 

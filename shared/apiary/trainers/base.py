@@ -41,6 +41,8 @@ class TrainCall:
     code_path: str | None = None
     # Differential privacy with clip_on worker: the result's update is clipped to this L2 norm before upload.
     clipping_norm: float | None = None
+    # The job's `distributed.transfer` (apiary.wire_settings.TransferSettings as a dict) where it encodes uploads.
+    transfer: dict[str, Any] | None = None
 
 
 @dataclass

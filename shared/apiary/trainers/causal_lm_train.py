@@ -56,7 +56,6 @@ class RoundInputs:
 
 def round_inputs(call: TrainCall, device: str) -> RoundInputs:
     """The call's config, records and model (kept from the last call, reset to the call's global weights)."""
-    from apiary import weights as w
 
     if not call.model_path:
         raise TrainerError("the causal_lm trainer needs the job's base model, and none was given")
@@ -64,7 +63,9 @@ def round_inputs(call: TrainCall, device: str) -> RoundInputs:
     dtype = precision(device, cfg.mixed_precision)
     records = data.read_records(Path(call.dataset["data_root"]))
     model, tokenizer = _warm_model(Path(call.model_path), cfg)
-    lm.set_weights(model, w.loads(Path(call.weights_path).read_bytes()), adapter=cfg.use_peft)
+    from apiary.wire_codec import load_downloaded  # global weights downloaded halved come back in their dtypes
+
+    lm.set_weights(model, load_downloaded(Path(call.weights_path).read_bytes()), adapter=cfg.use_peft)
     return RoundInputs(cfg, dtype, records, model.to(device), tokenizer)
 
 

@@ -104,13 +104,9 @@ def training_device(conn: Connection) -> str:
 
 
 def _run_train(call: TrainCall, conn: Connection) -> dict[str, Any]:
-    from apiary import weights as w
-
     fn = _resolve(call.module, call.function)
     assert fn is not None
-    # The tensors view a buffer of their own (writable, kept alive by them): no copy, and no torch
-    # operation that would wake its thread pool.
-    initial = w.loads(bytearray(Path(call.weights_path).read_bytes()), copy=False)
+    initial = load_initial(call.weights_path)
     payload = {"env": dict(call.env), "initial_weights": initial, "dataset": dict(call.dataset),
                "round": dict(call.round), "job": dict(call.job), "device": training_device(conn)}
     Path(call.out_dir).mkdir(parents=True, exist_ok=True)
@@ -139,15 +135,31 @@ def save_trained(call: TrainCall, weights: Any, function: str) -> tuple[int, str
     """Write a training result (`save_result`), its update clipped to `call.clipping_norm` where the job's
     differential privacy clips on workers: the aggregator never receives the unclipped update."""
     size, sha256 = save_result(call.result_path, weights, function)
-    if call.clipping_norm is None:
+    if call.clipping_norm is not None:
+        from apiary.trainers.clip_upload import clip_result
+
+        try:
+            size, sha256 = clip_result(call.result_path, call.weights_path, call.clipping_norm)
+        except ValueError as e:
+            raise UserCodeError(f"{function} returned weights whose update cannot be clipped for differential "
+                                f"privacy: {e}") from None
+    if call.transfer is None:
         return size, sha256
-    from apiary.trainers.clip_upload import clip_result
+    from apiary.trainers.encode_upload import encode_result
 
     try:
-        return clip_result(call.result_path, call.weights_path, call.clipping_norm)
+        return encode_result(call.result_path, call.weights_path, call.transfer)
     except ValueError as e:
-        raise UserCodeError(f"{function} returned weights whose update cannot be clipped for differential "
-                            f"privacy: {e}") from None
+        raise UserCodeError(f"{function} returned weights that cannot be encoded for upload: {e}") from None
+
+
+def load_initial(weights_path: str) -> dict[str, Any]:
+    """The round's global weights as the trainer gets them: zero-copy views of a writable buffer of their own
+    (no torch operation that would wake its thread pool), or, downloaded in half precision
+    (`distributed.transfer.download`), cast back to their dtypes."""
+    from apiary.wire_codec import load_downloaded
+
+    return load_downloaded(bytearray(Path(weights_path).read_bytes()))
 
 
 def _saved_weights(function: str, weights: Any) -> bytes:

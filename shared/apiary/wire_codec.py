@@ -1,0 +1,242 @@
+"""Weights made smaller on the wire, and made whole again (`distributed.transfer`, docs/large-models.md).
+
+- Download: the round's global weights with floating tensors in bf16 or fp16 (`halve`); the worker casts them back
+  to the dtypes the header records (`load_downloaded`) before its trainer sees them.
+- Upload: the trained weights, or their delta from the weights the worker started from, with floating tensors in
+  fp32, bf16, fp16 or int8 with one absmax scale per block of `block_size` values (as bitsandbytes' blockwise 8-bit
+  quantisation, on the CPU): `encode_update`. The aggregator decodes (`decode_update`) into full-precision weights
+  in the round's dtypes before any strategy sees them, so every strategy sums in full precision.
+
+An encoded object is ordinary safetensors whose `__metadata__` says how it was encoded (`apiary.update`): a result
+without it is plain weights, read as today. Rounding bound of int8_blockwise: each value is off by at most
+absmax(its block) / 254 (`int8_bound`), so a weighted mean of such values is off by at most the largest of them.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save as _save
+
+from apiary.weights import DTYPE_NAMES, DTYPES, MAX_HEADER, WeightsError, loads
+
+UPDATE_KEY = "apiary.update"  # metadata of an encoded upload
+DOWNLOAD_KEY = "apiary.download"  # metadata of global weights halved for download
+SCALES = ".__absmax__"  # suffix of a quantised tensor's per-block scales
+HALVES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LEVELS = 127  # int8 values -127..127 (symmetric: -128 is never used)
+
+
+def metadata(data: bytes | bytearray | memoryview) -> dict[str, str]:
+    """The `__metadata__` of safetensors bytes (empty if none)."""
+    view = memoryview(data)
+    if len(view) < 8:
+        raise WeightsError("weights file is too short to be safetensors")
+    (length,) = struct.unpack("<Q", view[:8])
+    if length > MAX_HEADER or 8 + length > len(view):
+        raise WeightsError(f"safetensors header length {length} is out of bounds")
+    try:
+        found = json.loads(bytes(view[8 : 8 + length])).get("__metadata__") or {}
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, RecursionError) as e:
+        raise WeightsError(f"safetensors header is not a JSON map: {e}") from e
+    if not isinstance(found, dict):
+        raise WeightsError("safetensors __metadata__ is not a map")
+    return found
+
+
+def _json_field(meta: Mapping[str, str], key: str) -> dict[str, Any] | None:
+    raw = meta.get(key)
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except (TypeError, json.JSONDecodeError) as e:
+        raise WeightsError(f"metadata {key!r} is not JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise WeightsError(f"metadata {key!r} is not a map")
+    return value
+
+
+def _dtype(name: str, dtypes: Mapping[str, Any]) -> torch.dtype:
+    label = dtypes.get(name)
+    if not isinstance(label, str) or label not in DTYPES:
+        raise WeightsError(f"tensor {name!r}: metadata names no known dtype ({label!r:.40})")
+    return DTYPES[label]
+
+
+# -- download ---------------------------------------------------------------------------------------------------
+
+def halve(weights: Mapping[str, torch.Tensor], precision: str) -> bytes:
+    """Global weights for download: floating tensors cast to `precision` (bf16 or fp16), the original dtypes
+    recorded in the header so the worker casts them back."""
+    target = HALVES[precision]
+    tensors, dtypes = {}, {}
+    for name, tensor in weights.items():
+        dtypes[name] = DTYPE_NAMES[tensor.dtype]
+        cast = tensor.is_floating_point() and tensor.element_size() > target.itemsize
+        tensors[name] = (tensor.to(target) if cast else tensor).detach().contiguous()
+    return _save(tensors, metadata={DOWNLOAD_KEY: json.dumps({"precision": precision, "dtypes": dtypes})})
+
+
+def load_downloaded(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """Weights as downloaded (`weights.loads(copy=False)` for plain ones), halved ones cast back to their dtypes."""
+    described = _json_field(metadata(data), DOWNLOAD_KEY)
+    tensors = loads(data, copy=False)
+    if described is None:
+        return tensors
+    dtypes = described.get("dtypes") or {}
+    return {name: t.to(_dtype(name, dtypes)) for name, t in tensors.items()}
+
+
+# -- upload -----------------------------------------------------------------------------------------------------
+
+def quantise(values: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes (padded to whole blocks) and float32 absmax scales, one per block of `block_size` values."""
+    flat = values.reshape(-1).to(torch.float32)
+    blocks = -(-flat.numel() // block_size)
+    padded = torch.zeros(blocks * block_size, dtype=torch.float32)
+    padded[: flat.numel()] = flat
+    view = padded.view(blocks, block_size)
+    absmax = view.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, absmax / LEVELS, torch.ones_like(absmax))
+    codes = view.div_(scale.unsqueeze(1)).round_().clamp_(-LEVELS, LEVELS).to(torch.int8)
+    return codes.view(-1), absmax
+
+
+def dequantise(codes: torch.Tensor, absmax: torch.Tensor, numel: int, block_size: int) -> torch.Tensor:
+    """The float32 values `quantise` encoded (the first `numel`, flat)."""
+    view = codes.view(-1, block_size).to(torch.float32)
+    return view.mul_((absmax / LEVELS).unsqueeze(1)).view(-1)[:numel]
+
+
+def int8_bound(values: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The most each value may be off after int8_blockwise (absmax of its block / 254), in `values`' shape."""
+    flat = values.reshape(-1).to(torch.float32)
+    blocks = -(-flat.numel() // block_size)
+    padded = torch.zeros(blocks * block_size)
+    padded[: flat.numel()] = flat.abs()
+    per_block = padded.view(blocks, block_size).amax(dim=1) / (2 * LEVELS)
+    return per_block.repeat_interleave(block_size)[: flat.numel()].view(values.shape)
+
+
+def encode_update(trained: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor] | None, encoding: str,
+                  block_size: int = 256) -> bytes:
+    """The trained weights (minus `base`, the weights training started from, where given) with their floating
+    tensors in `encoding`; other tensors as they are. ValueError if a tensor does not match `base`."""
+    tensors: dict[str, torch.Tensor] = {}
+    dtypes: dict[str, str] = {}
+    shapes: dict[str, list[int]] = {}
+    for name, tensor in trained.items():
+        tensor = tensor.detach().to("cpu")
+        dtypes[name], shapes[name] = DTYPE_NAMES[tensor.dtype], list(tensor.shape)
+        if name.endswith(SCALES):
+            raise ValueError(f"tensor name {name!r} ends with the reserved suffix {SCALES!r}")
+        if not tensor.is_floating_point():
+            tensors[name] = tensor.contiguous()
+            continue
+        value = tensor
+        if base is not None:
+            reference = base.get(name)
+            if reference is None or reference.shape != tensor.shape:
+                raise ValueError(f"tensor {name!r} is not in the round's global weights with shape "
+                                 f"{list(tensor.shape)}")
+            value = tensor.to(torch.float32) - reference.to(torch.float32)
+        if encoding == "int8_blockwise":
+            tensors[name], tensors[name + SCALES] = quantise(value, block_size)
+        else:
+            tensors[name] = value.to(HALVES[encoding]).contiguous()
+    described = {"v": 1, "delta": base is not None, "encoding": encoding, "block_size": block_size,
+                 "dtypes": dtypes, "shapes": shapes}
+    return _save(tensors, metadata={UPDATE_KEY: json.dumps(described)})
+
+
+def is_encoded(data: bytes | bytearray | memoryview) -> bool:
+    """Whether safetensors bytes are an encoded upload (else plain weights)."""
+    view = memoryview(data)
+    if len(view) >= 8:
+        (length,) = struct.unpack("<Q", view[:8])
+        if length <= MAX_HEADER and b'"' + UPDATE_KEY.encode() + b'"' not in bytes(view[8 : 8 + length]):
+            return False  # no metadata of ours: the header is not parsed twice
+    return UPDATE_KEY in metadata(data)
+
+
+def file_is_encoded(path: str | Path) -> bool:
+    """Whether a safetensors file is an encoded upload, from its header alone."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return False
+        (length,) = struct.unpack("<Q", head)
+        return length <= MAX_HEADER and is_encoded(head + f.read(length))
+
+
+def needs_base(data: bytes | bytearray | memoryview) -> bool:
+    """Whether decoding these bytes needs the round's global weights (a delta)."""
+    described = _json_field(metadata(data), UPDATE_KEY)
+    return bool(described and described.get("delta"))
+
+
+def decode_update(data: bytes | bytearray | memoryview,
+                  base: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The weights an upload stands for, in their own dtypes: plain weights as they are (zero-copy), an encoded
+    upload dequantised and, for a delta, added to `base` (the round's global weights) in float32.
+    WeightsError (one line) for anything malformed."""
+    described = _json_field(metadata(data), UPDATE_KEY)
+    tensors = loads(data, copy=False)
+    if described is None:
+        return tensors
+    encoding, block = described.get("encoding"), described.get("block_size")
+    dtypes, shapes = described.get("dtypes"), described.get("shapes")
+    if encoding not in ("fp32", "bf16", "fp16", "int8_blockwise") or not isinstance(dtypes, dict) \
+            or not isinstance(shapes, dict) or not isinstance(block, int) or not 1 <= block <= 1 << 20:
+        raise WeightsError(f"upload encoding metadata is malformed: {json.dumps(described)[:120]}")
+    delta = bool(described.get("delta"))
+    if delta and base is None:
+        raise WeightsError("the upload is a delta but no global weights were given to add it to")
+    expected = set(dtypes) | {n + SCALES for n in dtypes if encoding == "int8_blockwise"
+                              and _dtype(n, dtypes).is_floating_point}
+    if set(tensors) != expected:
+        raise WeightsError(f"upload tensors differ from its metadata: extra {sorted(set(tensors) - expected)[:3]}, "
+                           f"missing {sorted(expected - set(tensors))[:3]}")
+    out: dict[str, torch.Tensor] = {}
+    for name in dtypes:
+        dtype, shape = _dtype(name, dtypes), shapes.get(name)
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise WeightsError(f"tensor {name!r}: metadata shape {shape!r} is malformed")
+        numel = 1
+        for d in shape:
+            numel *= d
+        stored = tensors[name]
+        if not dtype.is_floating_point:
+            out[name] = stored
+            continue
+        if encoding == "int8_blockwise":
+            scales = tensors[name + SCALES]
+            blocks = -(-numel // block)
+            if stored.dtype != torch.int8 or stored.numel() != blocks * block or scales.dtype != torch.float32 \
+                    or scales.numel() != blocks:
+                raise WeightsError(f"tensor {name!r}: int8 codes or scales do not fit {numel} values in blocks "
+                                   f"of {block}")
+            if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+                raise WeightsError(f"tensor {name!r}: its block scales are negative or not finite")
+            value = dequantise(stored, scales, numel, block).view(shape)
+        else:
+            if stored.numel() != numel or stored.dtype != HALVES[encoding]:
+                raise WeightsError(f"tensor {name!r}: stored as {stored.dtype}{list(stored.shape)}, metadata says "
+                                   f"{encoding}{shape}")
+            value = stored.view(shape).to(torch.float32)
+        if delta:
+            assert base is not None
+            reference = base.get(name)
+            if reference is None or list(reference.shape) != shape:
+                raise WeightsError(f"tensor {name!r} of the delta is not in the round's global weights with shape "
+                                   f"{shape}")
+            value = value.add_(reference.to(torch.float32)) if value.dtype == torch.float32 and \
+                value.data_ptr() != stored.data_ptr() else reference.to(torch.float32) + value
+        out[name] = value.to(dtype)
+    return out

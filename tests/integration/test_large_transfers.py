@@ -1,0 +1,147 @@
+"""Large objects against a real S3 server (moto): multipart uploads by presigned part URLs that resume with only the
+missing parts, parallel ranged downloads, and incomplete uploads aborted."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from apiary import transfer_parts
+from apiary.storage.s3 import S3Storage
+from apiary.transfer import TransferError
+
+PART = 5 * 2**20  # S3's smallest part
+
+
+class Interrupted(Exception):
+    """The upload's process stops here (as a kill would, between parts)."""
+
+
+@pytest.fixture
+async def s3(s3_url: str, s3_server: str) -> S3Storage:
+    storage = S3Storage(s3_url, endpoint_url=s3_server)
+    await storage.ensure_bucket()
+    return storage
+
+
+def _file(tmp_path: Path, size: int) -> tuple[Path, str]:
+    path = tmp_path / "result.safetensors"
+    data = os.urandom(size)
+    path.write_bytes(data)
+    return path, hashlib.sha256(data).hexdigest()
+
+
+async def test_a_multipart_upload_stores_the_whole_file(s3: S3Storage, tmp_path: Path) -> None:
+    source, digest = _file(tmp_path, 3 * PART + 1234)
+    upload = await s3.start_multipart("jobs/j/rounds/0001/attempt-1/shard-0000.safetensors", 5, PART, 300)
+    assert upload is not None
+
+    sent = (await transfer_parts.upload(upload, source)).sent
+
+    stored = await s3.get_bytes("jobs/j/rounds/0001/attempt-1/shard-0000.safetensors")
+    assert sent == 4
+    assert hashlib.sha256(stored).hexdigest() == digest
+
+
+async def test_an_interrupted_upload_resumes_sending_only_the_missing_parts(s3: S3Storage, tmp_path: Path) -> None:
+    source, digest = _file(tmp_path, 8 * PART)
+    key = "jobs/j/rounds/0001/attempt-1/shard-0001.safetensors"
+    upload = await s3.start_multipart(key, 9, PART, 300)
+    assert upload is not None
+    stored_before: list[int] = []
+
+    def stop_at_half(number: int) -> None:
+        stored_before.append(number)
+        if len(stored_before) >= 4:
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        await transfer_parts.upload(upload, source, sent=stop_at_half)
+    resent = (await transfer_parts.upload(upload, source)).sent
+
+    data = await s3.get_bytes(key)
+    assert hashlib.sha256(data).hexdigest() == digest
+    # Parts in flight when it stopped (at most PARALLEL) may have been stored too: only the rest go again.
+    assert resent <= 8 - 4
+    assert len(stored_before) >= 4
+
+
+async def test_a_part_whose_bytes_changed_is_sent_again(s3: S3Storage, tmp_path: Path) -> None:
+    source, _ = _file(tmp_path, 2 * PART)
+    key = "jobs/j/rounds/0001/attempt-1/shard-0002.safetensors"
+    upload = await s3.start_multipart(key, 3, PART, 300)
+    assert upload is not None
+    with pytest.raises(Interrupted):
+        await transfer_parts.upload(upload, source, sent=lambda n: (_ for _ in ()).throw(Interrupted()))
+    data = bytearray(source.read_bytes())
+    data[:10] = b"0123456789"  # a result trained again differs
+    source.write_bytes(bytes(data))
+
+    await transfer_parts.upload(upload, source)
+
+    assert await s3.get_bytes(key) == bytes(data)
+
+
+async def test_a_result_larger_than_its_presigned_parts_is_refused_in_one_line(s3: S3Storage, tmp_path: Path) -> None:
+    source, _ = _file(tmp_path, 2 * PART + 1)
+    upload = await s3.start_multipart("jobs/j/rounds/0001/attempt-1/shard-0003.safetensors", 2, PART, 300)
+    assert upload is not None
+
+    with pytest.raises(TransferError, match="needs 3 parts"):
+        await transfer_parts.upload(upload, source)
+
+
+async def test_incomplete_uploads_of_a_round_are_aborted(s3: S3Storage, tmp_path: Path) -> None:
+    await s3.start_multipart("jobs/j/rounds/0002/attempt-1/shard-0000.safetensors", 2, PART, 300)
+    await s3.start_multipart("jobs/j/rounds/0003/attempt-1/shard-0000.safetensors", 2, PART, 300)
+
+    aborted = await s3.abort_multipart("jobs/j/rounds/0002/")
+
+    assert aborted == 1
+    assert await s3.abort_multipart("jobs/j/rounds/0002/") == 0
+    assert await s3.abort_multipart("jobs/j/rounds/0003/") == 1
+
+
+async def test_a_large_object_downloads_by_parallel_ranges(s3: S3Storage, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transfer_parts, "RANGE_PART", 1 << 20)
+    source, digest = _file(tmp_path, 5 * (1 << 20) + 77)
+    ref = await s3.put_file("jobs/j/rounds/0001/global.safetensors", source)
+    url = s3.presign_get(ref.key, 300)
+    target = tmp_path / "fetched" / "global.safetensors"
+
+    await transfer_parts.download(url, target, digest, ref.size)
+
+    assert hashlib.sha256(target.read_bytes()).hexdigest() == digest
+    with pytest.raises(TransferError, match="sha256 mismatch"):
+        await transfer_parts.download(url, tmp_path / "other", "0" * 64, ref.size)
+
+
+
+async def test_a_multipart_result_is_read_back_by_its_etag_without_hashing(s3: S3Storage, tmp_path: Path) -> None:
+    import torch
+
+    from apiary.streamed_weights import RangeSource, StreamedWeights
+    from apiary.weights import WeightsError, dumps, loads
+
+    weights = {"w": torch.randn(3 * 2**20), "b": torch.randn(5)}
+    source = tmp_path / "result.safetensors"
+    source.write_bytes(dumps(weights))
+    key = "jobs/j/rounds/0001/attempt-1/shard-0005.safetensors"
+    upload = await s3.start_multipart(key, 4, PART, 300)
+    assert upload is not None
+
+    done = await transfer_parts.upload(upload, source)
+
+    head = s3._client.head_object(Bucket=s3.bucket, Key=f"runs/{key}")
+    assert head["ETag"] == done.etag
+    # A wrong sha256 is not even looked at: the store's ETag vouches for the bytes.
+    streamed = StreamedWeights(RangeSource(s3.presign_get(key, 300), done.etag), source.stat().st_size, "0" * 64)
+    assert all(torch.equal(t, weights[n]) for n, t in streamed.items())
+    await s3.put_bytes(key, dumps({"w": torch.zeros(3 * 2**20), "b": torch.zeros(5)}))  # replaced since
+    with pytest.raises(WeightsError, match="no longer the one uploaded"):
+        StreamedWeights(RangeSource(s3.presign_get(key, 300), done.etag), source.stat().st_size, "0" * 64)
+    assert loads(await s3.get_bytes(key))["b"].sum() == 0

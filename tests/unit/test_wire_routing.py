@@ -1,0 +1,92 @@
+"""Where a job halves its downloads, its assignments name the halved copy of the round's weights; pruning keeps only
+what a later round or a recovering aggregator still needs."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from apiary import keys
+from apiary.contracts import ShardInfo
+from apiary.jobspec import JobSpec
+from apiary.storage.local import LocalStorage
+from apiary.weights import dumps, loads
+from apiary.wire_codec import load_downloaded
+from services.scheduler.pruning import stale_contributions
+from services.scheduler.round_plan import RoundTarget, plan_round
+from services.scheduler.routing import AssignmentRouter
+
+
+def _spec(transfer: dict[str, Any]) -> JobSpec:
+    return JobSpec.model_validate({"name": "toy", "entrypoint": "pkg.mod:fl_train_model", "dataset": "/data",
+                                   "distributed": {"max_workers": 2, "transfer": transfer}})
+
+
+async def _assignments(tmp_path: Path, transfer: dict[str, Any]) -> tuple[LocalStorage, list[Any]]:
+    storage = LocalStorage(tmp_path)
+    weights = {"w": torch.randn(8, 8), "n": torch.tensor(3)}
+    ref = await storage.put_bytes(keys.global_weights("j1", 1), dumps(weights))
+    shards = [ShardInfo(index=i, key=keys.shard("j1", i), size=1, sha256="s" * 64, num_samples=4) for i in (0, 1)]
+    spec = _spec(transfer)
+    target = RoundTarget("j1", spec, shards, ref, round=2, attempt=1)
+    router = AssignmentRouter(None, storage)  # type: ignore[arg-type]  # pool routes declare no queue
+    queued = await router.assignments(target, plan_round(spec, shards, 0.0), {}, ttl=60)
+    return storage, [a for a, _ in queued]
+
+
+async def test_a_bf16_job_downloads_the_halved_copy(tmp_path: Path) -> None:
+    storage, assignments = await _assignments(tmp_path, {"download": "bf16", "upload": "int8_blockwise",
+                                                         "delta": True})
+
+    halved = await storage.list("jobs/j1/wire/")
+    assert len(halved) == 1
+    data = await storage.get_bytes(halved[0])
+    assert {a.weights_url for a in assignments} == {storage.presign_get(halved[0], 60)}
+    assert {a.weights_sha256 for a in assignments} == {hashlib.sha256(data).hexdigest()}
+    assert loads(data)["w"].dtype == torch.bfloat16
+    assert load_downloaded(data)["w"].dtype == torch.float32
+    assert all(a.transfer is not None and a.transfer.upload == "int8_blockwise" for a in assignments)
+
+
+async def test_a_default_job_downloads_the_fp32_weights_and_carries_no_transfer(tmp_path: Path) -> None:
+    storage, assignments = await _assignments(tmp_path, {})
+
+    assert await storage.list("jobs/j1/wire/") == []
+    assert {a.weights_url for a in assignments} == {storage.presign_get(keys.global_weights("j1", 1), 60)}
+    assert all(a.transfer is None for a in assignments)
+
+
+def test_pruning_spares_the_aggregated_attempt_and_run_files() -> None:
+    listed = [keys.contribution("j", 1, 1, 0), keys.run_files("j", 1, 1, 0), keys.contribution("j", 2, 1, 0),
+              keys.contribution("j", 2, 2, 0), keys.contribution("j", 2, 2, 1), keys.global_weights("j", 1)]
+
+    stale = stale_contributions(listed, round_index=2, attempt=2)
+
+    assert stale == [keys.contribution("j", 1, 1, 0), keys.contribution("j", 2, 1, 0)]
+
+
+class _PartsStore(LocalStorage):
+    """A local store that says how many parts each multipart upload was opened with."""
+
+    opened: list[int] = []
+
+    async def start_multipart(self, key: str, parts: int, part_size: int, expires: int) -> Any:
+        self.opened.append(parts)
+        return None
+
+
+async def test_multipart_uploads_are_planned_for_the_fp32_result_even_when_downloads_are_halved(tmp_path: Path) -> None:
+    storage = _PartsStore(tmp_path)
+    weights = {"w": torch.randn(3 * 2**20)}  # 12 MiB
+    ref = await storage.put_bytes(keys.global_weights("j1", 1), dumps(weights))
+    shards = [ShardInfo(index=0, key=keys.shard("j1", 0), size=1, sha256="s" * 64, num_samples=4)]
+    spec = _spec({"download": "bf16", "part_size_mib": 5})
+    router = AssignmentRouter(None, storage)  # type: ignore[arg-type]
+
+    await router.assignments(RoundTarget("j1", spec, shards, ref, round=2, attempt=1), plan_round(spec, shards, 0.0),
+                             {}, ttl=60)
+
+    assert storage.opened == [4]  # 12 MiB + 10% in parts of 5 MiB, and one more; not the 6 MiB halved copy's 3

@@ -36,7 +36,8 @@ def plain_update(round_index: int, shard: int, previous: dict[str, torch.Tensor]
 async def test_a_secure_job_gives_the_weighted_mean_and_stores_only_masked_vectors(embedded: StackFactory,
                                                                                   toy_dataset: Path) -> None:
     async with embedded(workers=3) as stack:
-        job_id = await stack.submit(request(toy_dataset, num_rounds=2))
+        # Every round's contributions kept (distributed.transfer), so the test can read each one back.
+        job_id = await stack.submit(request(toy_dataset, num_rounds=2, transfer={"keep_contributions": True}))
         view = await stack.wait(job_id, timeout=120)
         rows = await stack.ports.db.fetch(
             "SELECT round, shard, samples, result_key FROM contributions WHERE job_id = $1 AND status = 'accepted'"

@@ -183,6 +183,7 @@ class OpenRounds:
         """A round's state with nothing taken in: the strategy its row names, begun on the round's spec,
         with the server state the job's previous round left (so a restarted aggregator resumes exactly)."""
         strategy = private(create(round_.strategy, round_.strategy_params), round_.privacy)
+        strategy.population(len(round_.shards))
         global_weights = None
         if strategy.needs_start_weights():
             global_weights = load_weights(await self._storage.get_bytes(round_.weights.key))

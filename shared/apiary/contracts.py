@@ -223,6 +223,16 @@ class Assignment(RoundEvent):
     heartbeat_interval: float | None = Field(default=None, gt=0)
     # Differential privacy with clip_on worker: the L2 norm the worker clips its update to before upload.
     clipping_norm: float | None = Field(default=None, gt=0)
+    # The shard's state (apiary.shard_state): its latest stored state to download (none in its first round), where
+    # this round's goes (`state_key`, presigned PUT), and the tensor names that stay with the shard (personal layers).
+    state_url: str = ""
+    state_sha256: str = ""
+    state_upload_url: str = ""
+    state_key: str = ""
+    personal_layers: list[str] = Field(default_factory=list)
+    # The strategy's server state every worker needs (SCAFFOLD's c), presigned; none in round 1 or for other strategies.
+    server_state_url: str = ""
+    server_state_sha256: str = ""
 
 
 class WorkerProgress(RoundEvent):
@@ -248,6 +258,7 @@ class WorkerDone(RoundEvent):
     metrics: dict[str, float] = Field(default_factory=dict)
     duration_s: float = 0.0
     secret: str = ""  # the assignment's one-time secret
+    state: ObjectRef | None = None  # the shard's new state, if its training returned one (at the state_key)
 
 
 class WorkerFailed(RoundEvent):
@@ -277,6 +288,10 @@ class RoundAggregated(RoundEvent):
     rejected: dict[str, str] = Field(default_factory=dict)
     # Which worker trained each accepted shard: the next round prefers it for that shard.
     trained_by: dict[int, str] = Field(default_factory=dict)
+    # The new state of each accepted shard that returned one: the next round hands it to that shard's worker.
+    shard_states: dict[int, ObjectRef] = Field(default_factory=dict)
+    # The strategy's server state after the round, where every worker needs it (SCAFFOLD's c); else None.
+    server_state: ObjectRef | None = None
 
 
 class RoundFailed(RoundEvent):

@@ -17,7 +17,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from apiary.trainers import environment
+from apiary.trainers import environment, shard_state
 from apiary.trainers.base import TrainCall, TrainerError
 
 INIT_FUNCTION = "fl_init_weights"
@@ -111,19 +111,22 @@ def _run_train(call: TrainCall, conn: Connection) -> dict[str, Any]:
     # The tensors view a buffer of their own (writable, kept alive by them): no copy, and no torch
     # operation that would wake its thread pool.
     initial = w.loads(bytearray(Path(call.weights_path).read_bytes()), copy=False)
-    payload = {"env": dict(call.env), "initial_weights": initial, "dataset": dict(call.dataset),
-               "round": dict(call.round), "job": dict(call.job), "device": training_device(conn)}
+    carried = shard_state.load(call)
+    payload = {"env": dict(call.env), "initial_weights": carried.personalise(initial), "dataset": dict(call.dataset),
+               "round": dict(call.round), "job": dict(call.job), "device": training_device(conn),
+               "state": carried.user_state(), "server_state": carried.server_state}
     Path(call.out_dir).mkdir(parents=True, exist_ok=True)
     result = fn(payload, call.out_dir, ChildLogger(conn))
     if not isinstance(result, dict) or "weights" not in result or "samples" not in result:
         raise UserCodeError(f"{call.function} must return a dict with 'weights' and 'samples'")
-    size, sha256 = save_trained(call, result["weights"], call.function)
+    weights, state_out = carried.split(call.function, result)
+    size, sha256 = save_trained(call, weights, call.function)
     samples = result["samples"]
     if isinstance(samples, bool) or not isinstance(samples, int):
         with contextlib.suppress(Exception):
             samples = int(samples) if float(samples) == int(samples) else samples
     metrics = {k: float(v) for k, v in (result.get("metrics") or {}).items() if _is_number(v)}
-    return {"samples": samples, "metrics": metrics, "size": size, "sha256": sha256}
+    return {"samples": samples, "metrics": metrics, "size": size, "sha256": sha256, **state_out}
 
 
 def save_result(result_path: str, weights: Any, function: str) -> tuple[int, str]:

@@ -83,6 +83,7 @@ async def job_view(db: Executor, job_id: str) -> dict[str, Any] | None:
     job["progress"] = progress_counts(job["shards"])
     job["reported"] = [s["worker_id"] for s in job["shards"] if s["state"] == "reported"]
     job["training"] = [s["worker_id"] for s in job["shards"] if s["state"] == "training"]
+    job["shard_state"] = await shard_state_view(db, job_id)
     job["forged"] = await db.fetch(
         "SELECT round, attempt, shard, worker_id, routing_key, reason, ts FROM forged_reports WHERE job_id = $1"
         " ORDER BY seq DESC LIMIT 100", job_id)
@@ -229,3 +230,23 @@ __all__ = [
     "worker_series",
     "workers_view",
 ]
+
+
+async def shard_state_view(db: Executor, job_id: str) -> dict[str, Any] | None:
+    """What the job keeps between rounds besides its weights (issue 41), from its round.aggregated events: each
+    shard's latest state size in bytes, their total, and the size of the server state its workers get; None for a
+    job that keeps none."""
+    rows = await db.fetch("SELECT body FROM events WHERE job_id = $1 AND routing_key = 'round.aggregated'"
+                          " ORDER BY seq", job_id)
+    shards: dict[int, int] = {}
+    server: int | None = None
+    for row in rows:
+        body = from_json(row["body"], {})
+        for shard, ref in (body.get("shard_states") or {}).items():
+            shards[int(shard)] = int(ref["size"])
+        if body.get("server_state"):
+            server = int(body["server_state"]["size"])
+    if not shards and server is None:
+        return None
+    return {"bytes_per_shard": dict(sorted(shards.items())), "total_bytes": sum(shards.values()),
+            "server_state_bytes": server}

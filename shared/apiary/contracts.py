@@ -223,16 +223,16 @@ class Assignment(RoundEvent):
     heartbeat_interval: float | None = Field(default=None, gt=0)
     # Differential privacy with clip_on worker: the L2 norm the worker clips its update to before upload.
     clipping_norm: float | None = Field(default=None, gt=0)
-    # The shard's state (apiary.shard_state): its latest stored state to download (none in its first round), where
-    # this round's goes (`state_key`, presigned PUT), and the tensor names that stay with the shard (personal layers).
-    state_url: str = ""
-    state_sha256: str = ""
-    state_upload_url: str = ""
-    state_key: str = ""
-    personal_layers: list[str] = Field(default_factory=list)
-    # The strategy's server state every worker needs (SCAFFOLD's c), presigned; none in round 1 or for other strategies.
-    server_state_url: str = ""
-    server_state_sha256: str = ""
+    # The shard's state (apiary.shard_state), kept with the shard between rounds, and the strategy's shared state.
+    state_url: str = Field("", description="the shard's latest state (presigned GET); empty in its first round")
+    state_sha256: str = Field("", description="the sha256 of the shard's latest state")
+    state_upload_url: str = Field("", description="where this round's state of the shard goes (presigned PUT)")
+    state_key: str = Field("", description="the storage key state_upload_url writes")
+    personal_layers: list[str] = Field(default_factory=list, description="globs of tensor names that stay with "
+                                       "the shard (its state) and are never uploaded for aggregation")
+    server_state_url: str = Field("", description="the strategy's state every worker needs (SCAFFOLD's control "
+                                  "variate), presigned GET; empty where there is none")
+    server_state_sha256: str = Field("", description="the sha256 of the server state")
 
 
 class WorkerProgress(RoundEvent):
@@ -258,7 +258,8 @@ class WorkerDone(RoundEvent):
     metrics: dict[str, float] = Field(default_factory=dict)
     duration_s: float = 0.0
     secret: str = ""  # the assignment's one-time secret
-    state: ObjectRef | None = None  # the shard's new state, if its training returned one (at the state_key)
+    state: ObjectRef | None = Field(None, description="the shard's new state, at the assignment's state_key, if its "
+                                    "training returned one")
 
 
 class WorkerFailed(RoundEvent):
@@ -288,10 +289,10 @@ class RoundAggregated(RoundEvent):
     rejected: dict[str, str] = Field(default_factory=dict)
     # Which worker trained each accepted shard: the next round prefers it for that shard.
     trained_by: dict[int, str] = Field(default_factory=dict)
-    # The new state of each accepted shard that returned one: the next round hands it to that shard's worker.
-    shard_states: dict[int, ObjectRef] = Field(default_factory=dict)
-    # The strategy's server state after the round, where every worker needs it (SCAFFOLD's c); else None.
-    server_state: ObjectRef | None = None
+    shard_states: dict[int, ObjectRef] = Field(default_factory=dict, description="the new state of each accepted "
+                                               "shard that returned one; the next round hands it to that shard")
+    server_state: ObjectRef | None = Field(None, description="the strategy's state after the round where every "
+                                           "worker needs it (SCAFFOLD's control variate); else null")
 
 
 class RoundFailed(RoundEvent):

@@ -40,6 +40,10 @@ async def test_state_follows_its_shard_and_a_failed_shard_keeps_its_previous_sta
     assert {s: int(state["visits"][0]) for s, state in finals.items()} == {0: 3, 1: 2, 2: 2}
     # ...and only ever held its own shard's (the toy raises if it is handed another's).
     assert {s: int(state["shard"]) for s, state in finals.items()} == {0: 0, 1: 1, 2: 2}
+    # The job's view (apiary status, the API, the dashboard) says what each shard keeps.
+    kept = view["shard_state"]
+    assert len(kept["bytes_per_shard"]) == 3 and kept["server_state_bytes"] is None
+    assert kept["total_bytes"] == sum(kept["bytes_per_shard"].values()) > 0
 
 
 async def test_personal_layers_stay_with_their_shard(embedded: StackFactory, toy_dataset: Path) -> None:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from apiary.weights import TensorSpec
+if TYPE_CHECKING:  # the worker's process reads the bound and must not import torch
+    from apiary.weights import TensorSpec
 
 # A shard's personal layers in its state: `personal.<tensor name>` (distributed.personal_layers).
 PERSONAL = "personal."

@@ -17,7 +17,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from apiary.trainers import environment, shard_state
+from apiary.trainers import environment
 from apiary.trainers.base import TrainCall, TrainerError
 
 INIT_FUNCTION = "fl_init_weights"
@@ -105,6 +105,7 @@ def training_device(conn: Connection) -> str:
 
 def _run_train(call: TrainCall, conn: Connection) -> dict[str, Any]:
     from apiary import weights as w
+    from apiary.trainers import shard_state
 
     fn = _resolve(call.module, call.function)
     assert fn is not None

@@ -224,15 +224,15 @@ class Assignment(RoundEvent):
     # Differential privacy with clip_on worker: the L2 norm the worker clips its update to before upload.
     clipping_norm: float | None = Field(default=None, gt=0)
     # The shard's state (apiary.shard_state), kept with the shard between rounds, and the strategy's shared state.
-    state_url: str = Field("", description="the shard's latest state (presigned GET); empty in its first round")
-    state_sha256: str = Field("", description="the sha256 of the shard's latest state")
-    state_upload_url: str = Field("", description="where this round's state of the shard goes (presigned PUT)")
-    state_key: str = Field("", description="the storage key state_upload_url writes")
+    state_url: str = Field(default="", description="the shard's latest state (presigned GET); empty in its first round")
+    state_sha256: str = Field(default="", description="the sha256 of the shard's latest state")
+    state_upload_url: str = Field(default="", description="where this round's state of the shard goes (presigned PUT)")
+    state_key: str = Field(default="", description="the storage key state_upload_url writes")
     personal_layers: list[str] = Field(default_factory=list, description="globs of tensor names that stay with "
                                        "the shard (its state) and are never uploaded for aggregation")
-    server_state_url: str = Field("", description="the strategy's state every worker needs (SCAFFOLD's control "
+    server_state_url: str = Field(default="", description="the strategy's state every worker needs (SCAFFOLD's control "
                                   "variate), presigned GET; empty where there is none")
-    server_state_sha256: str = Field("", description="the sha256 of the server state")
+    server_state_sha256: str = Field(default="", description="the sha256 of the server state")
 
 
 class WorkerProgress(RoundEvent):
@@ -258,8 +258,8 @@ class WorkerDone(RoundEvent):
     metrics: dict[str, float] = Field(default_factory=dict)
     duration_s: float = 0.0
     secret: str = ""  # the assignment's one-time secret
-    state: ObjectRef | None = Field(None, description="the shard's new state, at the assignment's state_key, if its "
-                                    "training returned one")
+    state: ObjectRef | None = Field(default=None, description="the shard's new state, at the assignment's "
+                                    "state_key, if its training returned one")
 
 
 class WorkerFailed(RoundEvent):
@@ -291,7 +291,7 @@ class RoundAggregated(RoundEvent):
     trained_by: dict[int, str] = Field(default_factory=dict)
     shard_states: dict[int, ObjectRef] = Field(default_factory=dict, description="the new state of each accepted "
                                                "shard that returned one; the next round hands it to that shard")
-    server_state: ObjectRef | None = Field(None, description="the strategy's state after the round where every "
+    server_state: ObjectRef | None = Field(default=None, description="the strategy's state after the round where every "
                                            "worker needs it (SCAFFOLD's control variate); else null")
 
 

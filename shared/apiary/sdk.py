@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -86,12 +86,16 @@ class Scaffold:
     gradient at the global weights x: that of the first step's batch (the paper's full-data gradient, estimated).
     """
 
-    def __init__(self, model: torch.nn.Module, payload: Mapping[str, Any], lr: float | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, payload: Mapping[str, Any], lr: float | None = None,
+                 names: Callable[[str], str] | None = None) -> None:
+        """`names` maps a parameter's name to its tensor's name in the update, where they differ (a PEFT model's
+        `...lora_A.default.weight` travels as `...lora_A.weight`)."""
         env = payload.get("env") or {}
         self.option = str(env.get("SCAFFOLD") or "")
         self.active = self.option in ("I", "II")
         self.lr, self.steps = lr, 0
-        self._params = {n: p for n, p in model.named_parameters() if p.requires_grad} if self.active else {}
+        key = names or (lambda name: name)
+        self._params = {key(n): p for n, p in model.named_parameters() if p.requires_grad} if self.active else {}
         state, server = payload.get("state") or {}, payload.get("server_state") or {}
         self._c_i: dict[str, torch.Tensor] = {}
         self._correction: dict[str, torch.Tensor] = {}

@@ -150,3 +150,30 @@ def test_a_contribution_with_a_bad_control_delta_is_refused_and_leaves_the_round
     result = strategy.finish()
     assert torch.equal(result.weights["w"], torch.full((2,), 2.0))  # unweighted, as the paper's mean
     assert torch.equal(control_of(strategy.state())["w"], torch.full((2,), 2.0))  # |S| / N = 1
+
+
+def test_a_round_refolded_after_a_restart_in_another_order_gives_the_same_bits() -> None:
+    # Prepare: a round's contributions, and c from the round before (as the aggregator stores it)
+    gen = torch.Generator().manual_seed(3)
+    spec = {"w": w.TensorSpec(torch.float32, (64,)), "n": w.TensorSpec(torch.int64, ())}
+    contributions = [Contribution({"w": torch.randn(64, generator=gen), "n": torch.tensor(i),
+                                   CONTROL_DELTA + "w": torch.randn(64, generator=gen)}, 1 + i) for i in range(5)]
+    previous = {"control.w": torch.randn(64, generator=gen)}
+
+    def aggregate(order: list[int]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        strategy = create("scaffold", {"server_learning_rate": 0.5})  # a fresh aggregator: state from storage
+        strategy.population(8)
+        strategy.load_state(w.loads(w.dumps(previous)))
+        strategy.begin(spec, UpdateFormat.FULL)
+        for i in order:
+            strategy.accept(contributions[i])
+        result = strategy.finish({"w": torch.zeros(64), "n": torch.tensor(0)})
+        return result.weights, strategy.state()
+
+    # Execute
+    weights, state = aggregate([0, 1, 2, 3, 4])
+    again, again_state = aggregate([3, 1, 4, 0, 2])
+
+    # Assert
+    assert torch.equal(weights["w"], again["w"]) and torch.equal(state["control.w"], again_state["control.w"])
+    assert not torch.equal(state["control.w"], previous["control.w"])

@@ -57,6 +57,7 @@ class RoundInputs:
 def round_inputs(call: TrainCall, device: str) -> RoundInputs:
     """The call's config, records and model (kept from the last call, reset to the call's global weights)."""
     from apiary import weights as w
+    from apiary.trainers import shard_state
 
     if not call.model_path:
         raise TrainerError("the causal_lm trainer needs the job's base model, and none was given")
@@ -64,7 +65,9 @@ def round_inputs(call: TrainCall, device: str) -> RoundInputs:
     dtype = precision(device, cfg.mixed_precision)
     records = data.read_records(Path(call.dataset["data_root"]))
     model, tokenizer = _warm_model(Path(call.model_path), cfg)
-    lm.set_weights(model, w.loads(Path(call.weights_path).read_bytes()), adapter=cfg.use_peft)
+    # The shard's personal layers (distributed.personal_layers), where it has trained them before, over the global ones.
+    weights = shard_state.load(call).personalise(w.loads(Path(call.weights_path).read_bytes()))
+    lm.set_weights(model, weights, adapter=cfg.use_peft)
     return RoundInputs(cfg, dtype, records, model.to(device), tokenizer)
 
 

@@ -232,11 +232,13 @@ def traffic(job_folder: Path, rounds: int, workers: int, *,
     """((bytes down, bytes up) per worker per round, bytes of shard and server state stored for the job), from
     the objects the run stored: a worker downloads the round's global weights, the server state its workers get
     (`shared_server_state`: SCAFFOLD's c; other strategies keep theirs to the aggregator) and its shard's state,
-    and uploads its contribution (weights and control deltas) and its shard's new state."""
+    and uploads its contribution (weights and control deltas) and its shard's new state. Stored: every upload of
+    a shard state, the aggregator's copy of each accepted one, and each round's shared server state."""
     def size(path: Path) -> int:
         return path.stat().st_size if path.is_file() else 0
 
     states = sorted((job_folder / "shard-state").glob("shard-*/round-*.safetensors"))
+    kept = sorted((job_folder / "shard-state").glob("shard-*/kept-*.safetensors"))  # the aggregator's copies
     server = sorted((job_folder / "rounds").glob("*/strategy-state.safetensors")) if shared_server_state else []
     down = up = 0
     for r in range(1, rounds + 1):
@@ -247,7 +249,7 @@ def traffic(job_folder: Path, rounds: int, workers: int, *,
         up += sum(size(p) for p in states if p.name.startswith(f"round-{r:04d}-"))
         down += sum(size(p) for p in states if p.name.startswith(f"round-{r - 1:04d}-"))
     per = workers * rounds
-    return (down / per, up / per), sum(size(p) for p in states) + sum(size(p) for p in server)
+    return (down / per, up / per), sum(size(p) for p in [*states, *kept, *server])
 
 
 def evaluated_accuracies(report: Path) -> list[float]:
@@ -409,7 +411,8 @@ def write_shard_state_markdown(outcomes: list[Outcome], path: Path, total_s: flo
         "head, so its global accuracy is not what it is for. Traffic is what each worker downloads and uploads per",
         "round (global weights, the server state and its shard's state down; its contribution, with SCAFFOLD's",
         "control deltas, and its shard's new state up), from the objects the run stored; state stored is every",
-        "round's shard states and shared server state the job keeps.",
+        "round's uploaded shard states, the aggregator's copy of each accepted one (under its sha256, so that an",
+        "assignment trained twice cannot change it) and the shared server state the job keeps.",
         "",
         *shard_state_table(outcomes), "", "![held-out accuracy per round](accuracy-shard-state.png)", "",
     ]

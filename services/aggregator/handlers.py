@@ -106,10 +106,10 @@ class Aggregator(Component):
             if state is None:
                 return
             try:
-                await shard_states.check(self.storage, self.db, event, state.round.weights.size)
+                kept = await shard_states.check(self.storage, self.db, event, state.round.weights.size)
                 contribution = await self._decode(event, fetched)
                 # Its state's reference first (only an accepted shard's counts): a failure here leaves nothing held.
-                await shard_states.remember(self.db, event)
+                await shard_states.remember(self.storage, self.db, event, kept)
                 state.take_in(event.shard, contribution)
             except (ObjectNotFound, InvalidContribution, WeightsError, ValueError) as e:
                 settled = await self._reject(event, state, e)

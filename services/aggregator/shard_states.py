@@ -3,6 +3,9 @@ taken in (where its worker's upload went, its size, its names and shapes against
 reference kept (never its tensors), and an aggregated round's accepted ones announced with it.
 
 A contribution whose state fails a check is refused as a whole, with the reason: the shard keeps its previous state.
+A state that passes is copied under its sha256 (keys.kept_shard_state) and that copy is the one referenced: the
+upload key is the assignment's, and an assignment trained twice (redelivered from a worker taken as gone) uploads
+there twice, after the first report was judged.
 """
 
 from __future__ import annotations
@@ -40,12 +43,13 @@ _PREVIOUS = (
 )
 
 
-async def check(storage: Storage, db: Executor, event: WorkerDone, weights_size: int) -> None:
-    """Raise InvalidContribution (one line) unless the report's state can become its shard's: the object its
-    assignment's URL wrote, within the bound, with the names, shapes and dtypes of the shard's previous state."""
+async def check(storage: Storage, db: Executor, event: WorkerDone, weights_size: int) -> bytes | None:
+    """The report's state (its verified bytes; None if it reports none), or InvalidContribution (one line) unless it
+    can become its shard's: the object its assignment's URL wrote, within the bound, with the names, shapes and
+    dtypes of the shard's previous state."""
     ref = event.state
     if ref is None:
-        return
+        return None
     expected = keys.shard_state(event.job_id, event.shard, event.round, event.attempt)
     if ref.key != expected:
         raise InvalidContribution(f"shard state {ref.key!r} is not this assignment's upload ({expected!r})")
@@ -53,7 +57,8 @@ async def check(storage: Storage, db: Executor, event: WorkerDone, weights_size:
     if ref.size > limit:
         raise InvalidContribution(state_error({}, None, ref.size, limit) or "shard state is too large")
     try:
-        new = spec_of(await storage.verified_bytes(ref))
+        data = await storage.verified_bytes(ref)
+        new = spec_of(data)
         previous = await db.fetchrow(_PREVIOUS, event.job_id, event.shard, event.round,
                                      str(ContributionStatus.ACCEPTED), str(RoundStatus.AGGREGATED))
         old = None if previous is None else spec_of(await storage.get_bytes(previous["state_key"]))
@@ -64,13 +69,15 @@ async def check(storage: Storage, db: Executor, event: WorkerDone, weights_size:
     why = state_error(new, old, ref.size, limit)
     if why is not None:
         raise InvalidContribution(why)
+    return data
 
 
-async def remember(db: Executor, event: WorkerDone) -> None:
-    """Keep the reference of a taken-in contribution's state (again, for a redelivered report)."""
-    ref = event.state
-    if ref is None:
+async def remember(storage: Storage, db: Executor, event: WorkerDone, data: bytes | None) -> None:
+    """Copy a checked state (`data`, as `check` returned it) under its sha256 and keep that copy's reference (again,
+    for a redelivered report: the same copy)."""
+    if event.state is None or data is None:
         return
+    ref = await storage.put_bytes(keys.kept_shard_state(event.job_id, event.shard, event.state.sha256), data)
     await db.execute(
         "INSERT INTO contribution_states (job_id, round, attempt, shard, state_key, size, sha256)"
         " VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (job_id, round, attempt, shard)"

@@ -33,6 +33,12 @@ def shard_state(job_id: str, shard_index: int, round_index: int, attempt: int) -
     return f"jobs/{job_id}/shard-state/shard-{shard_index:04d}/round-{round_index:04d}-attempt-{attempt}.safetensors"
 
 
+def kept_shard_state(job_id: str, shard_index: int, sha256: str) -> str:
+    """A shard's accepted state, copied by the aggregator under its sha256: a second upload to the assignment's key
+    (its assignment trained twice) cannot change the state the next round is handed."""
+    return f"jobs/{job_id}/shard-state/shard-{shard_index:04d}/kept-{sha256}.safetensors"
+
+
 def final_shard_state(job_id: str, shard_index: int) -> str:
     """A shard's last state beside the job's final model (its personal layers as `personal.<name>`)."""
     return f"jobs/{job_id}/final/shards/shard-{shard_index:04d}.safetensors"

@@ -46,8 +46,8 @@ async def test_a_state_must_keep_the_shape_of_its_shards_last_accepted_one(datab
     first = await _report(storage, 1, 0, {"c": torch.zeros(3)})
     refused = await _report(storage, 1, 1, {"c": torch.zeros(5)})
     for report, status in ((first, ContributionStatus.ACCEPTED), (refused, ContributionStatus.REJECTED)):
-        await shard_states.check(storage, database, report, WEIGHTS.size)
-        await shard_states.remember(database, report)
+        await shard_states.remember(storage, database, report,
+                                    await shard_states.check(storage, database, report, WEIGHTS.size))
         await store.record(report, status, None)
     async with database.transaction() as tx:
         assert await store.close(tx, ("j", 1, 1), RoundStatus.AGGREGATED, result_key="r")
@@ -55,7 +55,12 @@ async def test_a_state_must_keep_the_shape_of_its_shards_last_accepted_one(datab
     await _round(store, 2)
 
     # Execute / Assert: round 2 holds shard 0 to its shape; shard 1 had no accepted state, so any shape goes
-    assert announced == {0: first.state}
+    assert first.state is not None
+    kept = first.state.model_copy(update={"key": keys.kept_shard_state("j", 0, first.state.sha256)})
+    assert announced == {0: kept}
+    # A second upload to the assignment's key (it trained twice) leaves the kept state as it was judged.
+    await storage.put_bytes(first.state.key, dumps({"c": torch.ones(7)}))
+    assert (await storage.verified_bytes(kept)) == dumps({"c": torch.zeros(3)})
     await shard_states.check(storage, database, await _report(storage, 2, 0, {"c": torch.ones(3)}), WEIGHTS.size)
     await shard_states.check(storage, database, await _report(storage, 2, 1, {"d": torch.ones(2)}), WEIGHTS.size)
     with pytest.raises(InvalidContribution, match=r"^shard state tensor 'c' is float32\[4\], last round's was "

@@ -59,6 +59,8 @@ class Setting:
     workers: int
     split: str = "iid"  # iid, or the Dirichlet alpha of a label_skew split
     strategy: str = "federated_averaging"
+    personal: tuple[str, ...] = ()  # distributed.personal_layers (FedPer)
+    family: str = "shipped"  # shard-state: the settings of issue 41's section (SCAFFOLD, personal layers)
 
     @property
     def central(self) -> bool:
@@ -77,6 +79,13 @@ class Outcome:
     cpu_s: float = 0.0  # user + system time of the run's whole process tree
     load: tuple[float, float] = (0.0, 0.0)  # the machine's 1-minute load average when it started and ended
     error: str | None = None
+    # Each shard's model (the final model with its personal layers, if any) on the held-out images weighted to
+    # that shard's own label distribution, averaged over the shards; and the final global model on the same.
+    own_accuracy: float | None = None
+    global_on_shards: float | None = None
+    # Bytes a worker moves in a round (down, up: weights, states and control deltas) and the job's stored states.
+    traffic: tuple[float, float] = (0.0, 0.0)
+    state_bytes: int = 0
 
 
 def settings() -> list[Setting]:
@@ -94,6 +103,24 @@ def settings() -> list[Setting]:
     return out
 
 
+SHARD_STATE_FILE = "job-8workers.yaml"
+PERSONAL = ("fc.*",)  # the digits CNN's classifier head stays with each shard in the FedPer-style runs
+
+
+def shard_state_settings() -> list[Setting]:
+    """Issue 41's rows: SCAFFOLD and FedPer-style personal layers beside FedAvg, FedAvgM and FedProx at 8 workers,
+    label skew 0.5 and 0.1, and their central reference (`--shard-state` runs these alone)."""
+    job_file, tag = SHARD_STATE_FILE, "8w"
+    out = [Setting(f"state: central ({tag} epochs)", job_file, 1, family="shard-state")]
+    for split in ("0.5", "0.1"):
+        name = f"state: {tag} {_split_name(split)}"
+        for strategy in ("federated_averaging", "fedavgm", "fedprox", "scaffold"):
+            label = "fedavg" if strategy == "federated_averaging" else strategy
+            out.append(Setting(f"{name} {label}", job_file, 8, split, strategy, family="shard-state"))
+        out.append(Setting(f"{name} fedper", job_file, 8, split, personal=PERSONAL, family="shard-state"))
+    return out
+
+
 def _split_name(split: str) -> str:
     return "IID" if split == "iid" else f"alpha={split}"
 
@@ -107,6 +134,8 @@ def job_request(setting: Setting) -> dict[str, Any]:
     distributed = {**request["distributed"], "strategy": setting.strategy,
                    "strategy_params": RECOMMENDED.get(setting.strategy, {})}
     distributed.update(max_workers=setting.workers, min_workers=setting.workers, evaluate_every=1)
+    if setting.personal:
+        distributed["personal_layers"] = list(setting.personal)
     if setting.strategy == "federated_averaging":
         distributed.pop("strategy_params")
     request["distributed"] = distributed
@@ -151,7 +180,76 @@ def run(setting: Setting) -> Outcome:
     here = round_accuracies(job_folder, summary["rounds_completed"], job_request(setting)["config"]["heldout"])
     if here != outcome.accuracy:
         outcome.error = f"the run's evaluations {outcome.accuracy} differ from this script's {here}"
+    if setting.family == "shard-state":
+        heldout = job_request(setting)["config"]["heldout"]
+        outcome.own_accuracy, outcome.global_on_shards = own_distribution_accuracy(job_folder, heldout)
+        outcome.traffic, outcome.state_bytes = traffic(job_folder, summary["rounds_completed"], setting.workers,
+                                                       shared_server_state=setting.strategy == "scaffold")
     return outcome
+
+
+def own_distribution_accuracy(job_folder: Path, heldout: str) -> tuple[float, float]:
+    """(each shard's final model, the global one) scored on the held-out images weighted to each shard's own
+    label distribution (its shard zip's manifest), averaged over the shards. A shard's model is the final model
+    with its personal layers (final/shards/, `personal.<name>`) in place: the global one where it keeps none."""
+    import zipfile
+
+    import torch
+    from safetensors.torch import load_file
+
+    from examples.digits.train import build_model, load_dataset
+
+    x, y = load_dataset(Path(heldout))
+    final = load_file(job_folder / "final" / "model.safetensors")
+
+    def per_label(weights: dict[str, torch.Tensor]) -> dict[int, float]:
+        model = build_model()
+        model.load_state_dict(weights)
+        model.eval()
+        with torch.no_grad():
+            right = model(x).argmax(1) == y
+        return {label: float(right[y == label].float().mean()) for label in range(10) if bool((y == label).any())}
+
+    global_scores = per_label(final)
+    own, shared = [], []
+    for archive in sorted((job_folder / "shards").glob("shard-*.zip")):
+        with zipfile.ZipFile(archive) as zf:
+            labels = [int(s["label"]) for s in json.loads(zf.read("manifest.json"))["samples"]]
+        share = {label: labels.count(label) / len(labels) for label in set(labels)}
+        state_file = job_folder / "final" / "shards" / archive.name.replace(".zip", ".safetensors")
+        personal = {}
+        if state_file.is_file():
+            personal = {k.removeprefix("personal."): v for k, v in load_file(state_file).items()
+                        if k.startswith("personal.")}
+        scores = per_label({**final, **personal}) if personal else global_scores
+        own.append(sum(p * scores.get(label, 0.0) for label, p in share.items()))
+        shared.append(sum(p * global_scores.get(label, 0.0) for label, p in share.items()))
+    return sum(own) / len(own), sum(shared) / len(shared)
+
+
+def traffic(job_folder: Path, rounds: int, workers: int, *,
+            shared_server_state: bool) -> tuple[tuple[float, float], int]:
+    """((bytes down, bytes up) per worker per round, bytes of shard and server state stored for the job), from
+    the objects the run stored: a worker downloads the round's global weights, the server state its workers get
+    (`shared_server_state`: SCAFFOLD's c; other strategies keep theirs to the aggregator) and its shard's state,
+    and uploads its contribution (weights and control deltas) and its shard's new state. Stored: every upload of
+    a shard state, the aggregator's copy of each accepted one, and each round's shared server state."""
+    def size(path: Path) -> int:
+        return path.stat().st_size if path.is_file() else 0
+
+    states = sorted((job_folder / "shard-state").glob("shard-*/round-*.safetensors"))
+    kept = sorted((job_folder / "shard-state").glob("shard-*/kept-*.safetensors"))  # the aggregator's copies
+    server = sorted((job_folder / "rounds").glob("*/strategy-state.safetensors")) if shared_server_state else []
+    down = up = 0
+    for r in range(1, rounds + 1):
+        down += workers * size(job_folder / "rounds" / f"{r - 1:04d}" / "global.safetensors")
+        if shared_server_state:
+            down += workers * size(job_folder / "rounds" / f"{r - 1:04d}" / "strategy-state.safetensors")
+        up += sum(size(p) for p in (job_folder / "rounds" / f"{r:04d}" / "attempt-1").glob("shard-*.safetensors"))
+        up += sum(size(p) for p in states if p.name.startswith(f"round-{r:04d}-"))
+        down += sum(size(p) for p in states if p.name.startswith(f"round-{r - 1:04d}-"))
+    per = workers * rounds
+    return (down / per, up / per), sum(size(p) for p in [*states, *kept, *server])
 
 
 def evaluated_accuracies(report: Path) -> list[float]:
@@ -252,6 +350,75 @@ def write_markdown(outcomes: list[Outcome], path: Path, total_s: float, parallel
     path.write_text("\n".join(lines))
 
 
+def shard_state_table(outcomes: list[Outcome]) -> list[str]:
+    """accuracy-shard-state.md's table: global and own-distribution accuracy, traffic and stored state."""
+    central = next((o for o in outcomes if o.setting.central and o.accuracy), None)
+    fedavg = {o.setting.split: o for o in outcomes if o.setting.strategy == "federated_averaging"
+              and not o.setting.personal and not o.setting.central and o.accuracy}
+    rows = ["| setting | split | strategy | global held-out accuracy | gap to central (pt) | share of FedAvg's gap "
+            "closed | each shard's model on its own labels | global model on each shard's labels | kB per worker per "
+            "round down / up (x FedAvg) | state stored per job (kB) | wall time (s) |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for o in outcomes:
+        if o.error or not o.accuracy:
+            rows.append(f"| {o.setting.name} | | | failed: {o.error} | | | | | | | |")
+            continue
+        final = o.accuracy[-1]
+        if o.setting.central:
+            rows.append(f"| {o.setting.name} | {_split_name(o.setting.split)} | central | {final:.3f} | | | | | | | "
+                        f"{o.wall_s:.0f} |")
+            continue
+        gap = "" if central is None else f"{100 * (final - central.accuracy[-1]):+.1f}"
+        reference = fedavg.get(o.setting.split)
+        closed = ""
+        # Only where FedAvg leaves a gap worth closing (2 points), and for a model meant to be global.
+        if central is not None and reference is not None and reference is not o and not o.setting.personal \
+                and central.accuracy[-1] - reference.accuracy[-1] >= 0.02:
+            base = central.accuracy[-1] - reference.accuracy[-1]
+            closed = f"{(final - reference.accuracy[-1]) / base:+.0%}"
+        ratio = ""
+        if reference is not None and reference.traffic[0] and reference.traffic[1]:
+            ratio = f" ({o.traffic[0] / reference.traffic[0]:.1f}x / {o.traffic[1] / reference.traffic[1]:.1f}x)"
+        strategy = o.setting.strategy + (f" + personal_layers {list(o.setting.personal)}" if o.setting.personal else "")
+        rows.append(f"| {o.setting.name} | {_split_name(o.setting.split)} | {strategy} | {final:.3f} | {gap} | "
+                    f"{closed} | {o.own_accuracy or 0:.3f} | {o.global_on_shards or 0:.3f} | "
+                    f"{o.traffic[0] / 1000:.0f} / {o.traffic[1] / 1000:.0f}{ratio} | {o.state_bytes / 1000:.0f} | "
+                    f"{o.wall_s:.0f} |")
+    return rows
+
+
+def write_shard_state_markdown(outcomes: list[Outcome], path: Path, total_s: float, parallel: int) -> None:
+    """Issue 41's results page: SCAFFOLD and personal layers beside the shipped strategies."""
+    job = yaml.safe_load((DIGITS / SHARD_STATE_FILE).read_text())
+    lines = [
+        "# Accuracy with state per shard: SCAFFOLD and personal layers (digits example)",
+        "",
+        "Written by `python scripts/accuracy.py --shard-state`: each setting runs end to end through `apiary run`",
+        f"(embedded, CPU workers), seed 0, with `examples/digits/{SHARD_STATE_FILE}` "
+        f"({job['distributed']['num_rounds']} rounds x {job['config']['epochs']} epochs, Adam at learning rate "
+        f"{job['config']['learning_rate']}), 8 "
+        "workers, `split: {strategy: label_skew, alpha: A}`, as the main [accuracy table](accuracy.md); the central",
+        "reference and FedAvg, FedAvgM and FedProx were run again in the same batch, so every ratio compares runs of",
+        f"one session ({parallel} at a time, {total_s / 60:.1f} minutes in all, on a 2-core machine shared with",
+        "other work). SCAFFOLD runs with its defaults (server_learning_rate 1, option II; the example's Adam makes",
+        "`apiary.sdk.Scaffold` take the mean raw gradient as the new control variate). FedPer keeps the classifier",
+        f"head `{', '.join(PERSONAL)}` with each shard (`distributed.personal_layers`), FedAvg for the rest.",
+        "",
+        "*Global held-out accuracy* is the final global model on the 360 held-out images. *Each shard's model on its",
+        "own labels* scores each shard's final model (for FedPer: the global model with that shard's personal layers)",
+        "on the held-out images weighted to that shard's own label distribution, averaged over the 8 shards; *global",
+        "model on each shard's labels* scores the global model the same way. FedPer's global model has an untrained",
+        "head, so its global accuracy is not what it is for. Traffic is what each worker downloads and uploads per",
+        "round (global weights, the server state and its shard's state down; its contribution, with SCAFFOLD's",
+        "control deltas, and its shard's new state up), from the objects the run stored; state stored is every",
+        "round's uploaded shard states, the aggregator's copy of each accepted one (under its sha256, so that an",
+        "assignment trained twice cannot change it) and the shared server state the job keeps.",
+        "",
+        *shard_state_table(outcomes), "", "![held-out accuracy per round](accuracy-shard-state.png)", "",
+    ]
+    path.write_text("\n".join(lines))
+
+
 def write_plot(outcomes: list[Outcome], path: Path) -> None:
     """Accuracy per round, one line per setting: a panel per worker count."""
     import matplotlib
@@ -263,7 +430,7 @@ def write_plot(outcomes: list[Outcome], path: Path) -> None:
     files = sorted({o.setting.job_file for o in outcomes}, key=lambda f: f != "job.yaml")
     figure, axes = plt.subplots(1, len(files), figsize=(7 * len(files), 5), squeeze=False)
     colours = {"iid": "#2f6fde", "0.5": "#e5731a", "0.1": "#c23b8a"}
-    dashes = {"federated_averaging": "-", "fedavgm": "--", "fedprox": ":", "fedadam": "-."}
+    dashes = {"federated_averaging": "-", "fedavgm": "--", "fedprox": ":", "fedadam": "-.", "scaffold": (0, (5, 1))}
     for ax, job_file in zip(axes[0], files, strict=True):
         for o in outcomes:
             if o.setting.job_file != job_file or not o.accuracy:
@@ -271,6 +438,8 @@ def write_plot(outcomes: list[Outcome], path: Path) -> None:
             rounds = range(1, len(o.accuracy) + 1)
             style = {"color": "black", "linewidth": 2.5} if o.setting.central else {
                 "color": colours[o.setting.split], "linestyle": dashes[o.setting.strategy]}
+            if o.setting.personal:
+                style.update(linestyle=(0, (1, 1, 5, 1)), linewidth=2.0)
             ax.plot(rounds, o.accuracy, marker="o", markersize=3, label=o.setting.name, **style)
         ax.set_title(f"examples/digits/{job_file}")
         ax.set_xlabel("round")
@@ -291,11 +460,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks",
                         help="where accuracy.md, .png and .json go")
     parser.add_argument("--against", type=Path, help="an earlier accuracy.json: how far each setting moved since")
+    parser.add_argument("--shard-state", action="store_true", help="run issue 41's settings (SCAFFOLD, personal "
+                        "layers, their references) instead, into accuracy-shard-state.md, .png and .json")
     args = parser.parse_args(argv)
     against = json.loads(args.against.read_text()) if args.against else {}
     if not (DIGITS / "data" / "manifest.json").is_file():
         subprocess.run([sys.executable, str(DIGITS / "prepare.py")], check=True)
-    chosen = [s for s in settings() if args.only in s.name]
+    chosen = [s for s in (shard_state_settings() if args.shard_state else settings()) if args.only in s.name]
     started = time.monotonic()
     done: dict[Setting, Outcome] = {}
     with ThreadPoolExecutor(args.parallel) as pool:
@@ -311,10 +482,14 @@ def main(argv: list[str] | None = None) -> int:
     total = time.monotonic() - started
     moved = differences(outcomes, against)
     args.out.mkdir(parents=True, exist_ok=True)
-    write_markdown(outcomes, args.out / "accuracy.md", total, args.parallel, moved, str(args.against or ""))
-    write_plot(outcomes, args.out / "accuracy.png")
-    (args.out / "accuracy.json").write_text(json.dumps({o.setting.name: o.accuracy for o in outcomes}, indent=1) + "\n")
-    print(f"wrote {args.out / 'accuracy.md'}, .png and .json in {total / 60:.1f} min")
+    stem = "accuracy-shard-state" if args.shard_state else "accuracy"
+    if args.shard_state:
+        write_shard_state_markdown(outcomes, args.out / f"{stem}.md", total, args.parallel)
+    else:
+        write_markdown(outcomes, args.out / f"{stem}.md", total, args.parallel, moved, str(args.against or ""))
+    write_plot(outcomes, args.out / f"{stem}.png")
+    (args.out / f"{stem}.json").write_text(json.dumps({o.setting.name: o.accuracy for o in outcomes}, indent=1) + "\n")
+    print(f"wrote {args.out / stem}.md, .png and .json in {total / 60:.1f} min")
     if moved:
         print("largest difference from " + str(args.against) + ": " + ", ".join(
             f"{name} {value:.2f} pt" for name, value in sorted(moved.items(), key=lambda kv: -kv[1])[:5]))

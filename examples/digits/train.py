@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from apiary.sdk import proximal_term
+from apiary.sdk import Scaffold, proximal_term
 
 NUM_CLASSES = 10
 LOG_EVERY = 5  # batches between live loss reports
@@ -131,8 +131,13 @@ def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) ->
     model = build_model().to(device)
     model.load_state_dict(payload["initial_weights"])
     anchor = {k: v.detach().to(device) for k, v in payload["initial_weights"].items()} if mu > 0 else {}
-    # Only weights travel between rounds, so the optimizer restarts each round; Adam copes well.
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    # Only weights travel between rounds, so the optimizer restarts each round; Adam copes well. OPTIMIZER: sgd
+    # takes plain SGD steps instead (what SCAFFOLD's paper assumes).
+    sgd = str(env.get("OPTIMIZER", "adam")).lower() == "sgd"
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr) if sgd else torch.optim.Adam(model.parameters(), lr=lr)
+    # SCAFFOLD (distributed.strategy: scaffold) corrects each step's gradients with the control variates; it does
+    # nothing in a job of another strategy. Its update of the shard's control variate needs the SGD step size.
+    scaffold = Scaffold(model, payload, lr=lr if sgd else None)
     # Different shuffles per round and shard, yet the same ones on every rerun.
     generator = torch.Generator().manual_seed(int(env.get("SEED", 0)) + round_index + shard_index)
 
@@ -148,6 +153,7 @@ def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) ->
             objective = loss + proximal_term(model, anchor, mu) if mu > 0 else loss
             optimizer.zero_grad()
             objective.backward()
+            scaffold.correct()
             optimizer.step()
             step += 1
             total += loss.item() * len(batch)
@@ -173,7 +179,8 @@ def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) ->
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
     weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return {"weights": weights, "samples": len(y), "metrics": metrics}
+    # With SCAFFOLD the result also carries the shard's new control variate (its state) and the change in it.
+    return scaffold.finish({"weights": weights, "samples": len(y), "metrics": metrics})
 
 
 @torch.no_grad()

@@ -20,6 +20,7 @@ from apiary.strategies.base import RoundResult
 from apiary.weights import dumps as dump_weights
 from apiary.weights import loads as load_weights
 from apiary.weights import spec_of
+from services.aggregator import shard_states
 from services.aggregator.decisions import failure_reason, refusals
 from services.aggregator.open_rounds import OpenRounds
 from services.aggregator.round_state import RoundState
@@ -108,13 +109,17 @@ class RoundCloser:
                 log.info("job %s: round %d was closed by another aggregator replica", job_id, round_index)
                 return None
             ref = await self._storage.put_bytes(keys.global_weights(job_id, round_index), data)
+            shared = None
             if state_key is not None:
-                await self._storage.put_bytes(state_key, dump_weights(server_state))
+                stored = await self._storage.put_bytes(state_key, dump_weights(server_state))
+                shared = stored if state.strategy.shares_state else None
             done = RoundAggregated(
                 job_id=job_id, round=round_index, attempt=attempt, weights=ref,
                 contributors=sorted(r["shard"] for r in accepted), total_samples=result.total_samples,
                 metrics=result.metrics, rejected=refused,
                 trained_by={r["shard"]: r["worker_id"] for r in accepted},
+                shard_states=await shard_states.of_round(tx, state.key, (r["shard"] for r in accepted)),
+                server_state=shared,
             )
             await self._outbox.add(tx, done)
         self._rounds.remember_closed(state.key, RoundStatus.AGGREGATED)

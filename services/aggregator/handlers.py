@@ -18,6 +18,7 @@ from apiary.storage import ObjectNotFound
 from apiary.strategies.base import Contribution
 from apiary.strategies.validation import InvalidContribution
 from apiary.weights import WeightsError
+from services.aggregator import shard_states
 from services.aggregator.closing import RoundCloser
 from services.aggregator.decisions import (
     Report,
@@ -59,6 +60,7 @@ class Aggregator(Component):
 
     async def start(self) -> None:
         await self.store.migrate(self.name)
+        await self.db.migrate(shard_states.COMPONENT, shard_states.MIGRATIONS)
         await self.outbox.flush()
         handlers: dict[str, EventHandler] = {
             "round.start": self.on_round_start,
@@ -115,7 +117,11 @@ class Aggregator(Component):
             if state is None:
                 return
             try:
-                await take_in(state, event.shard, await self._decode(event, fetched, state))
+                kept = await shard_states.check(self.storage, self.db, event, state.round.weights.size)
+                contribution = await self._decode(event, fetched, state)
+                # Its state's reference first (only an accepted shard's counts): a failure here leaves nothing held.
+                await shard_states.remember(self.storage, self.db, event, kept)
+                await take_in(state, event.shard, contribution)
             except (ObjectNotFound, InvalidContribution, WeightsError, ValueError) as e:
                 settled = await self._reject(event, state, e)
                 await self._maybe_close(state, settled)

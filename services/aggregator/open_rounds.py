@@ -200,7 +200,9 @@ class OpenRounds:
         """A round's state with nothing taken in: the strategy its row names, begun on the round's spec,
         with the server state the job's previous round left (so a restarted aggregator resumes exactly)."""
         await self.restore(round_)
-        strategy = self.wrap(round_, private(create(round_.strategy, round_.strategy_params), round_.privacy))
+        inner = private(create(round_.strategy, round_.strategy_params), round_.privacy)
+        inner.population(len(round_.shards))
+        strategy = self.wrap(round_, inner)
         global_weights = None
         if strategy.needs_start_weights():
             global_weights = load_weights(await self._storage.get_bytes(round_.weights.key))

@@ -32,6 +32,8 @@ def render_job(view: dict[str, Any], started: float | None = None) -> Group:
         parts.append(Text(code_text(view["code"]), style="dim"))
     if (spent := privacy_text(view.get("rounds", []))) is not None:
         parts.append(Text(spent, style="dim"))
+    if (kept := shard_state_text(view.get("shard_state"))) is not None:
+        parts.append(Text(kept, style="dim"))
     parts += [_shards_table(view), _rounds_table(view)]
     if view.get("data_shards"):
         parts.append(data_table(view))
@@ -56,6 +58,21 @@ def privacy_text(rounds: list[dict[str, Any]]) -> str | None:
     spent = (f"ε {metrics['dp_epsilon']:.4g} at δ {metrics.get('dp_delta', 0):g}" if "dp_epsilon" in metrics
              else "ε unbounded (no noise)")
     return f"differential privacy: {spent} after round {last['round']}, clipping norm {metrics['dp_clipping_norm']:.4g}"
+
+
+def shard_state_text(kept: dict[str, Any] | None) -> str | None:
+    """What the job keeps with its shards in one line: `shard state: 3 shards, 80.0 kB each (240.0 kB in all);
+    server state 59.3 kB a round to each worker`; None for a job that keeps none."""
+    if not kept:
+        return None
+    sizes = list((kept.get("bytes_per_shard") or {}).values())
+    parts = []
+    if sizes:
+        each = _bytes(sizes[0]) if len(set(sizes)) == 1 else f"{_bytes(min(sizes))} to {_bytes(max(sizes))}"
+        parts.append(f"{len(sizes)} shards, {each} each ({_bytes(int(kept.get('total_bytes') or 0))} in all)")
+    if kept.get("server_state_bytes") is not None:
+        parts.append(f"server state {_bytes(int(kept['server_state_bytes']))} a round to each worker")
+    return "shard state: " + "; ".join(parts)
 
 
 def _bytes(size: int) -> str:

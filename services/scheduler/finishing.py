@@ -16,7 +16,7 @@ from apiary.db import Database
 from apiary.outbox import Outbox
 from apiary.status import RoundStatus
 from apiary.storage import ObjectNotFound, Storage
-from services.scheduler import endings, store, task_proofs
+from services.scheduler import endings, shard_states, store, task_proofs
 from services.scheduler.builtin import FINAL_ADAPTER, final_folder, merge_due, store_merged
 from services.scheduler.evaluation import Ending, Evaluation, ending, final_metrics, judged_by_evaluation
 from services.scheduler.initial_and_final import final_report, finish_built_in
@@ -135,6 +135,7 @@ class JobFinisher:
         history = await store.round_history(self._db, job_id)
         report = final_report(job_id, job.spec.name, verdict.metrics, history, verdict.evaluations, end.kept, reason)
         await self._storage.put_bytes(keys.final_metrics(job_id), report)
+        await shard_states.keep_final(self._storage, self._db, job_id)
         final_uri = self._storage.uri(final.key)
         async with self._db.transaction() as tx:
             await endings.close_running_rounds(tx, job_id, RoundStatus.CANCELLED, reason or "job completed")

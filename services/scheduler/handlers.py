@@ -42,7 +42,7 @@ from apiary.settings import Settings
 from apiary.status import JobStatus, RoundStatus
 from apiary.storage import ObjectNotFound, Storage
 from apiary.weights import WeightsError
-from services.scheduler import endings, store, task_proofs
+from services.scheduler import endings, shard_states, store, task_proofs
 from services.scheduler.commands import JobCommands
 from services.scheduler.evaluation import (
     DONE,
@@ -120,6 +120,10 @@ class SchedulerHandlers:
                 await self._fail(event.job_id, f"initial weights: {e}")
                 return
             first = 0 if weights is None else 1  # round 0: fl_init_weights runs on a worker
+            why = None if weights is None else await shard_states.personal_layers_refused(self._storage, spec, weights)
+            if why is not None:
+                await self._fail(event.job_id, why)
+                return
             async with self._db.transaction() as tx:
                 await store.set_sharded(tx, event.job_id, event.shards, event.dataset_id, weights or NO_WEIGHTS,
                                         time.time())
@@ -143,6 +147,10 @@ class SchedulerHandlers:
                 weights = await checked_initial_weights(self._storage, event.job_id, event.weights)
             except (ObjectNotFound, ValueError) as e:
                 await self._fail(event.job_id, f"initial weights from worker {event.worker_id}: {e}", 0)
+                return
+            why = await shard_states.personal_layers_refused(self._storage, job.spec, weights)
+            if why is not None:
+                await self._fail(event.job_id, why, 0)
                 return
             log.info("job %s: initial weights made by worker %s", event.job_id, event.worker_id)
             async with self._db.transaction() as tx:
@@ -231,6 +239,7 @@ class SchedulerHandlers:
             await endings.close_round(tx, event.job_id, event.round, event.attempt, RoundStatus.AGGREGATED,
                                       weights_key=event.weights.key, metrics=event.metrics)
             await store.set_global_weights(tx, event.job_id, event.weights, event.metrics)
+            await shard_states.record(tx, event)
             if decision.next is Next.FINISH:
                 await store.set_last_round(tx, event.job_id, event.round)
             else:
@@ -411,10 +420,14 @@ class SchedulerHandlers:
         queued = [Pending(round_start(target, plan), headers=trace)]
         ttl = url_lifetime(plan, self._settings.presign_ttl)
         beat = {"heartbeat_interval": self._pace.interval} if self._pace.stretched else {}
+        states, server_state = await shard_states.current(tx, target.job_id)
         for assignment, routing_key in await self._router.assignments(target, plan, prefer, ttl):
             if assignment.pinned_worker in (absent or ()):
                 continue
-            queued.append(Pending(assignment.model_copy(update=beat), routing_key=routing_key, headers=trace))
+            carried = shard_states.assignment_fields(self._storage, assignment, states, server_state,
+                                                     target.spec.distributed.personal_layers, ttl)
+            queued.append(Pending(assignment.model_copy(update={**beat, **carried}), routing_key=routing_key,
+                                  headers=trace))
         queued.append(Pending(RoundTimeout(job_id=target.job_id, round=target.round, attempt=target.attempt),
                               delay=plan.timeout, headers=trace))
         await self._outbox.add_all(tx, queued)

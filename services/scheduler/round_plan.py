@@ -150,7 +150,9 @@ def round_start(target: RoundTarget, plan: RoundPlan) -> RoundStart:
     return RoundStart(
         job_id=target.job_id, round=target.round, attempt=target.attempt, num_rounds=spec.distributed.num_rounds,
         shards=[s.index for s in plan.chosen], min_workers=spec.distributed.min_workers, weights=target.weights,
-        deadline=plan.deadline, update_format=UpdateFormat.of(adapter_only=spec.adapter_only),
+        # Personal layers never travel to the aggregator: a round's updates are then the model's other tensors.
+        deadline=plan.deadline,
+        update_format=UpdateFormat.of(adapter_only=spec.adapter_only or bool(spec.distributed.personal_layers)),
         strategy=spec.distributed.strategy, strategy_params=spec.distributed.strategy_params,
         differential_privacy=spec.distributed.differential_privacy,
         secret_digests={shard: proof.digest(secret) for shard, secret in plan.secrets.items()},

@@ -12,7 +12,7 @@ from apiary.bus import EventHandler, Raw
 from apiary.component import Component
 from apiary.contracts import AdapterMerged, WeightsInitialized, WorkerEvaluated
 from apiary.outbox import Outbox
-from services.scheduler import gauges, task_proofs
+from services.scheduler import gauges, shard_states, task_proofs
 from services.scheduler.handlers import SchedulerHandlers
 from services.scheduler.store import MIGRATIONS, OUTBOX
 
@@ -36,6 +36,7 @@ class Scheduler(Component):
         """Migrate, publish what an earlier run left in the outbox, and start consuming."""
         await self.db.migrate(self.name, MIGRATIONS)
         await self.db.migrate(task_proofs.COMPONENT, task_proofs.MIGRATIONS)
+        await self.db.migrate(shard_states.COMPONENT, shard_states.MIGRATIONS)
         await self.outbox.flush()
         h = self.handlers
         handlers: dict[str, EventHandler | Raw] = {

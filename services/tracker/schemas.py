@@ -145,6 +145,15 @@ class CodeView(BaseModel):
     entrypoint: str | None = Field(description="module:function, resolved inside the bundle")
 
 
+class ShardStateView(BaseModel):
+    """What a job keeps between rounds besides its weights: each shard's state and the server state workers get."""
+
+    bytes_per_shard: dict[int, int] = Field(description="each shard's latest stored state, in bytes")
+    total_bytes: int = Field(description="the shards' latest states together, in bytes")
+    server_state_bytes: int | None = Field(description="the strategy's state every worker downloads each round "
+                                           "(SCAFFOLD's control variate), in bytes; null if none")
+
+
 class JobDetail(BaseModel):
     """Everything known about one job."""
 
@@ -173,6 +182,8 @@ class JobDetail(BaseModel):
     progress: dict[str, int] = Field(description="how many shards of the current round are in each state")
     reported: list[str | None] = Field(description="workers that reported in the current round")
     training: list[str | None] = Field(description="workers still training in the current round")
+    shard_state: ShardStateView | None = Field(None, description="state kept with each shard between rounds "
+                                               "(SCAFFOLD, personal layers); null for a job that keeps none")
     forged: list[ForgedReport] = Field(default_factory=list,
                                        description="reports for this job refused as forged, the latest 100 first")
 

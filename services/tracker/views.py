@@ -83,6 +83,7 @@ async def job_view(db: Executor, job_id: str) -> dict[str, Any] | None:
     job["progress"] = progress_counts(job["shards"])
     job["reported"] = [s["worker_id"] for s in job["shards"] if s["state"] == "reported"]
     job["training"] = [s["worker_id"] for s in job["shards"] if s["state"] == "training"]
+    job["shard_state"] = await shard_state_view(db, job_id)
     job["forged"] = await db.fetch(
         "SELECT round, attempt, shard, worker_id, routing_key, reason, ts FROM forged_reports WHERE job_id = $1"
         " ORDER BY seq DESC LIMIT 100", job_id)
@@ -229,3 +230,27 @@ __all__ = [
     "worker_series",
     "workers_view",
 ]
+
+
+SHARD_STATE_ROUNDS = 50  # the latest round.aggregated events a job view reads its shards' state sizes from
+
+
+async def shard_state_view(db: Executor, job_id: str) -> dict[str, Any] | None:
+    """What the job keeps between rounds besides its weights (issue 41), from its latest SHARD_STATE_ROUNDS
+    round.aggregated events (a view is read often; a shard absent from all of them is not counted): each shard's
+    latest state size in bytes, their total, and the size of the server state its workers get; None for a job
+    that keeps none."""
+    rows = await db.fetch("SELECT body FROM events WHERE job_id = $1 AND routing_key = 'round.aggregated'"
+                          f" ORDER BY seq DESC LIMIT {SHARD_STATE_ROUNDS}", job_id)
+    shards: dict[int, int] = {}
+    server: int | None = None
+    for row in rows:  # newest first: the first size seen of each is its latest
+        body = from_json(row["body"], {})
+        for shard, ref in (body.get("shard_states") or {}).items():
+            shards.setdefault(int(shard), int(ref["size"]))
+        if body.get("server_state") and server is None:
+            server = int(body["server_state"]["size"])
+    if not shards and server is None:
+        return None
+    return {"bytes_per_shard": dict(sorted(shards.items())), "total_bytes": sum(shards.values()),
+            "server_state_bytes": server}

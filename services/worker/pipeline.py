@@ -110,6 +110,7 @@ class AssignmentRun:
                 return None
             weights = weights or transfers.fetch_weights(a, space.weights)
             data_root, moved = await transfers.fetch_shard(a, space.job_dir)
+            moved += await transfers.fetch_states(a, space.work)
             if a.base_model is not None:
                 self.model_path, fetched = await self.worker.models.fetch(a.base_model, deadline=a.deadline)
                 moved += fetched
@@ -164,6 +165,7 @@ class AssignmentRun:
             code_path=str(self.code_path) if self.code_path is not None else None,
             clipping_norm=a.clipping_norm,
             transfer=a.transfer.model_dump() if a.transfer is not None and a.transfer.encodes_upload else None,
+            **transfers.state_call(a, space.work, space.weights),
         )
 
     async def _code(self) -> bool:
@@ -209,6 +211,7 @@ class AssignmentRun:
         with telemetry.tracer().start_as_current_span("upload", attributes=self.worker.span_attributes(a)) as span:
             try:
                 moved, etag = await transfers.upload_outputs(a, space.result, result.size, space.out_dir, space.work)
+                moved += await transfers.upload_state(a, space.work, result.state_size)
                 span.set_attribute("apiary.bytes", moved)
             except transfers.UPLOAD_ERRORS as e:
                 telemetry.fail(span, "upload.failed", str(e))
@@ -224,6 +227,7 @@ class AssignmentRun:
         done = WorkerDone(
             job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=worker.worker_id, shard=a.shard,
             result=ref, samples=result.samples, metrics=result.metrics, duration_s=duration, secret=a.secret or "",
+            state=transfers.state_ref(a, result.state_size, result.state_sha256),
         )
         # The trained shard is worth keeping through a broker outage: the report waits for the broker,
         # rather than the whole assignment running again.

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import zipfile
 from pathlib import Path
+from typing import Any
 
 from apiary import transfer, transfer_parts
-from apiary.contracts import Assignment
+from apiary.contracts import Assignment, ObjectRef
 from apiary.dataset import extract_shard
 from apiary.dataset_text import JSONL
+from apiary.shard_state import state_limit
 from apiary.transfer_parts import part_count
 
 # What a failed download or upload raises: reported as the shard's failure, never a crash.
@@ -97,3 +99,49 @@ def _pack(folder: Path, archive: Path) -> None:
         for path in sorted(folder.rglob("*")):
             if path.is_file():
                 zf.write(path, path.relative_to(folder).as_posix())
+
+
+# The shard's state and the round's server state on this worker (apiary.shard_state), beside the global weights.
+STATE_IN, SERVER_STATE_IN, STATE_OUT = "state.safetensors", "server-state.safetensors", "state-result.safetensors"
+
+
+async def fetch_states(a: Assignment, work: Path) -> int:
+    """Download the shard's latest state and the round's server state, where the assignment names them (the
+    previous round's files removed first: a shard moves between workers, and a first round has none); the bytes."""
+    moved = 0
+    work.mkdir(parents=True, exist_ok=True)
+    for url, sha256, name in ((a.state_url, a.state_sha256, STATE_IN),
+                              (a.server_state_url, a.server_state_sha256, SERVER_STATE_IN)):
+        target = work / name
+        target.unlink(missing_ok=True)
+        if url:
+            await transfer.download(url, target, sha256, deadline=a.deadline)
+            moved += target.stat().st_size
+    (work / STATE_OUT).unlink(missing_ok=True)
+    return moved
+
+
+def state_call(a: Assignment, work: Path, weights: Path) -> dict[str, Any]:
+    """The TrainCall fields of the assignment's shard state: its files, its bound and the personal layers."""
+    if not a.state_upload_url:
+        return {"personal_layers": list(a.personal_layers)}
+    size = weights.stat().st_size if weights.is_file() else 0
+    return {"state_path": str(work / STATE_IN) if a.state_url else None,
+            "server_state_path": str(work / SERVER_STATE_IN) if a.server_state_url else None,
+            "state_result_path": str(work / STATE_OUT), "state_limit": state_limit(size),
+            "personal_layers": list(a.personal_layers)}
+
+
+async def upload_state(a: Assignment, work: Path, size: int | None) -> int:
+    """Upload the shard's new state, if the training returned one; the bytes sent."""
+    if size is None or not a.state_upload_url:
+        return 0
+    await transfer.upload(a.state_upload_url, work / STATE_OUT, deadline=a.deadline)
+    return size
+
+
+def state_ref(a: Assignment, size: int | None, sha256: str | None) -> ObjectRef | None:
+    """The claim check of the shard's new state for worker.done (None if it returned none)."""
+    if size is None or sha256 is None or not a.state_key:
+        return None
+    return ObjectRef(key=a.state_key, size=size, sha256=sha256)

@@ -344,6 +344,16 @@ class Assignment(RoundEvent):
     # Where the result is large: a multipart upload to its result key, presigned part by part (None: one PUT).
     multipart: MultipartUpload | None = None
     """The result's multipart upload, presigned part by part, where the result is large; None: one PUT."""
+    # The shard's state (apiary.shard_state), kept with the shard between rounds, and the strategy's shared state.
+    state_url: str = Field(default="", description="the shard's latest state (presigned GET); empty in its first round")
+    state_sha256: str = Field(default="", description="the sha256 of the shard's latest state")
+    state_upload_url: str = Field(default="", description="where this round's state of the shard goes (presigned PUT)")
+    state_key: str = Field(default="", description="the storage key state_upload_url writes")
+    personal_layers: list[str] = Field(default_factory=list, description="globs of tensor names that stay with "
+                                       "the shard (its state) and are never uploaded for aggregation")
+    server_state_url: str = Field(default="", description="the strategy's state every worker needs (SCAFFOLD's control "
+                                  "variate), presigned GET; empty where there is none")
+    server_state_sha256: str = Field(default="", description="the sha256 of the server state")
 
 
 class WorkerProgress(RoundEvent):
@@ -382,6 +392,8 @@ class WorkerDone(RoundEvent):
     """Seconds the worker spent on the shard, from the start of its downloads to the end of its upload."""
     secret: str = ""  # the assignment's one-time secret
     """The assignment's one-time secret, proving the report comes from its worker (the event log drops it)."""
+    state: ObjectRef | None = Field(default=None, description="the shard's new state, at the assignment's "
+                                    "state_key, if its training returned one")
 
 
 class WorkerFailed(RoundEvent):
@@ -527,6 +539,10 @@ class RoundAggregated(RoundEvent):
     # Which worker trained each accepted shard: the next round prefers it for that shard.
     trained_by: dict[int, str] = Field(default_factory=dict)
     """Which worker trained each accepted shard: the next round prefers it for that shard."""
+    shard_states: dict[int, ObjectRef] = Field(default_factory=dict, description="the new state of each accepted "
+                                               "shard that returned one; the next round hands it to that shard")
+    server_state: ObjectRef | None = Field(default=None, description="the strategy's state after the round where every "
+                                           "worker needs it (SCAFFOLD's control variate); else null")
 
 
 class RoundFailed(RoundEvent):

@@ -31,6 +31,7 @@ from apiary.wire_settings import TransferSettings
 ENTRYPOINT_RE = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
 DEFAULT_FUNCTION = "fl_train_model"
 FEDPROX = "fedprox"  # the strategy whose parameter the training loop needs (env PROXIMAL_MU)
+SCAFFOLD = "scaffold"  # the strategy whose control-variate update the training loop makes (env SCAFFOLD)
 CAUSAL_LM = "causal_lm"  # the built-in trainer a job without an entrypoint runs
 LEGACY_ID_PATTERN = r"^[A-Za-z0-9_\-]{1,64}$"  # the hex ids datasets had before ids were integers
 LEGACY_ID_RE = re.compile(LEGACY_ID_PATTERN)
@@ -100,6 +101,11 @@ class DistributedConfig(BaseModel):
                                        "download precision, upload encoding (delta, half precision, int8 "
                                        "blockwise) and whether contributions are kept (docs/large-models.md)")
 
+    personal_layers: list[Annotated[str, Field(min_length=1, max_length=500)]] = Field(
+        default_factory=list, max_length=1000, description="glob patterns (fnmatch) of tensor names that stay with "
+        "each shard and are never aggregated (FedPer): they travel as the shard's state; refused when they match "
+        "no tensor or every tensor of the initial weights (docs/how-to/shard-state.md)")
+
     @model_validator(mode="after")
     def _min_le_max(self) -> DistributedConfig:
         if not self.enabled:
@@ -125,6 +131,9 @@ class DistributedConfig(BaseModel):
             if self.transfer.upload != "fp32" or self.transfer.delta:
                 raise ValueError("secure_aggregation: workers upload masked vectors of their own encoding; leave "
                                  "transfer.upload at fp32 and transfer.delta false")
+            if self.personal_layers:
+                raise ValueError("secure_aggregation: masks every tensor of the model; personal_layers keep some "
+                                 "out of the sum: use one or the other")
         return self
 
 
@@ -361,6 +370,9 @@ class JobSpec(BaseModel):
         if self.distributed.strategy == FEDPROX:
             # The proximal term lives in the training loop: the user's code (or the built-in trainer) reads it.
             env["PROXIMAL_MU"] = float(self.distributed.strategy_params.get("proximal_mu", 0.0))
+        if self.distributed.strategy == SCAFFOLD:
+            # The gradient correction lives in the training loop too (apiary.sdk.Scaffold reads which update).
+            env["SCAFFOLD"] = str(self.distributed.strategy_params.get("control_variate_update", "II"))
         return env
 
 
@@ -453,6 +465,15 @@ def strategy_errors(spec: JobSpec) -> list[FieldError]:
         strategy.check_job(spec.num_shards, distributed.min_workers)
     except ValueError as e:
         return [FieldError(field="distributed.strategy_params", message=str(e))]
+    if strategy.shares_state and distributed.differential_privacy is not None:
+        return [FieldError(field="distributed.differential_privacy",
+                           message=f"strategy {distributed.strategy!r} hands its server state to every worker, which "
+                                   "central differential privacy does not account for: use another strategy")]
+    if (strategy.shares_state or distributed.personal_layers) and distributed.transfer.encodes_upload:
+        what = f"strategy {distributed.strategy!r}" if strategy.shares_state else "personal_layers"
+        return [FieldError(field="distributed.transfer",
+                           message=f"{what} uploads tensors the global weights do not hold, which a delta or "
+                                   "quantised upload cannot encode: leave transfer.upload at fp32 and delta false")]
     return privacy_errors(spec) or secure_aggregation_errors(spec)
 
 

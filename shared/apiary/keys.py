@@ -28,6 +28,22 @@ def contribution(job_id: str, round_index: int, attempt: int, shard_index: int) 
     return f"jobs/{job_id}/rounds/{round_index:04d}/attempt-{attempt}/shard-{shard_index:04d}.safetensors"
 
 
+def shard_state(job_id: str, shard_index: int, round_index: int, attempt: int) -> str:
+    """A shard's state as its training in `round_index` (attempt) left it: kept with the shard, not the worker."""
+    return f"jobs/{job_id}/shard-state/shard-{shard_index:04d}/round-{round_index:04d}-attempt-{attempt}.safetensors"
+
+
+def kept_shard_state(job_id: str, shard_index: int, sha256: str) -> str:
+    """A shard's accepted state, copied by the aggregator under its sha256: a second upload to the assignment's key
+    (its assignment trained twice) cannot change the state the next round is handed."""
+    return f"jobs/{job_id}/shard-state/shard-{shard_index:04d}/kept-{sha256}.safetensors"
+
+
+def final_shard_state(job_id: str, shard_index: int) -> str:
+    """A shard's last state beside the job's final model (its personal layers as `personal.<name>`)."""
+    return f"jobs/{job_id}/final/shards/shard-{shard_index:04d}.safetensors"
+
+
 def run_files(job_id: str, round_index: int, attempt: int, shard_index: int) -> str:
     """The files a training function wrote to its out_dir, zipped."""
     return f"jobs/{job_id}/rounds/{round_index:04d}/attempt-{attempt}/files-shard-{shard_index:04d}.zip"

@@ -210,3 +210,53 @@ def test_the_next_round_reuses_the_childs_model_and_starts_from_the_global_weigh
     assert all(torch.equal(first[k], second[k]) for k in first)
     assert loads == [model_dir, model_dir]
     assert all(t.shape[0] == 3 for k, t in third.items() if ".lora_A." in k)
+
+
+def test_with_scaffold_a_round_returns_the_adapters_control_variate_and_its_change(tmp_path: Path,
+                                                                                   model_dir: Path) -> None:
+    # Prepare: round 2 of a SCAFFOLD job, the shard's control variate and the server's given
+    import torch
+
+    from apiary.sdk import SCAFFOLD_SERVER, SCAFFOLD_STATE
+    from apiary.trainers.causal_lm_train import run_round_with_state
+
+    cfg = CausalLMConfig(lora_r=4, batch_size=2)
+    start = initial_adapter(lm.load_base(model_dir)[0].config.to_dict(), cfg)
+    env = {"LORA_R": 4, "BATCH_SIZE": 2, "STEPS_PER_ROUND": 3, "LEARNING_RATE": 0.05, "SCAFFOLD": "II"}
+    c_i = {SCAFFOLD_STATE + k: torch.full_like(v, 0.01) for k, v in start.items()}
+    c = {SCAFFOLD_SERVER + k: torch.full_like(v, 0.02) for k, v in start.items()}
+
+    # Execute
+    result, _, _ = run_round_with_state(_call(tmp_path, model_dir, env, start), "cpu", lambda **m: None,
+                                        {"state": c_i, "server_state": c})
+
+    # Assert: one control variate per adapter tensor, under the adapter's own names, and its change beside it
+    assert set(result["weights"]) == set(start) == set(result["control_delta"])
+    assert set(result["state"]) == {SCAFFOLD_STATE + k for k in start}
+    for name, delta in result["control_delta"].items():
+        torch.testing.assert_close(result["state"][SCAFFOLD_STATE + name] - c_i[SCAFFOLD_STATE + name], delta)
+    assert any(bool((d != 0).any()) for d in result["control_delta"].values())
+
+
+def test_a_shards_personal_layers_replace_the_global_ones_before_it_trains(tmp_path: Path, model_dir: Path) -> None:
+    # Prepare: the shard kept its own lora_B of one layer last round; training barely moves it (learning rate 1e-12)
+    import torch
+
+    from apiary.shard_state import PERSONAL
+    from apiary.trainers.causal_lm_train import run_round_with_state
+
+    cfg = CausalLMConfig(lora_r=4, batch_size=2)
+    start = initial_adapter(lm.load_base(model_dir)[0].config.to_dict(), cfg)
+    personal = sorted(k for k in start if ".lora_B." in k)[0]
+    own = torch.full_like(start[personal], 0.5)
+    (tmp_path / "state.safetensors").write_bytes(w.dumps({PERSONAL + personal: own}))
+    call = _call(tmp_path, model_dir, {"LORA_R": 4, "BATCH_SIZE": 2, "STEPS_PER_ROUND": 1, "LEARNING_RATE": 1e-12},
+                 start)
+    call.state_path, call.personal_layers = str(tmp_path / "state.safetensors"), [personal]
+
+    # Execute
+    result, _, _ = run_round_with_state(call, "cpu", lambda **m: None, {})
+
+    # Assert
+    torch.testing.assert_close(result["weights"][personal], own, rtol=0, atol=1e-6)
+    assert not torch.equal(start[personal], own)

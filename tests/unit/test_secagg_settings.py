@@ -90,6 +90,8 @@ def test_a_stored_spec_validates_again_as_it_was() -> None:
      "distributed: secure_aggregation: workers upload masked vectors of their own encoding"),
     ({"num_shares": 3, "reconstruction_threshold": 2}, {"transfer": {"delta": True}},
      "distributed: secure_aggregation: workers upload masked vectors of their own encoding"),
+    ({"num_shares": 3, "reconstruction_threshold": 2}, {"personal_layers": ["head.*"]},
+     "distributed: secure_aggregation: masks every tensor of the model; personal_layers keep some out"),
 ])
 def test_bad_settings_are_refused_in_one_line(secagg: dict[str, Any], distributed: dict[str, Any],
                                               expected: str) -> None:

@@ -291,6 +291,7 @@ function jobPage(jobId) {
     title: h("h1", {}), id: h("div", { class: "muted mono small" }, jobId), status: h("span", {}),
     strategy: h("div", { class: "muted small", id: "strategy" }),
     privacy: h("div", { class: "muted small", id: "privacy" }),
+    shardState: h("div", { class: "muted small", id: "shard-state" }),
     code: h("div", { class: "muted small mono", id: "code" }),
     actions: h("div", { class: "actions" }), banner: h("div", {}),
     round: h("div", { class: "stat-value", id: "round-counter" }, "–"), roundBar: h("div", {}),
@@ -320,7 +321,7 @@ function jobPage(jobId) {
   app.replaceChildren(
     h("a", { class: "back", href: "#/" }, "← All jobs"),
     h("section", { class: "job-head" },
-      h("div", {}, h("div", { class: "title-row" }, parts.title, parts.status), parts.id, parts.strategy, parts.privacy, parts.code),
+      h("div", {}, h("div", { class: "title-row" }, parts.title, parts.status), parts.id, parts.strategy, parts.privacy, parts.shardState, parts.code),
       parts.actions),
     parts.banner,
     h("section", { class: "stats" },
@@ -366,6 +367,21 @@ function jobPage(jobId) {
     return `code ${(code.sha256 || "?").slice(0, 12)}${size}, entrypoint ${code.entrypoint || "?"}`;
   }
 
+  /* What the job keeps with its shards, as `apiary status` prints it: shard state: 3 shards, 80.0 kB each
+     (240.0 kB in all); server state 59.3 kB a round to each worker. Empty for a job that keeps none. */
+  function shardStateText(kept) {
+    if (!kept) return "";
+    const size = (n) => n < 1000 ? `${n} B` : n < 1e6 ? `${(n / 1000).toFixed(1)} kB` : `${(n / 1e6).toFixed(1)} MB`;
+    const sizes = Object.values(kept.bytes_per_shard || {});
+    const out = [];
+    if (sizes.length) {
+      const lo = Math.min(...sizes), hi = Math.max(...sizes);
+      out.push(`${sizes.length} shards, ${lo === hi ? size(lo) : `${size(lo)} to ${size(hi)}`} each (${size(kept.total_bytes || 0)} in all)`);
+    }
+    if (kept.server_state_bytes != null) out.push(`server state ${size(kept.server_state_bytes)} a round to each worker`);
+    return `shard state: ${out.join("; ")}`;
+  }
+
   /* The job's strategy and its parameters, as `apiary status` prints them: fedadam (eta=0.1, tau=0.001). */
   function strategyText(job) {
     const params = Object.entries(job.strategy_params || {}).map(([k, v]) => `${k}=${v}`).join(", ");
@@ -390,6 +406,7 @@ function jobPage(jobId) {
     parts.status.replaceChildren(badge(job.status));
     parts.strategy.textContent = job.strategy ? `strategy ${strategyText(job)}` : "";
     parts.privacy.textContent = privacyText(job);
+    parts.shardState.textContent = shardStateText(job.shard_state);
     parts.code.textContent = job.code ? codeText(job.code) : "";
     // Redrawn only when they change, so a focused button keeps its focus.
     const mayChange = Boolean(me && me.may_submit), ended = TERMINAL.includes(job.status);

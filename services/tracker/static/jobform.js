@@ -162,7 +162,9 @@ function jobFormPage(fromJob) {
         h("div", { class: "grid-fields" }, DISTRIBUTED_MAIN.map(distControl),
           control("distributed.strategy_params", LABELS.strategy_params, h("textarea", { rows: 2, placeholder: '{"eta": 0.01}' }),
             "the strategy's parameters, e.g. {\"proximal_mu\": 0.1}"),
-          distControl("evaluate_every")),
+          distControl("evaluate_every"),
+          control("distributed.personal_layers", "Personal layers, comma-separated globs", text({ placeholder: "fc.*" }),
+            "tensors that stay with each shard, never aggregated (FedPer); default: none")),
         h("datalist", { id: "strategies" }, STRATEGIES.map((s) => h("option", { value: s })))),
       h("fieldset", {}, h("legend", {}, "Early stopping (distributed.early_stopping)"), slot("distributed.early_stopping"),
         control("distributed.early_stopping", "Stop when the metric stops improving", stopping, "off by default"),
@@ -305,6 +307,8 @@ function jobFormPage(fromJob) {
     }
     const params = jsonValue(read("distributed.strategy_params"), "distributed.strategy_params", problems);
     if (params !== undefined) distributed.strategy_params = params;
+    const personal = read("distributed.personal_layers").split(",").map((s) => s.trim()).filter(Boolean);
+    if (personal.length) distributed.personal_layers = personal;
     const every = numberValue(read("distributed.evaluate_every"));
     if (every !== undefined && every !== d.distributed.evaluate_every) distributed.evaluate_every = every;
     if (inputs.get("early_stopping.on").checked) {
@@ -373,6 +377,7 @@ function jobFormPage(fromJob) {
     }
     setValue(inputs.get("distributed.strategy_params"),
       dist.strategy_params && Object.keys(dist.strategy_params).length ? JSON.stringify(dist.strategy_params) : "");
+    setValue(inputs.get("distributed.personal_layers"), dist.personal_layers || []);
     const stop = dist.early_stopping;
     inputs.get("early_stopping.on").checked = Boolean(stop);
     document.getElementById("early-stopping-fields").hidden = !stop;

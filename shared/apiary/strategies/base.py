@@ -103,6 +103,9 @@ class Strategy(ABC):
     # False for strategies that need every contribution at once (median, trimmed mean, Krum): they keep
     # nothing while contributions arrive, and `finish` reads them back through `stored`.
     streaming: ClassVar[bool] = True
+    # True for strategies whose server state every worker needs with the round (SCAFFOLD's control variate c):
+    # the aggregator announces where it is stored, and each assignment carries it as payload["server_state"].
+    shares_state: ClassVar[bool] = False
 
     def __init__(self, params: BaseModel | None = None) -> None:
         self.params = params if params is not None else self.Params()
@@ -117,6 +120,10 @@ class Strategy(ABC):
     def check_job(self, num_shards: int, min_workers: int) -> None:
         """Raise ValueError (one line) when a job with these sizes can never meet this strategy's needs."""
         return None  # most strategies fit any job
+
+    def population(self, shards: int) -> None:
+        """Told before `begin`: how many shards the job's rounds train (N), for strategies that scale by it."""
+        return None  # most strategies do not
 
     def needs_start_weights(self) -> bool:
         """Whether `begin` needs the round's global weights (a strategy that reads each update as it arrives)."""

@@ -43,6 +43,13 @@ class TrainCall:
     clipping_norm: float | None = None
     # The job's `distributed.transfer` (apiary.wire_settings.TransferSettings as a dict) where it encodes uploads.
     transfer: dict[str, Any] | None = None
+    # The shard's state (apiary.shard_state): the file of its latest one (None: it has none yet), the server state
+    # every worker gets (SCAFFOLD's c), where the new one goes, the most bytes it may take, and the personal layers.
+    state_path: str | None = None
+    server_state_path: str | None = None
+    state_result_path: str | None = None
+    state_limit: int | None = None
+    personal_layers: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -54,6 +61,9 @@ class TrainResult:
     size: int
     sha256: str
     metrics: dict[str, float] = field(default_factory=dict)
+    # The shard's new state, written to the call's `state_result_path`, if the training returned one.
+    state_size: int | None = None
+    state_sha256: str | None = None
 
     def has_samples(self) -> bool:
         """Whether `samples` is a positive int, as the average's weighting needs."""

@@ -50,7 +50,8 @@ class CausalLMTrainer(ChildTrainer):
         if not call.model_path:
             raise TrainerError("the causal_lm trainer needs the job's base model, and the assignment names none")
         out = await self._call("causal_lm.train", call, timeout, on_metrics)
-        return TrainResult(samples=out["samples"], size=out["size"], sha256=out["sha256"], metrics=out["metrics"])
+        return TrainResult(samples=out["samples"], size=out["size"], sha256=out["sha256"], metrics=out["metrics"],
+                           state_size=out.get("state_size"), state_sha256=out.get("state_sha256"))
 
     async def init_task(self, call: TrainCall, *, timeout: float | None = None) -> bool:
         """Round 0 of a job without peft: the base model's own weights, from the worker's cache."""

@@ -165,6 +165,11 @@ def adapter_tensors(model: Any) -> dict[str, Any]:
     return {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model).items()}
 
 
+def adapter_key(parameter: str) -> str:
+    """An adapter parameter's name as `adapter_tensors` keys it (peft drops the adapter's name, `default`)."""
+    return parameter.replace(".default.", ".")
+
+
 def full_tensors(model: Any) -> dict[str, Any]:
     """All the model's weights; tied ones copied apart (safetensors stores no shared storage)."""
     return {k: v.detach().to("cpu").clone().contiguous() for k, v in model.state_dict().items()}

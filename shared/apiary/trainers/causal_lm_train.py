@@ -56,6 +56,7 @@ class RoundInputs:
 
 def round_inputs(call: TrainCall, device: str) -> RoundInputs:
     """The call's config, records and model (kept from the last call, reset to the call's global weights)."""
+    from apiary.trainers import shard_state
 
     if not call.model_path:
         raise TrainerError("the causal_lm trainer needs the job's base model, and none was given")
@@ -65,7 +66,9 @@ def round_inputs(call: TrainCall, device: str) -> RoundInputs:
     model, tokenizer = _warm_model(Path(call.model_path), cfg)
     from apiary.wire_codec import load_downloaded  # global weights downloaded halved come back in their dtypes
 
-    lm.set_weights(model, load_downloaded(Path(call.weights_path).read_bytes()), adapter=cfg.use_peft)
+    # The shard's personal layers (distributed.personal_layers), where it has trained them before, over the global ones.
+    weights = shard_state.load(call).personalise(load_downloaded(Path(call.weights_path).read_bytes()))
+    lm.set_weights(model, weights, adapter=cfg.use_peft)
     return RoundInputs(cfg, dtype, records, model.to(device), tokenizer)
 
 
@@ -84,14 +87,27 @@ def out_of_memory_said(device: str, cfg: CausalLMConfig) -> Iterator[None]:
 def run_round(call: TrainCall, device: str, log_metrics: Callable[..., None]) -> tuple[dict[str, Any], int,
                                                                                          dict[str, float]]:
     """Train one round; the tensors that travel, the training records' count and {loss, val_loss}."""
+    result, samples, metrics = run_round_with_state(call, device, log_metrics, {})
+    return result["weights"], samples, metrics
+
+
+def run_round_with_state(call: TrainCall, device: str, log_metrics: Callable[..., None],
+                         carried: dict[str, Any]) -> tuple[dict[str, Any], int, dict[str, float]]:
+    """Train one round from the shard's state and the server state (`carried`); the result (`weights`, and
+    with SCAFFOLD the shard's new `state` and its `control_delta`), the training records' count and metrics."""
+    from apiary.sdk import Scaffold
+
     inputs = round_inputs(call, device)
     cfg, model, tokenizer = inputs.cfg, inputs.model, inputs.tokenizer
+    # AdamW: the control variate's update takes the mean raw gradient (Scaffold with lr=None).
+    scaffold = Scaffold(model, {"env": call.env, **(carried or {})}, lr=None,
+                        names=lm.adapter_key if cfg.use_peft else None)
     examples = [data.encode(r, tokenizer, cfg.max_seq_length) for r in inputs.records]
     train_idx, val_idx = data.split_validation(len(examples), cfg.validation_split, cfg.seed)
     steps = call.env.get("STEPS_PER_ROUND")
     total = data.micro_batches(len(train_idx), cfg.batch_size, cfg.epochs, int(steps) if steps else None,
                                cfg.gradient_accumulation_steps)
-    loop = _Loop(model, cfg, device, inputs.dtype, tokenizer.pad_token_id)
+    loop = _Loop(model, cfg, device, inputs.dtype, tokenizer.pad_token_id, scaffold=scaffold)
     seed = cfg.seed + int(call.round.get("index", 0))
     with out_of_memory_said(device, cfg):
         loss = loop.train([examples[i] for i in train_idx], total, seed, log_metrics)
@@ -99,7 +115,7 @@ def run_round(call: TrainCall, device: str, log_metrics: Callable[..., None]) ->
         if val_idx:
             metrics["val_loss"] = loop.evaluate([examples[i] for i in val_idx])
     tensors = lm.adapter_tensors(model) if cfg.use_peft else lm.full_tensors(model)
-    return tensors, len(train_idx), metrics
+    return scaffold.finish({"weights": tensors}), len(train_idx), metrics
 
 
 # The child's model from its last round, by what built it: the next round of the job starts from the round's
@@ -123,10 +139,12 @@ def _warm_model(model_path: Path, cfg: CausalLMConfig) -> tuple[Any, Any]:
 class _Loop:
     """The optimizer's loop over batches, and the validation pass, under autocast."""
 
-    def __init__(self, model: Any, cfg: CausalLMConfig, device: str, dtype: Any, pad_id: int) -> None:
+    def __init__(self, model: Any, cfg: CausalLMConfig, device: str, dtype: Any, pad_id: int,
+                 scaffold: Any = None) -> None:
         import torch
 
         self.model, self.cfg, self.device, self.dtype, self.pad_id = model, cfg, device, dtype, pad_id
+        self.scaffold = scaffold  # apiary.sdk.Scaffold: SCAFFOLD's gradient correction (a no-op for other strategies)
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate)
         warmup = cfg.warmup_steps
@@ -151,6 +169,9 @@ class _Loop:
             self.scaler.scale(loss / accumulation).backward()
             losses.append(float(loss.detach()))
             if (i + 1) % accumulation == 0 or i + 1 == total:
+                if self.scaffold is not None and self.scaffold.active:
+                    self.scaler.unscale_(self.optimizer)  # the correction adds to true gradients, not scaled ones
+                    self.scaffold.correct()
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -192,8 +213,12 @@ def mean_loss(model: Any, examples: list[data.Example], batch_size: int, device:
 
 def run_train(call: TrainCall, conn: Connection) -> dict[str, Any]:
     """The child's `causal_lm.train` call: train, write the result file, and say what it holds."""
+    from apiary.trainers import shard_state
     from apiary.trainers.child import ChildLogger, save_trained, training_device
 
-    tensors, samples, metrics = run_round(call, training_device(conn), ChildLogger(conn).log_metrics)
-    size, sha256 = save_trained(call, tensors, "causal_lm")
-    return {"samples": samples, "metrics": metrics, "size": size, "sha256": sha256}
+    carried = shard_state.load(call)
+    result, samples, metrics = run_round_with_state(call, training_device(conn), ChildLogger(conn).log_metrics,
+                                                    {"state": carried.state, "server_state": carried.server_state})
+    upload, state_out = carried.split("causal_lm", result)
+    size, sha256 = save_trained(call, upload, "causal_lm")
+    return {"samples": samples, "metrics": metrics, "size": size, "sha256": sha256, **state_out}

@@ -104,22 +104,27 @@ def training_device(conn: Connection) -> str:
 
 
 def _run_train(call: TrainCall, conn: Connection) -> dict[str, Any]:
+    from apiary.trainers import shard_state
+
     fn = _resolve(call.module, call.function)
     assert fn is not None
     initial = load_initial(call.weights_path)
-    payload = {"env": dict(call.env), "initial_weights": initial, "dataset": dict(call.dataset),
-               "round": dict(call.round), "job": dict(call.job), "device": training_device(conn)}
+    carried = shard_state.load(call)
+    payload = {"env": dict(call.env), "initial_weights": carried.personalise(initial), "dataset": dict(call.dataset),
+               "round": dict(call.round), "job": dict(call.job), "device": training_device(conn),
+               "state": carried.user_state(), "server_state": carried.server_state}
     Path(call.out_dir).mkdir(parents=True, exist_ok=True)
     result = fn(payload, call.out_dir, ChildLogger(conn))
     if not isinstance(result, dict) or "weights" not in result or "samples" not in result:
         raise UserCodeError(f"{call.function} must return a dict with 'weights' and 'samples'")
-    size, sha256 = save_trained(call, result["weights"], call.function)
+    weights, state_out = carried.split(call.function, result)
+    size, sha256 = save_trained(call, weights, call.function)
     samples = result["samples"]
     if isinstance(samples, bool) or not isinstance(samples, int):
         with contextlib.suppress(Exception):
             samples = int(samples) if float(samples) == int(samples) else samples
     metrics = {k: float(v) for k, v in (result.get("metrics") or {}).items() if _is_number(v)}
-    return {"samples": samples, "metrics": metrics, "size": size, "sha256": sha256}
+    return {"samples": samples, "metrics": metrics, "size": size, "sha256": sha256, **state_out}
 
 
 def save_result(result_path: str, weights: Any, function: str) -> tuple[int, str]:

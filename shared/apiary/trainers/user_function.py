@@ -44,7 +44,8 @@ class UserCodeRunner(ChildTrainer):
                     on_metrics: MetricsCallback | None = None) -> TrainResult:
         """Run the user's training function; raise UserCodeError with one clear line if it fails."""
         out = await self._call("train", call, timeout, on_metrics)
-        return TrainResult(samples=out["samples"], size=out["size"], sha256=out["sha256"], metrics=out["metrics"])
+        return TrainResult(samples=out["samples"], size=out["size"], sha256=out["sha256"], metrics=out["metrics"],
+                           state_size=out.get("state_size"), state_sha256=out.get("state_sha256"))
 
     async def init_weights(self, module: str, env: dict[str, Any], target: Path, *, timeout: float) -> bool:
         """Write the module's `fl_init_weights(env)` to `target`; False if the module has none."""

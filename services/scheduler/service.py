@@ -36,6 +36,7 @@ class Scheduler(Component):
         """Migrate, publish what an earlier run left in the outbox, and start consuming."""
         await self.db.migrate(self.name, MIGRATIONS)
         await self.db.migrate(task_proofs.COMPONENT, task_proofs.MIGRATIONS)
+        await self.handlers.versions.migrate()
         await self.outbox.flush()
         h = self.handlers
         handlers: dict[str, EventHandler | Raw] = {
@@ -51,6 +52,8 @@ class Scheduler(Component):
             "worker.online": h.on_worker_presence,
             "worker.heartbeat": h.on_worker_presence,
             "worker.offline": h.on_worker_presence,
+            "worker.done": h.on_worker_report,
+            "worker.failed": h.on_worker_report,
         }
         await self.consume("scheduler", handlers)
         self._pacer = asyncio.create_task(self._pace(), name="scheduler:presence-pace")

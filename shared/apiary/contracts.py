@@ -10,6 +10,7 @@ import msgpack
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from apiary.jobspec import FieldError, JobSpec
+from apiary.jobspec_async import AsyncConfig
 from apiary.policy import LIMITS
 from apiary.privacy import DifferentialPrivacy
 from apiary.strategies import DEFAULT_STRATEGY
@@ -140,6 +141,9 @@ class RoundStart(RoundEvent):
     # (apiary.proof): a report proves it comes from the assignment's worker by presenting what hashes to them.
     secret_digests: dict[int, str] = Field(default_factory=dict)
     progress_digests: dict[int, str] = Field(default_factory=dict)
+    # Mode async (FedBuff): the round is a version's buffer, closed at `buffer_size` updates, whichever tasks
+    # they come from (each announced by `round.assigned`); None: a synchronous round.
+    asynchronous: AsyncConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -266,6 +270,32 @@ class RoundTimeout(RoundEvent):
     routing_key: ClassVar[str] = "round.timeout"
 
 
+class FoldedUpdate(BaseModel):
+    """One update a version of an async job folded: its task, its worker, and how stale it was."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    shard: int
+    round: int  # the task's round: it trained from version round - 1
+    attempt: int  # the task's number within the job
+    worker_id: str
+    samples: int
+    staleness: int  # versions made between its start and its fold
+    weight: float  # its staleness weight g(staleness)
+    duration_s: float = 0.0  # its worker's training time
+
+
+class RoundAssigned(RoundEvent):
+    """`round.assigned`: mode async: one training task was handed out (its shard trains from version round - 1;
+    `attempt` numbers the job's tasks); the aggregator judges the task's report by the secret's digest here."""
+
+    routing_key: ClassVar[str] = "round.assigned"
+    shard: int
+    weights: ObjectRef  # the global version the task trains from
+    secret_digest: str
+    progress_digest: str = ""
+
+
 class RoundAggregated(RoundEvent):
     """`round.aggregated`: the aggregator folded a round's contributions into new global `weights`."""
 
@@ -277,6 +307,8 @@ class RoundAggregated(RoundEvent):
     rejected: dict[str, str] = Field(default_factory=dict)
     # Which worker trained each accepted shard: the next round prefers it for that shard.
     trained_by: dict[int, str] = Field(default_factory=dict)
+    # Mode async: each update the version folded, in folding order (empty for a synchronous round).
+    folded: list[FoldedUpdate] = Field(default_factory=list)
 
 
 class RoundFailed(RoundEvent):
@@ -457,6 +489,7 @@ EVENT_TYPES: dict[str, type[BaseModel]] = {
         PresencePace,
     )
 }
+EVENT_TYPES[RoundAssigned.routing_key] = RoundAssigned  # mode async's task announcements
 
 
 def model_for(routing_key: str) -> type[BaseModel]:

@@ -20,6 +20,7 @@ from pydantic import (
 
 from apiary.bundle import requirement_error
 from apiary.early_stopping import BUILT_IN_METRICS, EarlyStopping
+from apiary.jobspec_async import AsyncConfig, Mode, async_errors
 from apiary.jobspec_builtin import built_in_errors, did_you_mean, merged_errors
 from apiary.policy import Policy, job_errors
 from apiary.privacy import PRIVACY_EXTRA, DifferentialPrivacy, accounting_available, epsilon, rounds_within_budget
@@ -62,7 +63,7 @@ def parse_entrypoint(entrypoint: str) -> tuple[str, str]:
 class DistributedConfig(BaseModel):
     """How rounds run: how many, on how many workers, and how failures are tolerated."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
 
     enabled: bool = Field(default=True, description="false: one ordinary training on a single worker over the "
                           "whole dataset (one shard), whatever sizes the request names")
@@ -91,6 +92,18 @@ class DistributedConfig(BaseModel):
     differential_privacy: DifferentialPrivacy | None = Field(default=None, description="central differential "
                                                              "privacy around the strategy: clipping, noise and an "
                                                              "accountant (docs/privacy.md)")
+    mode: Mode = Field(default="sync", description="sync: rounds wait for their shards; async: buffered "
+                       "asynchronous aggregation (FedBuff): workers train continuously and every buffer_size "
+                       "updates make a new version (num_rounds counts versions; docs/how-to/async.md)")
+    async_: AsyncConfig | None = Field(default=None, alias="async", description="mode async: the buffer size, "
+                                       "concurrency, staleness weight and server step")
+
+    @property
+    def buffered(self) -> AsyncConfig | None:
+        """The resolved async settings of a job in mode async (defaults from its sizes), else None."""
+        if self.mode != "async":
+            return None
+        return (self.async_ or AsyncConfig()).resolved(self.max_workers)
 
     @model_validator(mode="after")
     def _min_le_max(self) -> DistributedConfig:
@@ -302,6 +315,11 @@ class JobSpec(BaseModel):
             raise ValueError(
                 f"{len(pinned)} pinned workers cannot satisfy min_workers={self.distributed.min_workers}"
             )
+        d = self.distributed
+        why = async_errors(d.mode, d.async_, enabled=d.enabled, strategy=d.strategy, num_shards=self.num_shards,
+                           privacy=d.differential_privacy is not None)
+        if why is not None:
+            raise ValueError(f"distributed: {why}")
         return self
 
     @property

@@ -21,6 +21,7 @@ from apiary.contracts import (
     PresencePace,
     ReportForged,
     RoundAggregated,
+    RoundAssigned,
     RoundEvaluated,
     RoundFailed,
     RoundStart,
@@ -34,7 +35,7 @@ from apiary.contracts import (
 )
 from apiary.db import Executor
 from apiary.strategies import DEFAULT_STRATEGY
-from services.tracker import store
+from services.tracker import async_views, store
 from services.tracker.beats import heartbeat_of
 from services.tracker.store import WorkerSeen
 
@@ -89,6 +90,7 @@ async def _round_start(tx: Executor, e: RoundStart, ts: float) -> None:
     await store.job_running(tx, e.job_id, e.round, e.attempt, e.num_rounds, ts)
     await store.round_started(tx, e.job_id, e.round, e.attempt, store.announced_digests(e), ts)
     await store.job_strategy(tx, e.job_id, e.strategy, e.strategy_params)
+    await async_views.started(tx, e, ts)
 
 
 async def _worker_progress(tx: Executor, e: WorkerProgress, ts: float) -> None:
@@ -112,6 +114,7 @@ async def _round_aggregated(tx: Executor, e: RoundAggregated, ts: float) -> None
     await store.round_ended(tx, e.job_id, e.round, e.attempt, "aggregated", ts, metrics=to_json(e.metrics))
     rejected = {int(shard): reason for shard, reason in e.rejected.items()}
     await store.shards_rejected(tx, e.job_id, e.round, e.attempt, rejected)
+    await async_views.aggregated(tx, e, ts)
 
 
 async def _round_failed(tx: Executor, e: RoundFailed, ts: float) -> None:
@@ -184,6 +187,7 @@ VIEWS: dict[str, View] = {
     WorkerOnline.routing_key: _worker_online,
     WorkerHeartbeat.routing_key: _worker_heartbeat,
     WorkerOffline.routing_key: _worker_offline,
+    RoundAssigned.routing_key: async_views.assigned,
 }
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from apiary.component import from_json
 from apiary.db import Executor
 from apiary.status import TERMINAL
+from services.tracker import async_views
 
 # A shard whose worker went offline mid-round shows as offline, not as still training; one that had not
 # reported when its job ended shows as stopped.
@@ -86,6 +87,7 @@ async def job_view(db: Executor, job_id: str) -> dict[str, Any] | None:
     job["forged"] = await db.fetch(
         "SELECT round, attempt, shard, worker_id, routing_key, reason, ts FROM forged_reports WHERE job_id = $1"
         " ORDER BY seq DESC LIMIT 100", job_id)
+    job["asynchronous"] = await async_views.summary(db, job_id)
     return job
 
 

@@ -9,11 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
 
 from apiary import keys
 from apiary.jobspec_async import AsyncConfig
 from apiary.strategies.buffered import staleness_weight
 from apiary.weights import loads
+from services.app.render import render_job
+from services.tracker.schemas import JobDetail
 from tests.fixtures.embedded import StackFactory, toy_request
 
 SLOW = 3  # the shard held back (its worker is "slow")
@@ -98,3 +101,12 @@ async def test_async_job_status_counts_versions(embedded: StackFactory, toy_data
 
     assert view["status"] == "completed", view.get("reason")
     assert [(r["round"], r["status"]) for r in rounds] == [(1, "aggregated"), (2, "aggregated"), (3, "aggregated")]
+    buffered = view["asynchronous"]
+    assert (buffered["versions"], buffered["updates"], buffered["buffer_size"]) == (3, 6, 2)
+    assert sum(h["count"] for h in buffered["staleness_histogram"]) == 6
+    assert sum(w["updates"] for w in buffered["workers"]) == 6 and all(w["per_minute"] > 0 for w in buffered["workers"])
+    JobDetail.model_validate(view)  # what the API answers
+    shown = Console(width=200, record=True)
+    shown.print(render_job(view))
+    text = shown.export_text()
+    assert "version 3/3" in text and "async: 3 versions of K=2 from 6 updates" in text, text

@@ -171,6 +171,12 @@ class AsyncBuffers:
         verdict = await self._judge(event, user_id)
         if verdict is not None:
             await self._record(event, verdict.status, verdict.reason)
+            if verdict.status is ContributionStatus.DUPLICATE:
+                # A redelivered last update whose first handling stopped after its fold committed (a crash mid-flush,
+                # say): its version is full, so it is made now rather than at the timeout.
+                version = await self._current(event.job_id)
+                if version is not None and version.buffer.count >= version.settings.k:
+                    await self._flush(version, timed_out=False)
             return
         version = await self._current(event.job_id)
         if version is None:

@@ -414,7 +414,8 @@ def _did_you_mean(loc: tuple[int | str, ...]) -> str:
     """` (did you mean num_rounds?)` for an unknown field close to a known one of its block, else ``."""
     model: type[BaseModel] = JobSpec
     for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
+        field = model.model_fields.get(str(part)) or next(
+            (f for f in model.model_fields.values() if f.alias == str(part)), None)  # `async`, a keyword
         annotation = _block(field.annotation) if field is not None else None
         if annotation is None:
             return ""

@@ -62,6 +62,7 @@ class Run:
     accuracy: list[float] = field(default_factory=list)
     closed_s: list[float] = field(default_factory=list)  # since round 1 started
     to_target_s: float | None = None
+    warm_s: float = 0.0  # when every worker had reported its first task (its training process was up)
     wall_s: float = 0.0
     error: str | None = None
 
@@ -93,7 +94,8 @@ def run(row: Row, mode: str, index: int, args: argparse.Namespace) -> Run:
     folder.mkdir(parents=True)
     job_file = folder / "job.json"
     job_file.write_text(json.dumps(request(row, mode, args), indent=1))
-    env = {**os.environ, "APIARY_HOME": str(folder / "home"), "APIARY_HTTP_PORT": "0", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "APIARY_HOME": str(folder / "home"), "APIARY_HTTP_PORT": "0", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{REPO / 'shared'}:{REPO}"}  # this checkout's code, whichever one the venv installed
     command = [str(Path(sys.executable).with_name("apiary")), "run", str(job_file), "--workers", str(WORKERS),
                "--json", "--gpus", "none"]
     started = time.monotonic()
@@ -113,6 +115,9 @@ def run(row: Row, mode: str, index: int, args: argparse.Namespace) -> Run:
         start = db.execute("SELECT MIN(started_at) FROM rounds WHERE job_id = ?", (job_id,)).fetchone()[0]
         closed = db.execute("SELECT round, closed_at FROM aggregations WHERE job_id = ? AND status = 'aggregated'"
                             " ORDER BY round", (job_id,)).fetchall()
+        firsts = db.execute("SELECT MIN(received_at) FROM contributions WHERE job_id = ? GROUP BY worker_id",
+                            (job_id,)).fetchall()
+    out.warm_s = max(float(t) for (t,) in firsts) - float(start)
     from safetensors.torch import load_file
 
     from examples.digits.train import fl_evaluate_model
@@ -125,6 +130,11 @@ def run(row: Row, mode: str, index: int, args: argparse.Namespace) -> Run:
         out.closed_s.append(float(closed_at) - float(start))
     out.to_target_s = next((t for a, t in zip(out.accuracy, out.closed_s, strict=True) if a >= args.target), None)
     return out
+
+
+def after_warm_up(r: Run) -> float | None:
+    """Time to target from the moment every worker had reported once (each one's training process up)."""
+    return None if r.to_target_s is None else max(0.0, r.to_target_s - r.warm_s)
 
 
 def median(values: list[float | None]) -> float | None:
@@ -143,21 +153,27 @@ def page(results: dict[str, dict[str, list[Run]]], args: argparse.Namespace) -> 
         f"least {args.pace:g} s, shard {SLOW_SHARD}'s {args.factor:g}x that where a worker is slow. Same budget of "
         f"updates: sync {args.rounds} rounds x {WORKERS}, async {args.rounds * WORKERS // args.buffer} versions "
         f"x K={args.buffer} (polynomial staleness weight, server learning rate 1). Time to {args.target:.0%} held-out "
-        f"accuracy from round 1's start; median of {args.runs} runs each, in the same session, one run at a time.",
+        f"accuracy from round 1's start, and after warm-up: from the moment every worker had reported its first task "
+        f"(its training process started; ~20 s here, the same in both modes). Median of {args.runs} runs each, in the "
+        "same session, one run at a time, sync and async alternating.",
         "",
         f"| fleet and split | sync FedAvg: s to {args.target:.0%} | async FedBuff: s to {args.target:.0%} | "
-        "speed-up (sync / async) | final accuracy sync / async | runs reaching the target sync / async |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "speed-up | after warm-up: sync / async (s) | speed-up after warm-up | final accuracy sync / async | "
+        "runs reaching the target sync / async |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, modes in results.items():
         sync, asyn = (median([r.to_target_s for r in modes[m]]) for m in ("sync", "async"))
         ratio = f"{sync / asyn:.2f}x" if sync and asyn else "n/a"
+        warm_sync, warm_async = (median([after_warm_up(r) for r in modes[m]]) for m in ("sync", "async"))
+        warm_ratio = f"{warm_sync / warm_async:.2f}x" if warm_sync and warm_async else "n/a"
         finals = " / ".join(f"{statistics.median([r.accuracy[-1] for r in modes[m] if r.accuracy] or [0]):.3f}"
                             for m in ("sync", "async"))
         reached = " / ".join(f"{sum(r.to_target_s is not None for r in modes[m])}/{len(modes[m])}"
                              for m in ("sync", "async"))
         show = (lambda v: f"{v:.1f}" if v is not None else "not reached")  # noqa: E731
-        lines.append(f"| {name} | {show(sync)} | {show(asyn)} | {ratio} | {finals} | {reached} |")
+        lines.append(f"| {name} | {show(sync)} | {show(asyn)} | {ratio} | {show(warm_sync)} / {show(warm_async)} | "
+                     f"{warm_ratio} | {finals} | {reached} |")
     errors = [f"- {name} {r.mode}: {r.error}" for name, modes in results.items() for runs in modes.values()
               for r in runs if r.error]
     if errors:
@@ -183,7 +199,8 @@ def main() -> None:
             for mode in ("sync", "async"):  # alternating, so a change of load over time hits both alike
                 outcome = run(row, mode, index, args)
                 results[row.name][mode].append(outcome)
-                print(f"{row.name} {mode} #{index}: to target {outcome.to_target_s} s, wall {outcome.wall_s:.1f} s,"
+                print(f"{row.name} {mode} #{index}: to target {outcome.to_target_s} s (warm at {outcome.warm_s:.1f} s),"
+                      f" wall {outcome.wall_s:.1f} s,"
                       f" accuracy {[round(a, 3) for a in outcome.accuracy]} {outcome.error or ''}", flush=True)
     text = page(results, args)
     print(text)

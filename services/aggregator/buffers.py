@@ -184,6 +184,7 @@ class AsyncBuffers:
             return
         if isinstance(event, WorkerFailed):
             await self._settle(event, ContributionStatus.FAILED, event.error)
+            await self._fail_if_failing(version, event.error)
             return
         staleness = version.key[1] - event.round
         limit = version.settings.max_staleness
@@ -236,13 +237,29 @@ class AsyncBuffers:
         if version.buffer.count:
             await self._flush(version, timed_out=True)
             return
-        reason = f"timeout: no update arrived for version {event.round}"
-        failed = RoundFailed(job_id=event.job_id, round=event.round, attempt=event.attempt, reason=reason,
-                             reported=0, required=version.settings.k)
+        await self._fail(version, f"timeout: no update arrived for version {event.round}")
+
+    async def _fail_if_failing(self, version: OpenVersion, error: str) -> None:
+        """A version with nothing folded yet fails once as many tasks failed during it as train at once (the user's
+        code fails everywhere, say): the scheduler retries it or fails the job (fault_tolerance), rather than
+        handing failing tasks out until the version's timeout."""
+        if version.buffer.count:
+            return
+        failed = await self._db.fetchval(
+            "SELECT COUNT(*) FROM contributions WHERE job_id = $1 AND status = $2 AND received_at >= $3",
+            version.key[0], str(ContributionStatus.FAILED), float(version.row["opened_at"]))
+        if int(failed or 0) < version.settings.slots:
+            return
+        await self._fail(version, f"{failed} training tasks failed and none succeeded; the last: {error}")
+
+    async def _fail(self, version: OpenVersion, reason: str) -> None:
+        job_id, index, attempt = version.key
+        failed = RoundFailed(job_id=job_id, round=index, attempt=attempt, reason=reason, reported=0,
+                             required=version.settings.k)
         async with self._db.transaction() as tx:
             if await self._store.close(tx, version.key, RoundStatus.FAILED, reason=reason):
                 await self._outbox.add(tx, failed)
-        self._open.pop(event.job_id, None)
+        self._open.pop(job_id, None)
         await self._outbox.flush()
 
     def drop_job(self, job_id: str) -> None:

@@ -110,3 +110,15 @@ async def test_async_job_status_counts_versions(embedded: StackFactory, toy_data
     shown.print(render_job(view))
     text = shown.export_text()
     assert "version 3/3" in text and "async: 3 versions of K=2 from 6 updates" in text, text
+
+
+async def test_an_entrypoint_that_raises_fails_an_async_job_without_waiting_for_the_timeout(
+        embedded: StackFactory, toy_dataset: Path) -> None:
+    request = toy_request(toy_dataset, num_rounds=3, min_workers=2, max_workers=2, mode="async", evaluate_every=0,
+                          aggregation_timeout=600, fault_tolerance=1)
+    request["config"] = {"mode": "raise"}
+    async with embedded(workers=2) as stack:
+        view = await stack.wait(await stack.submit(request), timeout=90)
+
+    assert view["status"] == "failed"
+    assert "failed 2 time(s) in a row" in view["reason"] and "RuntimeError: toy failure on shard" in view["reason"]

@@ -135,19 +135,14 @@ class AsyncBuffers:
 
     async def on_round_start(self, event: RoundStart) -> None:
         """A version opens (the first, or a retry after a failed one): store it, and the job's settings. A version
-        the aggregator opened itself at the previous flush takes the scheduler's trace context."""
+        the aggregator opened itself at the previous flush keeps its row (and its trace)."""
         assert event.asynchronous is not None
         settings = event.asynchronous.model_dump_json()
         await self._db.execute("INSERT INTO async_jobs (job_id, settings, num_rounds) VALUES ($1, $2, $3)"
                                " ON CONFLICT DO NOTHING", event.job_id, settings, event.num_rounds)
-        if not await self._store.open_round(opened_row(event)):
-            await self._db.execute("UPDATE aggregations SET traceparent = $4 WHERE job_id = $1 AND round = $2"
-                                   " AND attempt = $3 AND status = $5", event.job_id, event.round, event.attempt,
-                                   telemetry.headers_for().get("traceparent"), str(RoundStatus.OPEN))
+        await self._store.open_round(opened_row(event))
         current = self._open.get(event.job_id)
-        if current is not None and current.key == (event.job_id, event.round, event.attempt):
-            current.row["traceparent"] = telemetry.headers_for().get("traceparent")
-        elif current is not None and current.key < (event.job_id, event.round, event.attempt):
+        if current is not None and current.key < (event.job_id, event.round, event.attempt):
             self._open.pop(event.job_id, None)  # a retry replaces a failed version: recovered from its row
 
     async def on_assigned(self, event: RoundAssigned) -> None:
@@ -424,41 +419,44 @@ class AsyncBuffers:
                 ref = await self._storage.put_bytes(keys.global_weights(job_id, index), data)
                 if state_key is not None:
                     await self._storage.put_bytes(state_key, dump_weights(server_state))
+                traceparent = None if last else telemetry.headers_for(telemetry.round_context(
+                    *telemetry.new_round_ids())).get("traceparent")
                 if not last:
-                    await self._open_next(tx, version, ref)
+                    await self._open_next(tx, version, ref, traceparent)
                 await self._outbox.add(tx, RoundAggregated(
                     job_id=job_id, round=index, attempt=attempt, weights=ref,
                     contributors=[u.shard for u in version.folded], total_samples=result.total_samples,
                     metrics=result.metrics, trained_by={u.shard: u.worker_id for u in version.folded},
-                    folded=version.folded))
+                    folded=version.folded, next_traceparent=traceparent))
         log.info("job %s: version %d made from %d updates (staleness %s)%s", job_id, index, len(version.folded),
                  staleness, " at timeout" if timed_out else "")
         if not last:
-            self._open[job_id] = self._next_version(version, ref, result.weights, server_state)
+            self._open[job_id] = self._next_version(version, ref, result.weights, server_state, traceparent)
             self._starts[ref.key] = result.weights  # the next tasks start from it
         await self._outbox.flush()
         metrics.aggregated(time.perf_counter() - started, sum(int(r["size"]) for r in folds))
 
     @staticmethod
-    async def _open_next(tx: Executor, version: OpenVersion, ref: ObjectRef) -> None:
-        """The next version's row, opened with the flush (its trace context comes with its round.start)."""
+    async def _open_next(tx: Executor, version: OpenVersion, ref: ObjectRef, traceparent: str | None) -> None:
+        """The next version's row, opened with the flush, in a trace of its own (its round span's ids go to the
+        scheduler on round.aggregated)."""
         row = dict(version.row)
         lifetime = float(row["deadline"]) - float(row["opened_at"])
         now = time.time()
         row.update({"round": row["round"] + 1, "attempt": 1, "weights_key": ref.key, "weights_size": ref.size,
                     "weights_sha256": ref.sha256, "status": str(RoundStatus.OPEN), "opened_at": now,
-                    "deadline": now + lifetime, "traceparent": None, "secret_digests": json.dumps({})})
+                    "deadline": now + lifetime, "traceparent": traceparent, "secret_digests": json.dumps({})})
         values = [row[c] for c in COLUMNS]
         placeholders = ", ".join(f"${i}" for i in range(1, len(COLUMNS) + 1))
         await tx.execute(f"INSERT INTO aggregations ({', '.join(COLUMNS)}) VALUES ({placeholders})"
                          " ON CONFLICT DO NOTHING", *values)
 
     def _next_version(self, version: OpenVersion, ref: ObjectRef, weights: dict[str, torch.Tensor],
-                      server_state: dict[str, torch.Tensor]) -> OpenVersion:
+                      server_state: dict[str, torch.Tensor], traceparent: str | None) -> OpenVersion:
         """The next version's state, begun from the weights just made and the optimiser state just stored."""
         row = dict(version.row)
         row.update({"round": row["round"] + 1, "attempt": 1, "weights_key": ref.key, "weights_size": ref.size,
-                    "weights_sha256": ref.sha256, "traceparent": None})
+                    "weights_sha256": ref.sha256, "traceparent": traceparent})
         nxt = self._begin(row, version.settings, version.num_rounds, weights)
         if server_state:
             nxt.buffer.load_state(server_state)

@@ -65,6 +65,15 @@ class AsyncVersions:
         self._db, self._storage, self._outbox, self._router = db, storage, outbox, router
         self._presign_ttl = presign_ttl
         self._modes: dict[str, bool] = {}  # job -> whether it is async (a job's mode never changes)
+        # (job, version) -> the trace ids the aggregator gave the version it opened (round.aggregated).
+        self._traces: dict[tuple[str, int], tuple[int, int]] = {}
+
+    def adopt_trace(self, job_id: str, version: int, traceparent: str | None) -> None:
+        """The next version's round span gets the ids the aggregator opened it with (`00-<trace>-<span>-01`), so
+        its aggregation and its tasks share one trace."""
+        parts = (traceparent or "").split("-")
+        if len(parts) == 4 and len(parts[1]) == 32 and len(parts[2]) == 16:
+            self._traces[(job_id, version)] = (int(parts[1], 16), int(parts[2], 16))
 
     async def migrate(self) -> None:
         """Create or update the async tables."""
@@ -90,7 +99,7 @@ class AsyncVersions:
         timeout = spec.distributed.aggregation_timeout
         shards = [s.index for s in target.shards]
         plan = RoundPlan(chosen=target.shards, started_at=now, timeout=timeout, deadline=now + timeout)
-        trace_ids = telemetry.new_round_ids()
+        trace_ids = self._traces.pop((target.job_id, target.round), None) or telemetry.new_round_ids()
         trace = telemetry.headers_for(telemetry.round_context(*trace_ids))
         await store.insert_round(tx, target.job_id, target.round, target.attempt, shards, now, plan.deadline,
                                  trace_ids)

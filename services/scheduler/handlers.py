@@ -239,6 +239,7 @@ class SchedulerHandlers:
                 await store.set_last_round(tx, event.job_id, event.round)
             else:
                 target = RoundTarget(event.job_id, spec, job.shards, event.weights, decision.round, decision.attempt)
+                self.versions.adopt_trace(event.job_id, decision.round, event.next_traceparent)  # mode async
                 await self._start_round(tx, target, prefer=event.trained_by)
             # Queued after the next round's assignments: a worker takes its training first.
             if evaluation_due(spec, event.round, job.evaluates):

@@ -307,8 +307,10 @@ class RoundAggregated(RoundEvent):
     rejected: dict[str, str] = Field(default_factory=dict)
     # Which worker trained each accepted shard: the next round prefers it for that shard.
     trained_by: dict[int, str] = Field(default_factory=dict)
-    # Mode async: each update the version folded, in folding order (empty for a synchronous round).
+    # Mode async: each update the version folded, in folding order (empty for a synchronous round), and the W3C
+    # traceparent of the next version, opened with this one's close (its round span: the scheduler records it).
     folded: list[FoldedUpdate] = Field(default_factory=list)
+    next_traceparent: str | None = None
 
 
 class RoundFailed(RoundEvent):

@@ -84,3 +84,12 @@ async def summary(db: Executor, job_id: str, now: float | None = None) -> dict[s
                      "mean_staleness": round(sum(s) / len(s), 3)} for w, s in sorted(workers.items())],
         "tasks": [dict(t) for t in tasks],
     }
+
+
+async def latest_tasks(db: Executor, job_id: str) -> list[dict[str, Any]]:
+    """Each shard's latest training task, as the job view lists a round's shards."""
+    return await db.fetch(
+        "SELECT s.shard, s.worker_id, s.state, s.step, s.metrics, s.error, s.updated_at, w.status AS worker_status"
+        " FROM shard_views s LEFT JOIN workers w ON w.worker_id = s.worker_id WHERE s.job_id = $1 AND s.attempt ="
+        " (SELECT MAX(t.attempt) FROM shard_views t WHERE t.job_id = s.job_id AND t.shard = s.shard) ORDER BY s.shard",
+        job_id)

@@ -88,7 +88,9 @@ async def _job_rejected(tx: Executor, e: JobRejected, ts: float) -> None:
 async def _round_start(tx: Executor, e: RoundStart, ts: float) -> None:
     await store.ensure_job(tx, e.job_id, ts)
     await store.job_running(tx, e.job_id, e.round, e.attempt, e.num_rounds, ts)
-    await store.round_started(tx, e.job_id, e.round, e.attempt, store.announced_digests(e), ts)
+    # An async version's shards are its tasks', announced one by one (round.assigned), with their own digests.
+    shards = store.announced_digests(e) if e.asynchronous is None else {}
+    await store.round_started(tx, e.job_id, e.round, e.attempt, shards, ts)
     await store.job_strategy(tx, e.job_id, e.strategy, e.strategy_params)
     await async_views.started(tx, e, ts)
 

@@ -4,6 +4,9 @@ settings' one-line refusals and how tasks pick shards."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -188,3 +191,21 @@ def test_next_shards_round_robin() -> None:
     assert next_shards(1, [0, 1, 2, 3], {0, 2, 3}, after=1) == [1]  # its own shard when no other waits
     assert next_shards(1, [0, 1, 2, 3], {2}, after=3) == [0]
     assert next_shards(0, [0, 1], set(), after=0) == []
+
+
+def test_the_buffer_keeps_nothing_of_an_update_once_folded() -> None:
+    # Memory does not grow with the buffer size: a folded update (and its rebased copy) is not held anywhere.
+    settings = AsyncConfig(buffer_size=50, server_momentum=0.5).resolved(4)
+    buffer = Buffer(inner_strategy("federated_averaging", {}, settings), settings)
+    x = _model(0)
+    buffer.begin(spec_of_tensors(x), UpdateFormat.FULL, x)
+    refs = []
+    for seed in range(50):
+        update = {k: (v + _model(seed + 1)[k] if v.is_floating_point() else v.clone()) for k, v in x.items()}
+        refs.append(weakref.ref(update["a.weight"]))
+        buffer.accept(Contribution(update, 3), x, seed % 4)
+        del update
+    gc.collect()
+
+    assert buffer.count == 50
+    assert all(ref() is None for ref in refs)

@@ -19,6 +19,7 @@ from apiary.strategies.base import Contribution
 from apiary.strategies.validation import InvalidContribution
 from apiary.weights import WeightsError
 from services.aggregator import shard_states
+from services.aggregator.buffers import AsyncBuffers
 from services.aggregator.closing import RoundCloser
 from services.aggregator.decisions import (
     Report,
@@ -57,13 +58,16 @@ class Aggregator(Component):
         self._secure = SecureRounds(self.bus, self.store)
         self._rounds.wrap = self._secure.strategy
         self._rounds.restore = self._secure.restore
+        self._buffers = AsyncBuffers(self.store, self.storage, self.outbox)  # mode async (FedBuff) versions
 
     async def start(self) -> None:
         await self.store.migrate(self.name)
         await self.db.migrate(shard_states.COMPONENT, shard_states.MIGRATIONS)
+        await self._buffers.migrate()
         await self.outbox.flush()
         handlers: dict[str, EventHandler] = {
             "round.start": self.on_round_start,
+            "round.assigned": self.on_round_assigned,
             "worker.done": self.on_worker_done,
             "worker.failed": self.on_worker_failed,
             "round.timeout": self.on_round_timeout,
@@ -87,6 +91,10 @@ class Aggregator(Component):
 
     async def on_round_start(self, event: contracts.RoundStart, delivery: Delivery) -> None:
         """Remember which shards a round waits for, the weights it started from and its strategy."""
+        if event.asynchronous is not None:
+            async with self._locks(event.job_id):
+                await self._buffers.on_round_start(event)
+            return
         async with self._locks(event.job_id):
             row = opened_row(event)
             inserted = await self.store.open_round(row)
@@ -97,8 +105,25 @@ class Aggregator(Component):
                 # A new round whose weights this aggregator wrote: nothing to read back before its results.
                 await self._rounds.begin(Round.of(row), spec)
 
+    async def on_round_assigned(self, event: contracts.RoundAssigned, delivery: Delivery) -> None:
+        """Mode async: a training task was handed out; its report is judged by what this stores."""
+        await self._buffers.on_assigned(event)
+
+    async def _async_report(self, event: Report, delivery: Delivery) -> bool:
+        """Mode async: the report of a training task goes to its job's open version (True), not to a round."""
+        if self._rounds.held((event.job_id, event.round, event.attempt)) is not None:
+            return False
+        if not await self._buffers.owns(event.job_id):
+            return False
+        await self._buffers.task_known(event)
+        async with self._locks(event.job_id):
+            await self._buffers.on_report(event, delivery.user_id)
+        return True
+
     async def on_worker_failed(self, event: contracts.WorkerFailed, delivery: Delivery) -> None:
         """The user's code failed on a shard: that shard settles without weights."""
+        if await self._async_report(event, delivery):
+            return
         await self._round_started(event)
         async with self._locks(event.job_id):
             state = await self._judge(event, delivery)
@@ -111,6 +136,8 @@ class Aggregator(Component):
     async def on_worker_done(self, event: contracts.WorkerDone, delivery: Delivery) -> None:
         """A contribution, once: decode it, judge its report, take it in (or refuse it) and record that, and close
         the round if every shard has settled."""
+        if await self._async_report(event, delivery):
+            return
         fetched, _ = await asyncio.gather(self._prefetch(event), self._round_started(event))
         async with self._locks(event.job_id):
             state = await self._judge(event, delivery)
@@ -136,6 +163,10 @@ class Aggregator(Component):
 
     async def on_round_timeout(self, event: contracts.RoundTimeout, delivery: Delivery) -> None:
         """The round's time is up: aggregate what arrived if enough did, else fail the round."""
+        if await self._buffers.owns(event.job_id):
+            async with self._locks(event.job_id):
+                await self._buffers.on_timeout(event)
+            return
         async with self._locks(event.job_id):
             state = await self._rounds.current((event.job_id, event.round, event.attempt))
             if not isinstance(state, Verdict) and not await self._secure.holds_back(state):
@@ -160,6 +191,7 @@ class Aggregator(Component):
             closed = await self.store.end_job(event.job_id, status, f"job {ended}: {reason}")
             self._rounds.drop_job(event.job_id)
             self._secure.drop_job(event.job_id)
+            self._buffers.drop_job(event.job_id)
         if closed:
             log.info("job %s %s: its open round closed", event.job_id, ended)
 

@@ -17,12 +17,14 @@ STATE_STYLE = {"training": "yellow", "reported": "green", "failed": "red", "reje
 
 
 def render_job(view: dict[str, Any], started: float | None = None) -> Group:
-    """A job's live view: round counter, per-shard state and latest losses, aggregated metrics."""
+    """A job's live view: round counter (versions for an async job), per-shard state and latest losses,
+    aggregated metrics."""
+    unit = "version" if view.get("asynchronous") else "round"
     title = Text.assemble(
         (f"{view.get('name') or view['job_id']} ", "bold"),
         (f"[{view['job_id']}] ", "dim"),
         (view["status"], "bold cyan"),
-        f"   round {view['round']}/{view.get('num_rounds') or '?'}",
+        f"   {unit} {view['round']}/{view.get('num_rounds') or '?'}",
         f" (attempt {view['attempt']})" if view.get("attempt", 1) > 1 else "",
         f"   {time.time() - started:.0f}s" if started else "",
         (f"   {strategy_text(view)}", "dim") if view.get("strategy") else "",
@@ -34,7 +36,9 @@ def render_job(view: dict[str, Any], started: float | None = None) -> Group:
         parts.append(Text(spent, style="dim"))
     if (kept := shard_state_text(view.get("shard_state"))) is not None:
         parts.append(Text(kept, style="dim"))
-    parts += [_shards_table(view), _rounds_table(view)]
+    if (buffered := async_text(view.get("asynchronous"))) is not None:
+        parts.append(Text(buffered, style="dim"))
+    parts += [_shards_table(view), _rounds_table(view, unit)]
     if view.get("data_shards"):
         parts.append(data_table(view))
     return Group(*parts)
@@ -134,9 +138,20 @@ def _shards_table(view: dict[str, Any]) -> Table:
     return table
 
 
-def _rounds_table(view: dict[str, Any]) -> Table:
+def async_text(view: dict[str, Any] | None) -> str | None:
+    """An async job's buffer, staleness and update rates in one line: `async: 5 versions of K=2 from 10 updates;
+    staleness 0:6 1:3 2:1; updates/min w1 12.0, w2 2.4`; None for a synchronous job."""
+    if not view:
+        return None
+    histogram = " ".join(f"{h['staleness']}:{h['count']}" for h in view["staleness_histogram"]) or "-"
+    rates = ", ".join(f"{w['worker_id']} {w['per_minute']:.3g}" for w in view["workers"]) or "-"
+    return (f"async: {view['versions']} versions of K={view['buffer_size']} from {view['updates']} updates "
+            f"({view['concurrency']} training at once); staleness {histogram}; updates/min {rates}")
+
+
+def _rounds_table(view: dict[str, Any], unit: str = "round") -> Table:
     rounds = Table(box=None, pad_edge=False, show_header=True, header_style="dim")
-    for column in ("round", "status", "loss", "val_loss", "other aggregated metrics", "evaluation"):
+    for column in (unit, "status", "loss", "val_loss", "other aggregated metrics", "evaluation"):
         rounds.add_column(column)
     for r in view.get("rounds", [])[-5:]:
         metrics = r.get("metrics") or {}

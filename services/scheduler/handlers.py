@@ -28,7 +28,9 @@ from apiary.contracts import (
     TaskKind,
     TaskTimeout,
     WeightsInitialized,
+    WorkerDone,
     WorkerEvaluated,
+    WorkerFailed,
     WorkerHeartbeat,
     WorkerOffline,
     WorkerOnline,
@@ -43,6 +45,7 @@ from apiary.status import JobStatus, RoundStatus
 from apiary.storage import ObjectNotFound, Storage
 from apiary.weights import WeightsError
 from services.scheduler import endings, shard_states, store, task_proofs
+from services.scheduler.async_rounds import AsyncVersions
 from services.scheduler.commands import JobCommands
 from services.scheduler.evaluation import (
     DONE,
@@ -95,6 +98,8 @@ class SchedulerHandlers:
         self._locks = KeyedLocks()
         self._presence = PresenceFilter(settings.worker_offline_after)
         self._bus = bus
+        # Mode async (FedBuff): versions, and training tasks handed out as workers report.
+        self.versions = AsyncVersions(db, storage, outbox, self._router, settings.presign_ttl)
         # A job's commands are handled in their own module, under the same per-job locks; the Scheduler
         # subscribes to them through this object.
         commands = JobCommands(db, storage, outbox, self._locks, policy=Policy.of(settings))
@@ -244,6 +249,7 @@ class SchedulerHandlers:
                 await store.set_last_round(tx, event.job_id, event.round)
             else:
                 target = RoundTarget(event.job_id, spec, job.shards, event.weights, decision.round, decision.attempt)
+                self.versions.adopt_trace(event.job_id, decision.round, event.next_traceparent)  # mode async
                 await self._start_round(tx, target, prefer=event.trained_by)
             # Queued after the next round's assignments: a worker takes its training first.
             if evaluation_due(spec, event.round, job.evaluates):
@@ -264,6 +270,16 @@ class SchedulerHandlers:
         queued = await self._tasks.evaluate(job_id, spec, round_index, attempt, weights, online, now)
         await task_proofs.remember(tx, queued)
         await self._outbox.add_all(tx, queued)
+
+    async def on_worker_report(self, event: WorkerDone | WorkerFailed, delivery: Delivery) -> None:
+        """Mode async: a worker reported a training task; the next task goes out at once (services.scheduler.
+        async_rounds). A synchronous job's reports are the aggregator's alone."""
+        if not await self.versions.is_async(event.job_id):
+            return
+        async with self._locks(event.job_id):
+            job = await store.job(self._db, event.job_id)
+            if job is not None:
+                await self.versions.on_report(event, delivery, job)
 
     async def on_worker_evaluated(self, event: WorkerEvaluated, delivery: Delivery) -> None:
         """A worker evaluated a round: its metrics are recorded (once) and announced as `round.evaluated`, if the
@@ -412,6 +428,11 @@ class SchedulerHandlers:
                             absent: set[str] | None = None) -> None:
         """Store the round and queue round.start, one assignment per shard (none for a shard listed on an
         `absent` worker: the round's timeout finds it missing) and the delayed timeout."""
+        if target.spec.distributed.buffered is not None:
+            await self.versions.launch(tx, target, prefer)
+            if (target.round, target.attempt) == (1, 1) and evaluation_due(target.spec, 0, None):
+                await self._queue_evaluation(tx, target.job_id, target.spec, 0, 1, target.weights)
+            return
         plan = plan_round(target.spec, target.shards, time.time())
         trace_ids = telemetry.new_round_ids()
         trace = telemetry.headers_for(telemetry.round_context(*trace_ids))

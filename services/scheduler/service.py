@@ -37,6 +37,7 @@ class Scheduler(Component):
         await self.db.migrate(self.name, MIGRATIONS)
         await self.db.migrate(task_proofs.COMPONENT, task_proofs.MIGRATIONS)
         await self.db.migrate(shard_states.COMPONENT, shard_states.MIGRATIONS)
+        await self.handlers.versions.migrate()
         await self.outbox.flush()
         h = self.handlers
         handlers: dict[str, EventHandler | Raw] = {
@@ -52,6 +53,8 @@ class Scheduler(Component):
             "worker.online": h.on_worker_presence,
             "worker.heartbeat": h.on_worker_presence,
             "worker.offline": h.on_worker_presence,
+            "worker.done": h.on_worker_report,
+            "worker.failed": h.on_worker_report,
         }
         await self.consume("scheduler", handlers)
         self._pacer = asyncio.create_task(self._pace(), name="scheduler:presence-pace")

@@ -67,7 +67,9 @@ class KnownDigests:
 
 def announced(start: RoundStart) -> list[tuple[ShardKey, Mapping[str, Any]]]:
     """The digest rows a round.start stores, by shard (a round attempt announces them once, in its one round.start:
-    the rows its reports would read back)."""
+    the rows its reports would read back); none for an async version, whose tasks announce their own."""
+    if start.asynchronous is not None:
+        return []
     return [((start.job_id, start.round, start.attempt, shard), {"secret_digest": secret, "progress_digest": token})
             for shard, (secret, token) in store.announced_digests(start).items()]
 

@@ -21,6 +21,7 @@ from apiary.contracts import (
     PresencePace,
     ReportForged,
     RoundAggregated,
+    RoundAssigned,
     RoundEvaluated,
     RoundFailed,
     RoundStart,
@@ -34,7 +35,7 @@ from apiary.contracts import (
 )
 from apiary.db import Executor
 from apiary.strategies import DEFAULT_STRATEGY
-from services.tracker import store
+from services.tracker import async_views, store
 from services.tracker.beats import heartbeat_of
 from services.tracker.store import WorkerSeen
 
@@ -87,8 +88,11 @@ async def _job_rejected(tx: Executor, e: JobRejected, ts: float) -> None:
 async def _round_start(tx: Executor, e: RoundStart, ts: float) -> None:
     await store.ensure_job(tx, e.job_id, ts)
     await store.job_running(tx, e.job_id, e.round, e.attempt, e.num_rounds, ts)
-    await store.round_started(tx, e.job_id, e.round, e.attempt, store.announced_digests(e), ts)
+    # An async version's shards are its tasks', announced one by one (round.assigned), with their own digests.
+    shards = store.announced_digests(e) if e.asynchronous is None else {}
+    await store.round_started(tx, e.job_id, e.round, e.attempt, shards, ts)
     await store.job_strategy(tx, e.job_id, e.strategy, e.strategy_params)
+    await async_views.started(tx, e, ts)
 
 
 async def _worker_progress(tx: Executor, e: WorkerProgress, ts: float) -> None:
@@ -112,6 +116,7 @@ async def _round_aggregated(tx: Executor, e: RoundAggregated, ts: float) -> None
     await store.round_ended(tx, e.job_id, e.round, e.attempt, "aggregated", ts, metrics=to_json(e.metrics))
     rejected = {int(shard): reason for shard, reason in e.rejected.items()}
     await store.shards_rejected(tx, e.job_id, e.round, e.attempt, rejected)
+    await async_views.aggregated(tx, e, ts)
 
 
 async def _round_failed(tx: Executor, e: RoundFailed, ts: float) -> None:
@@ -184,6 +189,7 @@ VIEWS: dict[str, View] = {
     WorkerOnline.routing_key: _worker_online,
     WorkerHeartbeat.routing_key: _worker_heartbeat,
     WorkerOffline.routing_key: _worker_offline,
+    RoundAssigned.routing_key: async_views.assigned,
 }
 
 

@@ -152,6 +152,45 @@ class ShardStateView(BaseModel):
     total_bytes: int = Field(description="the shards' latest states together, in bytes")
     server_state_bytes: int | None = Field(description="the strategy's state every worker downloads each round "
                                            "(SCAFFOLD's control variate), in bytes; null if none")
+class StalenessCount(BaseModel):
+    """How many folded updates were this many versions stale."""
+
+    staleness: int = Field(description="versions made between an update's start and its fold")
+    count: int = Field(description="updates folded with that staleness")
+
+
+class WorkerRate(BaseModel):
+    """One worker's updates in an async job."""
+
+    worker_id: str = Field(description="the worker")
+    updates: int = Field(description="its updates folded into versions")
+    per_minute: float = Field(description="its updates per minute over the job's folding time")
+    mean_staleness: float = Field(description="the mean staleness of its updates")
+
+
+class AsyncTask(BaseModel):
+    """A training task of an async job that is out now."""
+
+    round: int = Field(description="the version open when it went out (it trains from version round - 1)")
+    attempt: int = Field(description="the task's number within the job")
+    shard: int = Field(description="the shard it trains")
+    worker_id: str | None = Field(description="the worker training it, once one took it")
+    state: str = Field(description="assigned or training")
+    updated_at: float = Field(description="when its state last changed")
+
+
+class AsyncView(BaseModel):
+    """An async (FedBuff) job's versions at a glance."""
+
+    buffer_size: int = Field(description="updates folded into each version (K)")
+    concurrency: int = Field(description="shards training at once")
+    staleness_weight: str = Field(description="constant, polynomial or hinge")
+    max_staleness: int | None = Field(description="updates staler than this are rejected (none: no limit)")
+    versions: int = Field(description="versions made so far")
+    updates: int = Field(description="updates folded so far")
+    staleness_histogram: list[StalenessCount] = Field(description="the folded updates by staleness")
+    workers: list[WorkerRate] = Field(description="each worker's update rate")
+    tasks: list[AsyncTask] = Field(description="the training tasks out now, newest first (at most 100)")
 
 
 class JobDetail(BaseModel):
@@ -186,6 +225,8 @@ class JobDetail(BaseModel):
                                                "(SCAFFOLD, personal layers); null for a job that keeps none")
     forged: list[ForgedReport] = Field(default_factory=list,
                                        description="reports for this job refused as forged, the latest 100 first")
+    asynchronous: AsyncView | None = Field(None, description="mode async: versions, staleness and update rates "
+                                           "(rounds are versions; none for a synchronous job)")
 
 
 class MetricPoint(BaseModel):

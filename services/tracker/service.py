@@ -17,7 +17,7 @@ from apiary.db import Executor
 from apiary.db.group import GroupCommit
 from apiary.http_server import HttpServer
 from apiary.pace import PaceWindow
-from services.tracker import forgery, store
+from services.tracker import async_views, forgery, store
 from services.tracker.beats import Heartbeats, beat_of
 from services.tracker.experiments import Experiments
 from services.tracker.forgery import WorkerReport
@@ -69,6 +69,7 @@ class Tracker(Component):
     async def start(self) -> None:
         self.closing.clear()
         await self.db.migrate(self.name, store.MIGRATIONS)
+        await self.db.migrate(async_views.COMPONENT, async_views.MIGRATIONS)
         await self._start_experiments()  # before the first event is applied
         await self.consume("tracker", {"#": Raw(self.on_event)})
         self._sweeper = asyncio.create_task(self._sweep_offline(), name="tracker:offline-sweep")

@@ -9,6 +9,7 @@ from typing import Any
 from apiary.component import from_json
 from apiary.db import Executor
 from apiary.status import TERMINAL
+from services.tracker import async_views
 
 # A shard whose worker went offline mid-round shows as offline, not as still training; one that had not
 # reported when its job ended shows as stopped.
@@ -73,7 +74,9 @@ async def job_view(db: Executor, job_id: str) -> dict[str, Any] | None:
     )
     job["rounds"] = [{**r, "metrics": from_json(r["metrics"], {}), "evaluation": from_json(r["evaluation"])}
                      for r in rounds]
-    shards = await db.fetch(
+    job["asynchronous"] = await async_views.summary(db, job_id)
+    # An async job's rounds are versions: its shards are each one's latest training task, whichever version.
+    shards = await async_views.latest_tasks(db, job_id) if job["asynchronous"] else await db.fetch(
         "SELECT s.shard, s.worker_id, s.state, s.step, s.metrics, s.error, s.updated_at, w.status AS worker_status"
         " FROM shard_views s LEFT JOIN workers w ON w.worker_id = s.worker_id"
         " WHERE s.job_id = $1 AND s.round = $2 AND s.attempt = $3 ORDER BY s.shard",

@@ -10,6 +10,7 @@ import msgpack
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from apiary.jobspec import FieldError, JobSpec
+from apiary.jobspec_async import AsyncConfig
 from apiary.policy import LIMITS
 from apiary.privacy import DifferentialPrivacy
 from apiary.secagg.settings import SecureAggregation
@@ -191,6 +192,11 @@ class RoundStart(RoundEvent):
     secagg_verify_keys: dict[int, str] = Field(default_factory=dict)
     """Per shard, the Ed25519 verify key (hex) its worker signs its protocol keys with; empty without secure
     aggregation."""
+    # Mode async (FedBuff): the round is a version's buffer, closed at `buffer_size` updates, whichever tasks
+    # they come from (each announced by `round.assigned`); None: a synchronous round.
+    asynchronous: AsyncConfig | None = None
+    """Mode async (FedBuff): the job's resolved async settings, the round being a version's buffer; None: a
+    synchronous round."""
 
     @model_validator(mode="before")
     @classmethod
@@ -522,6 +528,44 @@ class RoundTimeout(RoundEvent):
     routing_key: ClassVar[str] = "round.timeout"
 
 
+class FoldedUpdate(BaseModel):
+    """One update a version of an async job folded: its task, its worker, and how stale it was."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, use_attribute_docstrings=True)
+
+    shard: int
+    """The shard the update trained."""
+    round: int  # the task's round: it trained from version round - 1
+    """The task's round: it trained from version round - 1."""
+    attempt: int  # the task's number within the job
+    """The task's number within the job."""
+    worker_id: str
+    """The worker that trained it."""
+    samples: int
+    """The samples it trained on."""
+    staleness: int  # versions made between its start and its fold
+    """Versions made between its start and its fold."""
+    weight: float  # its staleness weight g(staleness)
+    """Its staleness weight g(staleness), multiplying its samples in the buffer."""
+    duration_s: float = 0.0  # its worker's training time
+    """Its worker's training time, in seconds."""
+
+
+class RoundAssigned(RoundEvent):
+    """`round.assigned`: mode async: one training task was handed out (its shard trains from version round - 1;
+    `attempt` numbers the job's tasks); the aggregator judges the task's report by the secret's digest here."""
+
+    routing_key: ClassVar[str] = "round.assigned"
+    shard: int
+    """The shard the task trains."""
+    weights: ObjectRef  # the global version the task trains from
+    """The global version the task trains from (its update is the difference from these weights)."""
+    secret_digest: str
+    """The SHA-256 (hex) of the task's one-time secret: its report's `secret` must hash to it."""
+    progress_digest: str = ""
+    """The SHA-256 (hex) of the task's progress token, for its progress reports; empty: none."""
+
+
 class RoundAggregated(RoundEvent):
     """`round.aggregated`: the aggregator folded a round's contributions into new global `weights`."""
 
@@ -543,6 +587,12 @@ class RoundAggregated(RoundEvent):
                                                "shard that returned one; the next round hands it to that shard")
     server_state: ObjectRef | None = Field(default=None, description="the strategy's state after the round where every "
                                            "worker needs it (SCAFFOLD's control variate); else null")
+    # Mode async: each update the version folded, in folding order (empty for a synchronous round), and the W3C
+    # traceparent of the next version, opened with this one's close (its round span: the scheduler records it).
+    folded: list[FoldedUpdate] = Field(default_factory=list)
+    """Mode async: each update the version folded, in folding order; empty for a synchronous round."""
+    next_traceparent: str | None = None
+    """Mode async: the W3C traceparent of the next version, opened as this one closed; else None."""
 
 
 class RoundFailed(RoundEvent):
@@ -779,6 +829,7 @@ EVENT_TYPES: dict[str, type[BaseModel]] = {
         PresencePace, SecAggKeys, SecAggShares, SecAggReveal,
     )
 }
+EVENT_TYPES[RoundAssigned.routing_key] = RoundAssigned  # mode async's task announcements
 
 
 def model_for(routing_key: str) -> type[BaseModel]:

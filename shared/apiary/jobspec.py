@@ -20,6 +20,7 @@ from pydantic import (
 
 from apiary.bundle import requirement_error
 from apiary.early_stopping import BUILT_IN_METRICS, EarlyStopping
+from apiary.jobspec_async import AsyncConfig, Mode, async_errors
 from apiary.jobspec_builtin import built_in_errors, did_you_mean, merged_errors
 from apiary.policy import Policy, job_errors
 from apiary.privacy import PRIVACY_EXTRA, DifferentialPrivacy, accounting_available, epsilon, rounds_within_budget
@@ -65,7 +66,7 @@ def parse_entrypoint(entrypoint: str) -> tuple[str, str]:
 class DistributedConfig(BaseModel):
     """How rounds run: how many, on how many workers, and how failures are tolerated."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
 
     enabled: bool = Field(default=True, description="false: one ordinary training on a single worker over the "
                           "whole dataset (one shard), whatever sizes the request names")
@@ -105,6 +106,18 @@ class DistributedConfig(BaseModel):
         default_factory=list, max_length=1000, description="glob patterns (fnmatch) of tensor names that stay with "
         "each shard and are never aggregated (FedPer): they travel as the shard's state; refused when they match "
         "no tensor or every tensor of the initial weights (docs/how-to/shard-state.md)")
+    mode: Mode = Field(default="sync", description="sync: rounds wait for their shards; async: buffered "
+                       "asynchronous aggregation (FedBuff): workers train continuously and every buffer_size "
+                       "updates make a new version (num_rounds counts versions; docs/how-to/async.md)")
+    async_: AsyncConfig | None = Field(default=None, alias="async", description="mode async: the buffer size, "
+                                       "concurrency, staleness weight and server step")
+
+    @property
+    def buffered(self) -> AsyncConfig | None:
+        """The resolved async settings of a job in mode async (defaults from its sizes), else None."""
+        if self.mode != "async":
+            return None
+        return (self.async_ or AsyncConfig()).resolved(self.max_workers)
 
     @model_validator(mode="after")
     def _min_le_max(self) -> DistributedConfig:
@@ -328,6 +341,13 @@ class JobSpec(BaseModel):
             raise ValueError(
                 f"{len(pinned)} pinned workers cannot satisfy min_workers={self.distributed.min_workers}"
             )
+        d = self.distributed
+        why = async_errors(d.mode, d.async_, enabled=d.enabled, strategy=d.strategy, num_shards=self.num_shards,
+                           privacy=d.differential_privacy is not None)
+        if why is None and d.mode == "async":
+            why = async_conflict(d)
+        if why is not None:
+            raise ValueError(f"distributed: {why}")
         return self
 
     @property
@@ -429,7 +449,8 @@ def _did_you_mean(loc: tuple[int | str, ...]) -> str:
     """` (did you mean num_rounds?)` for an unknown field close to a known one of its block, else ``."""
     model: type[BaseModel] = JobSpec
     for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
+        field = model.model_fields.get(str(part)) or next(
+            (f for f in model.model_fields.values() if f.alias == str(part)), None)  # `async`, a keyword
         annotation = _block(field.annotation) if field is not None else None
         if annotation is None:
             return ""
@@ -448,6 +469,20 @@ def _block(annotation: Any) -> type[BaseModel] | None:
 def describe_errors(errors: list[FieldError]) -> str:
     """One line naming each bad field (for a stored reason; people get one line per field)."""
     return "; ".join(f"{e.field}: {e.message}" for e in errors)
+
+
+def async_conflict(d: DistributedConfig) -> str | None:
+    """Why mode async cannot run with another of the job's settings (one line), or None."""
+    if d.secure_aggregation is not None:
+        return ("secure_aggregation is not available in mode 'async' (it unmasks one sum over a fixed roster of "
+                "workers; async folds updates as they arrive)")
+    if d.personal_layers:
+        return ("personal_layers are not available in mode 'async' (a shard may train in two tasks at once, so its "
+                "state has no single next holder)")
+    if d.transfer.encodes_upload or d.transfer.download != "fp32":
+        return ("transfer encodings are not available in mode 'async' (the aggregator takes each update against the "
+                "version it started from, in fp32): leave download and upload at fp32 and delta false")
+    return None
 
 
 def strategy_errors(spec: JobSpec) -> list[FieldError]:

@@ -144,7 +144,8 @@ def test_the_asyncapi_document_has_a_channel_per_routing_key_with_its_publisher_
                 if op["action"] == "receive" and op["channel"]["$ref"] == "#/channels/worker_done"}
 
     assert set(document["channels"]) >= {"job_requested", "worker_done", "assign_worker_id", "presence_pace_id"}
-    assert sends == {"worker"} and receives == {"aggregator", "tracker"}
+    # The scheduler hears worker.done for mode async: a task reported frees its slot for the next task.
+    assert sends == {"worker"} and receives == {"aggregator", "scheduler", "tracker"}
 
 
 @pytest.mark.parametrize("module", ["apiary.sdk", "apiary.strategies.base", "apiary.trainers.base"])

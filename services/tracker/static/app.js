@@ -308,6 +308,9 @@ function jobPage(jobId) {
     progress: h("div", {}), progressHead: h("span", { class: "muted" }), workers: h("div", {}),
     rounds: h("div", {}), final: h("div", {}),
     data: h("div", {}), dataHead: h("span", { class: "muted small", id: "split" }),
+    roundLabel: h("div", { class: "stat-label" }, "Round"),
+    // Mode async (FedBuff): versions, staleness per update and each worker's update rate; hidden otherwise.
+    asyncCard: h("section", { class: "card", id: "async-versions", hidden: true }),
   };
   parts.workerChart.id = "worker-loss-chart";
   parts.roundChart.id = "round-loss-chart";
@@ -325,10 +328,11 @@ function jobPage(jobId) {
       parts.actions),
     parts.banner,
     h("section", { class: "stats" },
-      stat("Round", parts.round, parts.roundSub, parts.roundBar),
+      h("div", { class: "stat" }, parts.roundLabel, parts.round, parts.roundBar, parts.roundSub),
       stat("Reported this round", parts.reported, parts.reportedSub),
       stat("Aggregated loss", parts.loss, parts.lossSub),
       stat("Elapsed", parts.elapsed, parts.elapsedSub)),
+    parts.asyncCard,
     h("section", { class: "charts" },
       h("div", { class: "card" }, h("div", { class: "card-head" }, h("h2", {}, "Loss per worker"), parts.controls),
         parts.workerChart, parts.workerLegend),
@@ -462,6 +466,38 @@ function jobPage(jobId) {
     const end = TERMINAL.includes(job.status) ? job.updated_at : Date.now() / 1000;
     parts.elapsed.textContent = duration(Math.max(0, end - job.created_at));
     parts.elapsedSub.textContent = `started ${new Date(job.created_at * 1000).toLocaleTimeString()}`;
+  }
+
+  /* An async job: its versions are its rounds; how stale the folded updates were (a histogram) and how often
+     each worker contributes (fast workers never wait for slow ones, so their rates differ). */
+  function renderAsync(job) {
+    const a = job.asynchronous;
+    parts.roundLabel.textContent = a ? "Version" : "Round";
+    parts.asyncCard.hidden = !a;
+    if (!a) return;
+    const most = Math.max(1, ...a.staleness_histogram.map((s) => s.count));
+    const fastest = Math.max(1e-9, ...a.workers.map((w) => w.per_minute));
+    parts.asyncCard.replaceChildren(
+      h("div", { class: "card-head" }, h("h2", {}, "Asynchronous versions"),
+        h("span", { class: "muted small" }, `K=${a.buffer_size} updates a version · ${a.concurrency} training at once`
+          + ` · staleness weight ${a.staleness_weight}${a.max_staleness != null ? ` · max ${a.max_staleness}` : ""}`)),
+      h("p", { class: "muted small" }, `${a.versions} versions from ${a.updates} updates`),
+      h("div", { class: "charts" },
+        h("div", {}, h("h3", {}, "Staleness per update"),
+          a.staleness_histogram.length ? h("table", { class: "grid", id: "staleness-histogram" },
+            h("thead", {}, h("tr", {}, ["Staleness", "Updates", ""].map((c) => h("th", {}, c)))),
+            h("tbody", {}, a.staleness_histogram.map((s) => h("tr", { dataset: { staleness: s.staleness } },
+              h("td", { class: "num" }, s.staleness), h("td", { class: "num" }, s.count),
+              h("td", {}, bar(s.count / most, "b-completed wide"))))))
+            : h("p", { class: "empty" }, "No update folded yet.")),
+        h("div", {}, h("h3", {}, "Updates per worker"),
+          a.workers.length ? h("table", { class: "grid", id: "update-rates" },
+            h("thead", {}, h("tr", {}, ["Worker", "Updates", "Per minute", "Mean staleness", ""].map((c) => h("th", {}, c)))),
+            h("tbody", {}, a.workers.map((w) => h("tr", { dataset: { worker: w.worker_id } },
+              h("td", { class: "mono" }, w.worker_id), h("td", { class: "num" }, w.updates),
+              h("td", { class: "num" }, num(w.per_minute)), h("td", { class: "num" }, num(w.mean_staleness)),
+              h("td", {}, bar(w.per_minute / fastest, "b-running wide"))))))
+            : h("p", { class: "empty" }, "No update folded yet."))));
   }
 
   function renderProgress(job) {
@@ -643,7 +679,7 @@ function jobPage(jobId) {
     }
     const job = state.job;
     if (job) {
-      renderHead(job); renderStats(job); renderProgress(job); renderRounds(job); renderData(job); renderFinal(job);
+      renderHead(job); renderStats(job); renderAsync(job); renderProgress(job); renderRounds(job); renderData(job); renderFinal(job);
     }
     parts.workers.replaceChildren(workersTable(state.workers, state.workersAt));
     renderCharts();

@@ -1,0 +1,196 @@
+"""Mode async (FedBuff) in the scheduler: a version is a round whose tasks are whatever trains while it is
+open. A version starts as a round does (round.start, its delayed timeout, a rounds row: the dashboard, API and
+traces see it as one) but hands out no barrier of assignments: the job keeps `concurrency` training tasks out,
+and a worker that reports one gets the next at once, from the newest version, without waiting for any other.
+
+A task is (round, attempt, shard): `round` is the version open when it was handed out (it trains from version
+round - 1) and `attempt` numbers the job's tasks, so every task has its own upload and secret. The task's secret
+digest goes to the aggregator on `round.assigned`; this side keeps it too, and frees the task's slot once, on a
+report that proves it comes from the task's worker."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+
+from apiary import keys, metrics, proof, telemetry
+from apiary.bus import Delivery
+from apiary.contracts import RoundAssigned, RoundTimeout, ShardInfo, WorkerDone, WorkerFailed
+from apiary.db import Database, Executor
+from apiary.jobspec_async import AsyncConfig
+from apiary.outbox import Outbox, Pending
+from apiary.status import JobStatus
+from apiary.storage import Storage
+from services.scheduler import store
+from services.scheduler.round_plan import RoundPlan, RoundTarget, assignment, round_start, route
+from services.scheduler.routing import AssignmentRouter
+
+log = logging.getLogger("apiary.scheduler")
+
+COMPONENT = "scheduler_async"
+TRAINING, DONE, LOST = "training", "done", "lost"
+# Append only, as every component's migrations.
+MIGRATIONS = [
+    """
+    CREATE TABLE IF NOT EXISTS async_slots (
+      job_id TEXT NOT NULL, attempt BIGINT NOT NULL, round BIGINT NOT NULL, shard BIGINT NOT NULL,
+      status TEXT NOT NULL, worker_id TEXT, secret_digest TEXT NOT NULL, issued_at DOUBLE PRECISION NOT NULL,
+      ended_at DOUBLE PRECISION, PRIMARY KEY (job_id, attempt));
+    CREATE INDEX IF NOT EXISTS async_slots_training ON async_slots (job_id, status);
+    """,
+]
+
+Report = WorkerDone | WorkerFailed
+
+
+def next_shards(free: int, shards: list[int], training: set[int], after: int | None = None) -> list[int]:
+    """The `free` shards to hand out next: those not training, in index order from the one after `after`
+    (round robin, so every shard keeps being trained when fewer train at once than there are shards)."""
+    idle = [s for s in shards if s not in training]
+    if after is not None:
+        idle = sorted(idle, key=lambda s: (s <= after, s))
+        if after in idle and len(idle) > free:  # the reporter's own shard only when nothing else waits
+            idle.remove(after)
+            idle.append(after)
+    return idle[:free]
+
+
+class AsyncVersions:
+    """Starts the versions of async jobs and keeps their training tasks out."""
+
+    def __init__(self, db: Database, storage: Storage, outbox: Outbox, router: AssignmentRouter,
+                 presign_ttl: int) -> None:
+        self._db, self._storage, self._outbox, self._router = db, storage, outbox, router
+        self._presign_ttl = presign_ttl
+        self._modes: dict[str, bool] = {}  # job -> whether it is async (a job's mode never changes)
+        # (job, version) -> the trace ids the aggregator gave the version it opened (round.aggregated).
+        self._traces: dict[tuple[str, int], tuple[int, int]] = {}
+
+    def adopt_trace(self, job_id: str, version: int, traceparent: str | None) -> None:
+        """The next version's round span gets the ids the aggregator opened it with (`00-<trace>-<span>-01`), so
+        its aggregation and its tasks share one trace."""
+        parts = (traceparent or "").split("-")
+        if len(parts) == 4 and len(parts[1]) == 32 and len(parts[2]) == 16:
+            self._traces[(job_id, version)] = (int(parts[1], 16), int(parts[2], 16))
+
+    async def migrate(self) -> None:
+        """Create or update the async tables."""
+        await self._db.migrate(COMPONENT, MIGRATIONS)
+
+    async def is_async(self, job_id: str) -> bool:
+        """Whether the job runs in mode async (read once per job)."""
+        known = self._modes.get(job_id)
+        if known is None:
+            job = await store.job(self._db, job_id)
+            if job is None:
+                return False
+            known = self._modes[job_id] = job.spec.distributed.buffered is not None
+        return known
+
+    async def launch(self, tx: Executor, target: RoundTarget, prefer: Mapping[int, str]) -> None:
+        """Start version `target.round` (attempt `target.attempt`): its row, round.start and timeout; and top the
+        job's training tasks up to `concurrency` (all of them anew on a retry: the failed version's are lost)."""
+        spec = target.spec
+        settings = spec.distributed.buffered
+        assert settings is not None
+        now = time.time()
+        timeout = spec.distributed.aggregation_timeout
+        shards = [s.index for s in target.shards]
+        plan = RoundPlan(chosen=target.shards, started_at=now, timeout=timeout, deadline=now + timeout)
+        trace_ids = self._traces.pop((target.job_id, target.round), None) or telemetry.new_round_ids()
+        trace = telemetry.headers_for(telemetry.round_context(*trace_ids))
+        await store.insert_round(tx, target.job_id, target.round, target.attempt, shards, now, plan.deadline,
+                                 trace_ids)
+        start = round_start(target, plan).model_copy(update={"asynchronous": settings, "secret_digests": {},
+                                                             "progress_digests": {}})
+        queued = [Pending(start, headers=trace)]
+        if target.attempt > 1:
+            await tx.execute("UPDATE async_slots SET status = $3, ended_at = $4 WHERE job_id = $1 AND status = $2",
+                             target.job_id, TRAINING, LOST, now)
+        training = await self._training(tx, target.job_id)
+        chosen = next_shards(settings.slots - len(training), shards, training)
+        for shard in chosen:
+            queued += await self._task(tx, target, settings, shard, prefer.get(shard), now, trace)
+        queued.append(Pending(RoundTimeout(job_id=target.job_id, round=target.round, attempt=target.attempt),
+                              delay=timeout, headers=trace))
+        await self._outbox.add_all(tx, queued)
+        metrics.round_started()
+        log.info("job %s: version %d/%d (attempt %d) open; %d tasks training", target.job_id, target.round,
+                 spec.distributed.num_rounds, target.attempt, len(training) + len(chosen))
+
+    async def on_report(self, event: Report, delivery: Delivery, job: store.Job) -> None:
+        """A task's report (under the job's lock): if it proves to come from the task's worker and the task was
+        still training, its slot is free, and the next task goes out at once (to the same worker first), from the
+        newest version. Anything else (forged, a duplicate, a lost task) changes nothing here: the aggregator
+        records what it is."""
+        row = await self._db.fetchrow("SELECT * FROM async_slots WHERE job_id = $1 AND attempt = $2 AND round = $3"
+                                      " AND shard = $4", event.job_id, event.attempt, event.round, event.shard)
+        if row is None or row["status"] != TRAINING:
+            return
+        if proof.judge(event.worker_id, delivery.user_id, event.secret, row["secret_digest"],
+                       about=f"shard {event.shard}") is not None:
+            return
+        spec = job.spec
+        settings = spec.distributed.buffered
+        assert settings is not None
+        now = time.time()
+        async with self._db.transaction() as tx:
+            freed = await tx.execute("UPDATE async_slots SET status = $3, ended_at = $4 WHERE job_id = $1"
+                                     " AND attempt = $2 AND status = $5", event.job_id, event.attempt, DONE, now,
+                                     TRAINING)
+            if not freed or job.status != JobStatus.RUNNING or job.last_round is not None or job.merging is not None:
+                return
+            training = await self._training(tx, event.job_id)
+            shards = [s.index for s in job.shards]
+            chosen = next_shards(settings.slots - len(training), shards, training, after=event.shard)
+            target = RoundTarget(job.job_id, spec, job.shards, job.weights, job.round, job.attempt)
+            # The task joins the trace of the version it starts in.
+            version = await store.running_round(tx, job.job_id, job.round, job.attempt)
+            trace = None if version is None else telemetry.headers_for(telemetry.round_context(
+                int(version["trace_id"], 16), int(version["span_id"], 16)))
+            queued: list[Pending] = []
+            for shard in chosen:
+                queued += await self._task(tx, target, settings, shard, event.worker_id, now, trace)
+            await self._outbox.add_all(tx, queued)
+        await self._outbox.flush()
+
+    async def _training(self, tx: Executor, job_id: str) -> set[int]:
+        rows = await tx.fetch("SELECT shard FROM async_slots WHERE job_id = $1 AND status = $2", job_id, TRAINING)
+        return {int(r["shard"]) for r in rows}
+
+    async def _task(self, tx: Executor, target: RoundTarget, settings: AsyncConfig, shard_index: int,
+                    worker: str | None, now: float, trace: dict[str, str] | None) -> list[Pending]:
+        """One training task of shard `shard_index` from the job's newest version, and its announcement."""
+        spec = target.spec
+        number = int(await tx.fetchval("SELECT COALESCE(MAX(attempt), 0) + 1 FROM async_slots WHERE job_id = $1",
+                                       target.job_id))
+        shard = _shard(target.shards, shard_index)
+        task = replace(target, attempt=number)
+        timeout = spec.distributed.aggregation_timeout
+        secret = proof.new_secret()
+        plan = RoundPlan(chosen=[shard], started_at=now, timeout=timeout, deadline=now + timeout,
+                         secrets={shard_index: secret})
+        ttl = int(timeout + self._presign_ttl)
+        ended = self._storage.presign_get(keys.job_ended(target.job_id), ttl)
+        urls = replace(self._router.urls(task, shard, ttl, ended), base_model=await self._router.base_model(spec, ttl))
+        message = assignment(task, plan, shard, urls).model_copy(update=self._router.code(spec, ttl))
+        prefer = {shard_index: worker} if worker else {}
+        routing_key = await self._router.queue(route(shard_index, spec.worker_selection.pinned, prefer))
+        await tx.execute("INSERT INTO async_slots (job_id, attempt, round, shard, status, worker_id, secret_digest,"
+                         " issued_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)", target.job_id, number, target.round,
+                         shard_index, TRAINING, worker, proof.digest(secret), now)
+        assigned = RoundAssigned(job_id=target.job_id, round=target.round, attempt=number, shard=shard_index,
+                                 weights=target.weights, secret_digest=proof.digest(secret),
+                                 progress_digest=proof.digest(proof.progress_token(secret)))
+        headers = trace or {}
+        # The announcement first: the aggregator stores it before the task's report can arrive.
+        return [Pending(assigned, headers=headers), Pending(message, routing_key=routing_key, headers=headers)]
+
+
+def _shard(shards: list[ShardInfo], index: int) -> ShardInfo:
+    for shard in shards:
+        if shard.index == index:
+            return shard
+    raise ValueError(f"no shard {index}")

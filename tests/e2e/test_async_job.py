@@ -1,0 +1,124 @@
+"""Whole async (FedBuff) jobs on the embedded adapters: fast workers never wait for a slow one, and every version
+is exactly FedBuff's step over the updates it folded."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from apiary import keys
+from apiary.jobspec_async import AsyncConfig
+from apiary.strategies.buffered import staleness_weight
+from apiary.weights import loads
+from services.app.render import render_job
+from services.tracker.schemas import JobDetail
+from tests.fixtures.embedded import StackFactory, toy_request
+
+SLOW = 3  # the shard held back (its worker is "slow")
+
+
+async def _wait_for(predicate: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_fast_workers_never_wait_for_the_slow_one(embedded: StackFactory, tmp_path: Path,
+                                                        toy_dataset: Path) -> None:
+    # Prepare: 4 workers, one shard each; shard 3 is held until the test opens its gate, so it is as slow as the
+    # test wants: three versions must be made without it.
+    gate = tmp_path / "gate-{round}"
+    request = toy_request(toy_dataset, num_rounds=6, min_workers=4, max_workers=4, mode="async", evaluate_every=0,
+                          **{"async": {"buffer_size": 2, "staleness_weight": "polynomial"}})
+    request["config"] = {"mode": "gated", "fail_shards": [SLOW], "gate": str(gate)}
+    async with embedded(workers=4) as stack:
+        db = stack.ports.db
+        job_id = await stack.submit(request)
+
+        async def versions_made() -> int:
+            return int(await db.fetchval("SELECT COUNT(*) FROM aggregations WHERE job_id = $1 AND status ="
+                                         " 'aggregated'", job_id) or 0)
+
+        # Execute: three versions come from the fast shards while the slow one trains its first task.
+        async def three() -> bool:
+            return await versions_made() >= 3
+        await _wait_for(three, 120)
+        slow_reports_before = await db.fetchval("SELECT COUNT(*) FROM contributions WHERE job_id = $1 AND shard = $2",
+                                                job_id, SLOW)
+        for index in range(1, 8):
+            Path(str(gate).replace("{round}", str(index))).touch()
+        view = await stack.wait(job_id, timeout=120)
+        folds = await db.fetch("SELECT * FROM async_folds WHERE job_id = $1 ORDER BY seq", job_id)
+        tasks = {(r["round"], r["attempt"], r["shard"]): r for r in await db.fetch(
+            "SELECT * FROM async_tasks WHERE job_id = $1", job_id)}
+        storage = stack.ports.storage
+        versions = [loads(await storage.get_bytes(keys.global_weights(job_id, v))) for v in range(1, 7)]
+        start = loads(await storage.get_bytes(keys.global_weights(job_id, 0)))
+        updates = {(f["round"], f["attempt"], f["shard"]): loads(await storage.get_bytes(f["result_key"]))
+                   for f in folds}
+        starts = {t["weights_key"]: loads(await storage.get_bytes(t["weights_key"])) for t in tasks.values()}
+        final = loads(await storage.get_bytes(keys.final_model(job_id)))
+
+    # Assert: the job completed; nothing of shard 3 arrived while three versions were made.
+    assert view["status"] == "completed", view.get("reason")
+    assert slow_reports_before == 0
+    first_three = [f for f in folds if f["version"] <= 3]
+    assert first_three and all(f["shard"] != SLOW for f in first_three)
+    assert all(sum(1 for f in folds if f["version"] == v) == 2 for v in range(1, 7))
+    slow = [f for f in folds if f["shard"] == SLOW]
+    assert all(f["staleness"] >= 3 for f in slow[:1])  # its first update, if folded, was >= 3 versions old
+    # Every version is FedBuff's step (server learning rate 1, no momentum) over the updates it folded.
+    settings = AsyncConfig(staleness_weight="polynomial")
+    previous = start
+    for index, made in enumerate(versions, start=1):
+        mine = [f for f in folds if f["version"] == index]
+        total = sum(f["samples"] for f in mine)
+        for name in ("layer.weight", "layer.bias"):
+            step = sum(f["samples"] * staleness_weight(settings, f["staleness"]) * (
+                updates[(f["round"], f["attempt"], f["shard"])][name].double()
+                - starts[tasks[(f["round"], f["attempt"], f["shard"])]["weights_key"]][name].double())
+                for f in mine) / total
+            torch.testing.assert_close(made[name].double(), previous[name].double() + step, rtol=0, atol=1e-5)
+        assert all(f["staleness"] == index - f["round"] for f in mine)
+        previous = made
+    torch.testing.assert_close(final["layer.weight"], versions[-1]["layer.weight"])
+
+
+async def test_async_job_status_counts_versions(embedded: StackFactory, toy_dataset: Path) -> None:
+    request = toy_request(toy_dataset, num_rounds=3, min_workers=2, max_workers=3, mode="async", evaluate_every=0,
+                          **{"async": {"buffer_size": 2, "staleness_weight": "constant"}})
+    async with embedded(workers=2) as stack:
+        job_id = await stack.submit(request)
+        view = await stack.wait(job_id, timeout=120)
+        rounds = await stack.ports.db.fetch("SELECT round, status FROM aggregations WHERE job_id = $1 ORDER BY round",
+                                            job_id)
+
+    assert view["status"] == "completed", view.get("reason")
+    assert [(r["round"], r["status"]) for r in rounds] == [(1, "aggregated"), (2, "aggregated"), (3, "aggregated")]
+    buffered = view["asynchronous"]
+    assert (buffered["versions"], buffered["updates"], buffered["buffer_size"]) == (3, 6, 2)
+    assert sum(h["count"] for h in buffered["staleness_histogram"]) == 6
+    assert sum(w["updates"] for w in buffered["workers"]) == 6 and all(w["per_minute"] > 0 for w in buffered["workers"])
+    JobDetail.model_validate(view)  # what the API answers
+    shown = Console(width=200, record=True)
+    shown.print(render_job(view))
+    text = shown.export_text()
+    assert "version 3/3" in text and "async: 3 versions of K=2 from 6 updates" in text, text
+
+
+async def test_an_entrypoint_that_raises_fails_an_async_job_without_waiting_for_the_timeout(
+        embedded: StackFactory, toy_dataset: Path) -> None:
+    request = toy_request(toy_dataset, num_rounds=3, min_workers=2, max_workers=2, mode="async", evaluate_every=0,
+                          aggregation_timeout=600, fault_tolerance=1)
+    request["config"] = {"mode": "raise"}
+    async with embedded(workers=2) as stack:
+        view = await stack.wait(await stack.submit(request), timeout=90)
+
+    assert view["status"] == "failed"
+    assert "failed 2 time(s) in a row" in view["reason"] and "RuntimeError: toy failure on shard" in view["reason"]

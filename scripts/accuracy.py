@@ -322,8 +322,8 @@ def write_markdown(outcomes: list[Outcome], path: Path, total_s: float, parallel
     lines = [
         "# Accuracy: federated against central training (digits example)",
         "",
-        "Written by `python scripts/accuracy.py`: every setting runs end to end through `apiary run` (the",
-        "embedded deployment, CPU workers), seed 0. Held-out accuracy is on the 360 held-out images (one image",
+        "Written by `python scripts/accuracy.py` (with [accuracy.json](accuracy.json), each setting's accuracy per",
+        "round): every setting runs end to end through `apiary run` (the embedded deployment, CPU workers), seed 0. Held-out accuracy is on the 360 held-out images (one image",
         "is 0.28 points): each round's evaluation by the example's own `fl_evaluate_model` on a worker",
         "(`evaluate_every: 1`), checked against the same function run by the script on the round's stored global",
         "weights; the last round's figure is the table's. Central is one worker on the whole training",
@@ -396,7 +396,9 @@ def write_shard_state_markdown(outcomes: list[Outcome], path: Path, total_s: flo
     lines = [
         "# Accuracy with state per shard: SCAFFOLD and personal layers (digits example)",
         "",
-        "Written by `python scripts/accuracy.py --shard-state`: each setting runs end to end through `apiary run`",
+        "Written by `python scripts/accuracy.py --shard-state` (with [accuracy-shard-state.json]"
+        "(accuracy-shard-state.json), each setting's accuracy per round): each setting runs end to end through "
+        "`apiary run`",
         f"(embedded, CPU workers), seed 0, with `examples/digits/{SHARD_STATE_FILE}` "
         f"({job['distributed']['num_rounds']} rounds x {job['config']['epochs']} epochs, Adam at learning rate "
         f"{job['config']['learning_rate']}), 8 "

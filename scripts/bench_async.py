@@ -148,7 +148,8 @@ def page(results: dict[str, dict[str, list[Run]]], args: argparse.Namespace) -> 
     lines = [
         "# Asynchronous buffered aggregation (FedBuff) against synchronous FedAvg",
         "",
-        f"Measured by `python scripts/bench_async.py --runs {args.runs}` (its docstring says how): the digits",
+        f"Measured by `python scripts/bench_async.py --runs {args.runs} --write` (its docstring says how; every run's "
+        "figures are in [async.json](async.json)): the digits",
         f"example on {WORKERS} workers (embedded `apiary run`, 2 shared CPU cores), each training task paced to at "
         f"least {args.pace:g} s, shard {SLOW_SHARD}'s {args.factor:g}x that where a worker is slow. Same budget of "
         f"updates: sync {args.rounds} rounds x {WORKERS}, async {args.rounds * WORKERS // args.buffer} versions "

@@ -42,6 +42,8 @@ sys.path[:0] = [str(ROOT / "shared"), str(ROOT)]
 
 import torch  # noqa: E402
 
+from bench_record import add_json_argument, record  # noqa: E402
+
 HIDDEN = 2048
 
 
@@ -298,6 +300,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=0, help="also time this many whole rounds on the embedded "
                         "stack, fp32 and bf16 + int8 delta (K workers on this machine)")
     parser.add_argument("--upload-child", nargs=2, help=argparse.SUPPRESS)
+    add_json_argument(parser, "large")
     args = parser.parse_args()
     if args.upload_child:
         _upload_child(*args.upload_child)
@@ -365,6 +368,8 @@ def main() -> None:
             r["fold_over_raw"] = r["fold_streamed"]["gb_per_s"] / r["raw_read"]["gb_per_s"]
             r["peak_extra_over_model"] = r["fold_streamed"]["peak_extra_bytes"] / model_bytes
     print(json.dumps(out, indent=1))
+    record("large", args.json, out, reference="raw reads of the same objects in the same run (boto3 download_fileobj "
+           "from moto; file reads from the local store); fp32 transfers for the encoded ones")
 
 
 if __name__ == "__main__":

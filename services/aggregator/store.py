@@ -37,6 +37,8 @@ MIGRATIONS = [
       -- How many shards have settled (by any replica), kept with each settling report in the same transaction:
       -- closing a round reads one row rather than counting its contributions after each one (K^2 a round).
       settled BIGINT NOT NULL DEFAULT 0,
+      -- Secure aggregation of the round (JSON: the job's settings and each shard's verify key; NULL: none).
+      secagg TEXT,
       PRIMARY KEY (job_id, round, attempt));
     CREATE TABLE IF NOT EXISTS contributions (
       seq {autoid}, job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL,
@@ -48,17 +50,13 @@ MIGRATIONS = [
     CREATE UNIQUE INDEX IF NOT EXISTS contributions_once
       ON contributions (job_id, round, attempt, shard) WHERE status IN ('accepted', 'rejected', 'failed');
     CREATE INDEX IF NOT EXISTS contributions_round ON contributions (job_id, round, attempt);
-    """ + outbox_migration("aggregator_outbox"),
-    # Secure aggregation of the round (JSON: the job's settings and each shard's verify key; NULL: none).
-    "ALTER TABLE aggregations ADD COLUMN secagg TEXT;",
-    # Secure aggregation's key agreement as it came: each shard's keys, shares and reveal, and the stages the
-    # aggregator moved to (shard -1), so a restarted aggregator takes the round up where it was.
-    """
+    -- Secure aggregation's key agreement as it came: each shard's keys, shares and reveal, and the stages the
+    -- aggregator moved to (shard -1), so a restarted aggregator takes the round up where it was.
     CREATE TABLE IF NOT EXISTS secagg_messages (
       job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL, shard BIGINT NOT NULL,
       kind TEXT NOT NULL, body TEXT NOT NULL, received_at DOUBLE PRECISION NOT NULL,
       PRIMARY KEY (job_id, round, attempt, shard, kind));
-    """,
+    """ + outbox_migration("aggregator_outbox"),
 ]
 
 COLUMNS = ("job_id", "round", "attempt", "shards", "min_workers", "weights_key", "weights_size", "weights_sha256",

@@ -255,8 +255,11 @@ class SchedulerHandlers:
             if evaluation_due(spec, event.round, job.evaluates):
                 await self._queue_evaluation(tx, event.job_id, spec, event.round, event.attempt, event.weights)
         # The round's result is durable: what no round needs any more goes (distributed.transfer.keep_contributions).
-        await prune_after(self._storage, event.job_id, event.round, event.attempt, event.weights.sha256,
-                          keep_contributions=spec.distributed.transfer.keep_contributions)
+        # Not in mode async: there an attempt numbers a task, and tasks of a version still train or wait in the
+        # open version's buffer (an aggregator that restarts folds them again), so every contribution stays.
+        if spec.distributed.mode != "async":
+            await prune_after(self._storage, event.job_id, event.round, event.attempt, event.weights.sha256,
+                              keep_contributions=spec.distributed.transfer.keep_contributions)
         if may_end(spec, decision.next is Next.FINISH):
             # Read back before the next round's assignments go out: skipped where nothing can end the job yet.
             await self._finisher.settle(event.job_id)
@@ -371,8 +374,10 @@ class SchedulerHandlers:
             else:
                 await store.set_failures(tx, event.job_id, decision.failures)
                 await self._start_round(tx, _target(job, decision.round, decision.attempt))
-        # The attempt's assignments have ended: what their uploads left incomplete will never be completed.
-        await abort_uploads(self._storage, event.job_id, event.round, event.attempt)
+        # The attempt's assignments have ended: what their uploads left incomplete will never be completed (in mode
+        # async an attempt numbers one task, and the version's other tasks may still be uploading).
+        if job.spec.distributed.mode != "async":
+            await abort_uploads(self._storage, event.job_id, event.round, event.attempt)
 
     async def _on_current(self, event: Outcome, act: Callable[[Job, Outcome], Awaitable[None]]) -> None:
         """Under the job's lock, `act` on the running job if the outcome is for the attempt it runs now

@@ -169,6 +169,8 @@ def test_aggregator_killed_mid_scaffold_job_ends_as_an_undisturbed_fold_of_the_s
                       config={"mode": "slow", "slow_seconds": 4, "fail_shards": [0]})
     request["entrypoint"] = "tests.toyjobs.scaffoldtoy:fl_train_model"
     request["distributed"]["strategy"] = "scaffold"
+    # Every round's contributions kept (finished rounds' are deleted otherwise): the replay reads them all.
+    request["distributed"]["transfer"] = {"keep_contributions": True}
     cluster.publish_job(request)
     cluster.wait_for(lambda: faults.accepted(job_id).get((2, 1)), 120, "a contribution of round 2 to be recorded")
 

@@ -6,10 +6,15 @@ from __future__ import annotations
 import pytest
 
 from apiary.db import Database
+from services.aggregator import buffers as aggregator_async
+from services.aggregator import shard_states as aggregator_shard_states
 from services.aggregator import store as aggregator_store
+from services.scheduler import async_rounds as scheduler_async
+from services.scheduler import shard_states as scheduler_shard_states
 from services.scheduler import store as scheduler_store
 from services.scheduler import task_proofs
 from services.sharder import store as sharder_store
+from services.tracker import async_views as tracker_async
 from services.tracker import registry_store, token_store
 from services.tracker import store as tracker_store
 
@@ -21,6 +26,11 @@ SCHEMAS = {
     "tracker": tracker_store.MIGRATIONS,
     registry_store.COMPONENT: registry_store.MIGRATIONS,
     token_store.COMPONENT: token_store.MIGRATIONS,
+    aggregator_shard_states.COMPONENT: aggregator_shard_states.MIGRATIONS,
+    scheduler_shard_states.COMPONENT: scheduler_shard_states.MIGRATIONS,
+    aggregator_async.COMPONENT: aggregator_async.MIGRATIONS,
+    scheduler_async.COMPONENT: scheduler_async.MIGRATIONS,
+    tracker_async.COMPONENT: tracker_async.MIGRATIONS,
 }
 
 

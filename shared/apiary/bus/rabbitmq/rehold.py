@@ -7,7 +7,8 @@ that without tripping the timeout, a handler still running after `lease_renewal`
 re-held: a copy is published to a private hold queue `{exchange}.hold.<uuid>`, fetched unacked on the same
 channel (a fresh delivery, so a fresh timeout), and only then is the older delivery acked. The hold queue
 dead-letters through the default exchange back to the origin queue with a short message TTL, so if the process
-dies the copy is requeued, has already expired, and goes straight back to the pool, marked redelivered.
+dies the copy is requeued and goes back to the pool once its TTL has passed (at once if held longer), marked
+redelivered.
 `lease_renewal` must be well under the broker's `consumer_timeout` (the broker checks once per
 `channel_tick_interval`, 60 s by default). Raising `consumer_timeout` on the broker is not needed.
 """

@@ -73,10 +73,17 @@ def delay_queue(exchange: str, routing_key: str, delay: float) -> tuple[str, dic
                   "x-dead-letter-routing-key": routing_key, "x-expires": ms + 600_000}
 
 
+# The shortest life of a held copy: the time between publishing a copy to its hold queue and fetching it back must
+# stay under it, or the copy expires back to the origin queue while the original is still held (a second delivery
+# of the same message). On a loaded 2-core machine that round trip took over a second.
+HOLD_TTL_MIN = 5.0
+
+
 def hold_arguments(origin: str, every: float) -> dict[str, Any]:
-    """The arguments of a hold queue: a copy left there by a dead process expires back to `origin` at once."""
+    """The arguments of a hold queue: a copy left there by a dead process expires back to `origin` within its TTL
+    (at once if it was held longer)."""
     return {
-        "x-message-ttl": round(min(max(every, 1.0), 30.0) * 1000),
+        "x-message-ttl": round(min(max(every, HOLD_TTL_MIN), 30.0) * 1000),
         "x-dead-letter-exchange": "",
         "x-dead-letter-routing-key": origin,
         "x-expires": round((3 * every + 60) * 1000),

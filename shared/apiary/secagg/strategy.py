@@ -14,7 +14,7 @@ from apiary.secagg.aggregate import contribution_of_mean
 from apiary.secagg.messages import node
 from apiary.secagg.protocol import Collector, SecAggError
 from apiary.secagg.updates import MASKED, from_wire
-from apiary.strategies.base import Contribution, RoundResult, StoredContributions, Strategy, weighted_metrics
+from apiary.strategies.base import Contribution, RoundResult, StoredContributions, Strategy, Wrapping, weighted_metrics
 from apiary.strategies.clipping import clip_for_upload
 from apiary.strategies.format import UpdateFormat
 from apiary.strategies.private import DifferentiallyPrivate
@@ -25,22 +25,13 @@ from apiary.weights import WeightSpec
 CONTRIBUTORS, ERROR_BOUND = "secagg_contributors", "secagg_error_bound"
 
 
-class MaskedSum(Strategy):
+class MaskedSum(Wrapping):
     """Fold masked vectors into the round's collector; finish by unmasking and letting `inner` aggregate."""
 
     def __init__(self, inner: Strategy, collector: Collector | None, missing: str = "") -> None:
-        super().__init__(inner.params)
-        self.inner, self.collector, self._missing = inner, collector, missing
-        self.name = inner.name  # type: ignore[misc]  # the round's strategy, as logs and failures name it
+        super().__init__(inner)
+        self.collector, self._missing = collector, missing
         self._global: Mapping[str, torch.Tensor] = {}
-
-    def check_job(self, num_shards: int, min_workers: int) -> None:
-        """The wrapped strategy's check."""
-        self.inner.check_job(num_shards, min_workers)
-
-    def needs_start_weights(self) -> bool:
-        """The unmasked mean is an update: the global weights make it a contribution."""
-        return True
 
     def begin(self, spec: WeightSpec, update_format: UpdateFormat,
               global_weights: Mapping[str, torch.Tensor] | None = None) -> None:

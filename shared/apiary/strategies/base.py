@@ -205,6 +205,28 @@ class Strategy(ABC):
         raise NotImplementedError(f"strategy {self.name!r} sets streaming = False but does not read back")
 
 
+class Wrapping(Strategy):
+    """A strategy around another (privacy, secure aggregation): it reads each update against the round's global
+    weights as it arrives and leaves the aggregate to `inner`, whose name, job checks and population it carries."""
+
+    def __init__(self, inner: Strategy) -> None:
+        super().__init__(inner.params)
+        self.inner = inner
+        self.name = inner.name  # type: ignore[misc]  # the round's strategy, as logs and failures name it
+
+    def check_job(self, num_shards: int, min_workers: int) -> None:
+        """The wrapped strategy's check."""
+        self.inner.check_job(num_shards, min_workers)
+
+    def population(self, shards: int) -> None:
+        """Told to the wrapped strategy."""
+        self.inner.population(shards)
+
+    def needs_start_weights(self) -> bool:
+        """Every update is read against the round's global weights."""
+        return True
+
+
 def weighted_metrics(items: list[tuple[int, Mapping[str, float]]]) -> dict[str, float]:
     """Average each numeric metric over contributions, weighted by their sample counts."""
     sums: dict[str, float] = {}

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from apiary.privacy import DifferentialPrivacy, spent
-from apiary.strategies.base import Contribution, RoundResult, StoredContributions, Strategy
+from apiary.strategies.base import Contribution, RoundResult, StoredContributions, Strategy, Wrapping
 from apiary.strategies.clipping import clipped, over_bound, update_norm
 from apiary.strategies.format import UpdateFormat
 from apiary.strategies.validation import InvalidContribution, validate
@@ -46,26 +46,17 @@ EPSILON, DELTA, NORM, NOISE_STD = "dp_epsilon", "dp_delta", "dp_clipping_norm", 
 UNCLIPPED = "dp_unclipped_fraction"
 
 
-class DifferentiallyPrivate(Strategy):
+class DifferentiallyPrivate(Wrapping):
     """Clip each update, let the wrapped strategy aggregate, add Gaussian noise; adapt the norm if asked."""
 
     def __init__(self, inner: Strategy, settings: DifferentialPrivacy) -> None:
-        super().__init__(inner.params)
-        self.inner, self.settings = inner, settings
-        self.name = inner.name  # type: ignore[misc]  # the round's strategy, as logs and failures name it
+        super().__init__(inner)
+        self.settings = settings
         self.streaming = inner.streaming  # type: ignore[misc]
         self.clipping_norm = settings.clipping_start
         self.releases = 0
         self._global: Mapping[str, torch.Tensor] = {}
         self._unclipped = 0  # accepted updates within the norm this round (adaptive clipping's count)
-
-    def check_job(self, num_shards: int, min_workers: int) -> None:
-        """The wrapped strategy's check."""
-        self.inner.check_job(num_shards, min_workers)
-
-    def needs_start_weights(self) -> bool:
-        """Every update is measured against the round's global weights as it arrives."""
-        return True
 
     def begin(self, spec: WeightSpec, update_format: UpdateFormat,
               global_weights: Mapping[str, torch.Tensor] | None = None) -> None:

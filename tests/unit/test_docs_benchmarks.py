@@ -13,21 +13,13 @@ PAGES = ROOT / "docs" / "benchmarks"
 # Pages whose figures come from scripts with a format of their own (per setting, per K and replica count, per run).
 OWN_FORMAT = {"accuracy", "accuracy-shard-state", "async", "scale"}
 METADATA = {"benchmark", "command", "measured_at", "commit", "machine", "reference", "figures"}
-# Pages whose script records its figures now but has not been run since it did (their figures predate the JSON).
-# Strict: once the JSON is there, the test passes and this set must lose the page.
-NOT_RUN_YET = {"large"}
 
 
 def benchmark_pages() -> list[Path]:
     return sorted(p for p in PAGES.glob("*.md") if p.name != "index.md")
 
 
-def _pending(page: Path) -> pytest.MarkDecorator | tuple[()]:
-    return pytest.mark.xfail(strict=True, reason="its script has not been run since it records its figures") \
-        if page.stem in NOT_RUN_YET else ()
-
-
-@pytest.mark.parametrize("page", [pytest.param(p, marks=_pending(p)) for p in benchmark_pages()], ids=lambda p: p.stem)
+@pytest.mark.parametrize("page", benchmark_pages(), ids=lambda p: p.stem)
 def test_every_benchmark_page_has_its_results_beside_it_and_links_them(page: Path) -> None:
     results = page.with_suffix(".json")
     assert results.is_file(), f"{page.name} has no {results.name} beside it: run its script (see the page)"

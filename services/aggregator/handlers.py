@@ -70,6 +70,8 @@ class Aggregator(Component):
             "round.assigned": self.on_round_assigned,
             "worker.done": self.on_worker_done,
             "worker.failed": self.on_worker_failed,
+            "worker.done.async": self.on_worker_done,  # a task of a job in mode async (the scheduler hears it too)
+            "worker.failed.async": self.on_worker_failed,
             "round.timeout": self.on_round_timeout,
             "job.failed": self.on_job_ended,
             "job.completed": self.on_job_ended,

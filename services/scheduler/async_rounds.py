@@ -175,7 +175,8 @@ class AsyncVersions:
         ttl = int(timeout + self._presign_ttl)
         ended = self._storage.presign_get(keys.job_ended(target.job_id), ttl)
         urls = replace(self._router.urls(task, shard, ttl, ended), base_model=await self._router.base_model(spec, ttl))
-        message = assignment(task, plan, shard, urls).model_copy(update=self._router.code(spec, ttl))
+        message = assignment(task, plan, shard, urls).model_copy(update={**self._router.code(spec, ttl),
+                                                                           "asynchronous": True})
         prefer = {shard_index: worker} if worker else {}
         routing_key = await self._router.queue(route(shard_index, spec.worker_selection.pinned, prefer))
         await tx.execute("INSERT INTO async_slots (job_id, attempt, round, shard, status, worker_id, secret_digest,"

@@ -275,8 +275,9 @@ class SchedulerHandlers:
         await self._outbox.add_all(tx, queued)
 
     async def on_worker_report(self, event: WorkerDone | WorkerFailed, delivery: Delivery) -> None:
-        """Mode async: a worker reported a training task; the next task goes out at once (services.scheduler.
-        async_rounds). A synchronous job's reports are the aggregator's alone."""
+        """Mode async: a worker reported a training task (`worker.done.async` / `worker.failed.async`); the next
+        task goes out at once (services.scheduler.async_rounds). A synchronous job's reports are the aggregator's
+        alone: they never reach this queue, and one sent under the async key anyway changes nothing here."""
         if not await self.versions.is_async(event.job_id):
             return
         async with self._locks(event.job_id):

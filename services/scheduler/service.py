@@ -10,7 +10,7 @@ from typing import Any
 from apiary import metrics
 from apiary.bus import EventHandler, Raw
 from apiary.component import Component
-from apiary.contracts import AdapterMerged, WeightsInitialized, WorkerEvaluated
+from apiary.contracts import AdapterMerged, WeightsInitialized, WorkerDone, WorkerEvaluated, WorkerFailed
 from apiary.outbox import Outbox
 from services.scheduler import gauges, shard_states, task_proofs
 from services.scheduler.handlers import SchedulerHandlers
@@ -53,8 +53,9 @@ class Scheduler(Component):
             "worker.online": h.on_worker_presence,
             "worker.heartbeat": h.on_worker_presence,
             "worker.offline": h.on_worker_presence,
-            "worker.done": h.on_worker_report,
-            "worker.failed": h.on_worker_report,
+            # Mode async's task reports only: a synchronous round's reports go to the aggregator alone.
+            WorkerDone.async_routing_key: h.on_worker_report,
+            WorkerFailed.async_routing_key: h.on_worker_report,
         }
         await self.consume("scheduler", handlers)
         self._pacer = asyncio.create_task(self._pace(), name="scheduler:presence-pace")

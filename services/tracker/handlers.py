@@ -179,6 +179,8 @@ VIEWS: dict[str, View] = {
     WorkerProgress.routing_key: _worker_progress,
     WorkerDone.routing_key: _worker_done,
     WorkerFailed.routing_key: _worker_failed,
+    WorkerDone.async_routing_key: _worker_done,
+    WorkerFailed.async_routing_key: _worker_failed,
     RoundAggregated.routing_key: _round_aggregated,
     RoundFailed.routing_key: _round_failed,
     RoundEvaluated.routing_key: _round_evaluated,

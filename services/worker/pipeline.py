@@ -15,7 +15,7 @@ from opentelemetry.trace import Span
 from apiary import telemetry
 from apiary.backoff import while_unavailable
 from apiary.bus import publish_event
-from apiary.contracts import TRAIN, Assignment, ObjectRef, WorkerDone
+from apiary.contracts import TRAIN, Assignment, ObjectRef, WorkerDone, report_key
 from apiary.jobspec import parse_entrypoint
 from apiary.trainers import TrainCall, TrainerError, TrainResult
 from services.worker import transfers
@@ -231,7 +231,8 @@ class AssignmentRun:
         )
         # The trained shard is worth keeping through a broker outage: the report waits for the broker,
         # rather than the whole assignment running again.
-        await while_unavailable(lambda: publish_event(worker.bus, done), worker.settings.dependency_backoff(),
+        await while_unavailable(lambda: publish_event(worker.bus, done, routing_key=report_key(done, a)),
+                                worker.settings.dependency_backoff(),
                                 f"worker {worker.worker_id}: report of round {a.round} shard {a.shard}", log)
         log.info("worker %s: job %s round %d shard %d done in %.2fs (%d samples)", worker.worker_id,
                  a.job_id, a.round, a.shard, duration, result.samples)

@@ -21,6 +21,7 @@ from apiary.contracts import (
     PresencePace,
     WorkerFailed,
     pace_key,
+    report_key,
     secagg_key,
 )
 from apiary.settings import Settings
@@ -177,6 +178,7 @@ class Worker:
         failed = WorkerFailed(job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=self.worker_id,
                               shard=a.shard, error=error, secret=a.secret or "")
         # Like worker.done: a report waits for the broker rather than the shard being trained again.
-        await while_unavailable(lambda: publish_event(self.bus, failed), self.settings.dependency_backoff(),
+        await while_unavailable(lambda: publish_event(self.bus, failed, routing_key=report_key(failed, a)),
+                                self.settings.dependency_backoff(),
                                 f"worker {self.worker_id}: failure report of round {a.round} shard {a.shard}", log)
 

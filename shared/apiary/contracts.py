@@ -360,6 +360,9 @@ class Assignment(RoundEvent):
     server_state_url: str = Field(default="", description="the strategy's state every worker needs (SCAFFOLD's control "
                                   "variate), presigned GET; empty where there is none")
     server_state_sha256: str = Field(default="", description="the sha256 of the server state")
+    asynchronous: bool = False
+    """The task belongs to a job in mode async: its report goes out as `worker.done.async` or
+    `worker.failed.async` (the scheduler hands out the next task on it); else as `worker.done` / `worker.failed`."""
 
 
 class WorkerProgress(RoundEvent):
@@ -381,9 +384,11 @@ class WorkerProgress(RoundEvent):
 
 
 class WorkerDone(RoundEvent):
-    """`worker.done`: a worker trained its shard; `result` is the claim check of its weights."""
+    """`worker.done` (`worker.done.async` for a task of a job in mode async): a worker trained its shard; `result`
+    is the claim check of its weights."""
 
     routing_key: ClassVar[str] = "worker.done"
+    async_routing_key: ClassVar[str] = "worker.done.async"  # a task of a job in mode async (Assignment.asynchronous)
     worker_id: str
     """The worker that trained the shard."""
     shard: int
@@ -403,9 +408,11 @@ class WorkerDone(RoundEvent):
 
 
 class WorkerFailed(RoundEvent):
-    """`worker.failed`: a worker could not train its shard; `error` says why in one line."""
+    """`worker.failed` (`worker.failed.async` for a task of a job in mode async): a worker could not train its
+    shard; `error` says why in one line."""
 
     routing_key: ClassVar[str] = "worker.failed"
+    async_routing_key: ClassVar[str] = "worker.failed.async"  # a task of a job in mode async
     worker_id: str
     """The worker that failed to train the shard."""
     shard: int
@@ -830,6 +837,16 @@ EVENT_TYPES: dict[str, type[BaseModel]] = {
     )
 }
 EVENT_TYPES[RoundAssigned.routing_key] = RoundAssigned  # mode async's task announcements
+# Mode async's reports: the same messages under their own keys, which the scheduler hears as well as the aggregator
+# (it hands out the next task at once); a synchronous round's reports reach the aggregator alone.
+EVENT_TYPES[WorkerDone.async_routing_key] = WorkerDone
+EVENT_TYPES[WorkerFailed.async_routing_key] = WorkerFailed
+
+
+def report_key(report: WorkerDone | WorkerFailed, assignment: Assignment) -> str:
+    """The routing key a worker's report of `assignment` goes out under: the report's own, or its mode-async key
+    where the assignment is a task of a job in mode async."""
+    return report.async_routing_key if assignment.asynchronous else report.routing_key
 
 
 def model_for(routing_key: str) -> type[BaseModel]:

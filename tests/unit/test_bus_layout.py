@@ -70,3 +70,30 @@ async def test_a_process_bus_declares_the_layout_before_anything_is_published() 
     assert await bus.queue_size("scheduler") == 1
     assert await bus.queue_size("tracker") == 1
     await bus.close()
+
+
+def test_a_synchronous_rounds_reports_reach_the_aggregator_alone_and_mode_asyncs_the_scheduler_too() -> None:
+    # Prepare: a round's assignment and a mode-async task's, and the reports of each.
+    from apiary.bus.base import topic_matches
+    from apiary.contracts import Assignment, ObjectRef, WorkerDone, WorkerFailed, report_key
+
+    sync = Assignment(job_id="j", round=1, job_name="n", num_rounds=2, env={}, deadline=0.0)
+    task = sync.model_copy(update={"asynchronous": True})
+    done = WorkerDone(job_id="j", round=1, worker_id="w", shard=0, result=ObjectRef(key="k", size=1, sha256="0" * 64),
+                      samples=1)
+    failed = WorkerFailed(job_id="j", round=1, worker_id="w", shard=0, error="boom")
+
+    # Execute
+    keys = {(kind, mode): report_key(report, a) for kind, report in (("done", done), ("failed", failed))
+            for mode, a in (("sync", sync), ("async", task))}
+
+    def hears(service: str, key: str) -> bool:
+        return any(topic_matches(pattern, key) for pattern in SERVICE_QUEUES[service])
+
+    # Assert: the scheduler no longer pays for every synchronous report; every report reaches the aggregator
+    # and the tracker.
+    assert keys == {("done", "sync"): "worker.done", ("done", "async"): "worker.done.async",
+                    ("failed", "sync"): "worker.failed", ("failed", "async"): "worker.failed.async"}
+    for (_, mode), key in keys.items():
+        assert hears("aggregator", key) and hears("tracker", key)
+        assert hears("scheduler", key) == (mode == "async")

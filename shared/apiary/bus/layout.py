@@ -12,9 +12,10 @@ POOL = "assign.pool"  # apiary.assignments.POOL (imported from there, it would i
 SERVICE_QUEUES: Mapping[str, Sequence[str]] = {
     "scheduler": ("job.requested", "job.sharded", "round.aggregated", "round.failed", "worker.initialized",
                   "worker.evaluated", "worker.merged", "task.timeout", "job.cancel", "worker.online",
-                  "worker.heartbeat", "worker.offline", "worker.done", "worker.failed"),
+                  "worker.heartbeat", "worker.offline", "worker.done.async", "worker.failed.async"),
     "sharder": ("shard.requested",),
-    "aggregator": ("round.start", "worker.done", "worker.failed", "round.timeout", "job.failed", "job.completed",
+    "aggregator": ("round.start", "worker.done", "worker.failed", "worker.done.async", "worker.failed.async",
+                   "round.timeout", "job.failed", "job.completed",
                    "worker.secagg.keys", "worker.secagg.shares", "worker.secagg.reveal", "round.assigned"),
     "tracker": ("#",),
     POOL: (POOL,),

@@ -3,7 +3,8 @@
 /openapi.json: every route and method, as an admin, a submitter, a viewer and with no token, inputs that fit
 the schema and inputs that do not) with many more examples, on the embedded SQLite and on PostgreSQL.
 
-The test suite sends 20 seeded examples per operation, mode and token; this sends --examples of them, from
+The test suite sends 20 seeded examples per operation and mode as the admin (a quarter of that with each other
+token); this sends --examples (and a quarter) of them, from
 --seed (a new seed explores new inputs; the same seed repeats a run). Each failure is printed with a curl
 command that reproduces it; the exit status is pytest's.
 
@@ -25,7 +26,8 @@ def main() -> int:
     """Run the API fuzz test with many examples; the exit status is pytest's."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=500,
-                        help="inputs per operation, generation mode and token (default 500)")
+                        help="inputs per operation and generation mode as the admin, a quarter with each"
+                             " other token (default 500)")
     parser.add_argument("--seed", type=int, default=44, help="hypothesis's seed (default 44)")
     parser.add_argument("-k", default="", help="only the backends whose names match (pytest -k: sqlite, postgres)")
     args = parser.parse_args()

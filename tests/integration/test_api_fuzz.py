@@ -3,8 +3,8 @@ PostgreSQL: every route and method, as an admin, a submitter, a viewer and with 
 schema and inputs that do not. No answer may be a 5xx, and every answer must be one the document declares,
 with its content type and body schema.
 
-A bounded, seeded run is part of the suite (APIARY_API_FUZZ_EXAMPLES inputs per operation, mode and token,
-APIARY_API_FUZZ_SEED); scripts/fuzz_api.py runs it with many more.
+A bounded, seeded run is part of the suite (APIARY_API_FUZZ_EXAMPLES inputs per operation and mode as the admin, a
+quarter of that with each other token; APIARY_API_FUZZ_SEED); scripts/fuzz_api.py runs it with many more.
 """
 
 from __future__ import annotations
@@ -79,8 +79,11 @@ def fuzz(url: str, tokens: dict[str, str | None], examples: int, seed: int) -> F
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             for who, token in tokens.items():
                 headers = {"Authorization": f"Bearer {token}"} if token else {}
+                # The admin reaches every handler with every input; the other roles mostly meet the token check
+                # (a 401 or 403 whatever the input), which a quarter of the inputs covers.
+                cases = examples if who == "admin" else max(1, examples // 4)
                 try:
-                    _cases(operation, mode, url, headers, examples, seed, fuzzed)()
+                    _cases(operation, mode, url, headers, cases, seed, fuzzed)()
                 except (AssertionError, FailureGroup) as e:  # each failure is reported, the run goes on
                     fuzzed.failures.append(f"{operation.label} [{mode.value}, {who}]: {e}")
     return fuzzed

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from apiary import keys, metrics, proof, telemetry
 from apiary.bus import Delivery
-from apiary.contracts import RoundAssigned, RoundTimeout, ShardInfo, WorkerDone, WorkerFailed
+from apiary.contracts import TRAIN, RoundAssigned, RoundTimeout, ShardInfo, TaskTimeout, WorkerDone, WorkerFailed
 from apiary.db import Database, Executor
 from apiary.jobspec_async import AsyncConfig
 from apiary.outbox import Outbox, Pending
@@ -132,9 +132,6 @@ class AsyncVersions:
         if proof.judge(event.worker_id, delivery.user_id, event.secret, row["secret_digest"],
                        about=f"shard {event.shard}") is not None:
             return
-        spec = job.spec
-        settings = spec.distributed.buffered
-        assert settings is not None
         now = time.time()
         async with self._db.transaction() as tx:
             freed = await tx.execute("UPDATE async_slots SET status = $3, ended_at = $4 WHERE job_id = $1"
@@ -142,19 +139,45 @@ class AsyncVersions:
                                      TRAINING)
             if not freed or job.status != JobStatus.RUNNING or job.last_round is not None or job.merging is not None:
                 return
-            training = await self._training(tx, event.job_id)
-            shards = [s.index for s in job.shards]
-            chosen = next_shards(settings.slots - len(training), shards, training, after=event.shard)
-            target = RoundTarget(job.job_id, spec, job.shards, job.weights, job.round, job.attempt)
-            # The task joins the trace of the version it starts in.
-            version = await store.running_round(tx, job.job_id, job.round, job.attempt)
-            trace = None if version is None else telemetry.headers_for(telemetry.round_context(
-                int(version["trace_id"], 16), int(version["span_id"], 16)))
-            queued: list[Pending] = []
-            for shard in chosen:
-                queued += await self._task(tx, target, settings, shard, event.worker_id, now, trace)
-            await self._outbox.add_all(tx, queued)
+            await self._top_up(tx, job, after=event.shard, worker=event.worker_id, now=now)
         await self._outbox.flush()
+
+    async def on_task_timeout(self, event: TaskTimeout, job: store.Job) -> None:
+        """A training task's deadline passed (under the job's lock): if it is still training, no report came in its
+        time (its worker hung, or its report was lost), so its slot is lost and its shard goes out again at once, to
+        any worker. A report that comes later changes nothing here (the aggregator may still fold it, weighted by its
+        staleness like any other)."""
+        now = time.time()
+        async with self._db.transaction() as tx:
+            row = await tx.fetchrow("SELECT shard, worker_id FROM async_slots WHERE job_id = $1 AND attempt = $2"
+                                    " AND status = $3", event.job_id, event.attempt, TRAINING)
+            if row is None:
+                return
+            await tx.execute("UPDATE async_slots SET status = $3, ended_at = $4 WHERE job_id = $1 AND attempt = $2",
+                             event.job_id, event.attempt, LOST, now)
+            log.warning("job %s: task %d (shard %d, worker %s) did not report by its deadline; its shard goes out "
+                        "again", event.job_id, event.attempt, row["shard"], row["worker_id"] or "any")
+            if job.status != JobStatus.RUNNING or job.last_round is not None or job.merging is not None:
+                return
+            await self._top_up(tx, job, after=int(row["shard"]), worker=None, now=now)
+        await self._outbox.flush()
+
+    async def _top_up(self, tx: Executor, job: store.Job, after: int, worker: str | None, now: float) -> None:
+        """Hand out training tasks from the newest version until `concurrency` train (the shards in turn from the
+        one after `after`), the first to `worker` where one is named."""
+        settings = job.spec.distributed.buffered
+        assert settings is not None
+        training = await self._training(tx, job.job_id)
+        chosen = next_shards(settings.slots - len(training), [s.index for s in job.shards], training, after=after)
+        target = RoundTarget(job.job_id, job.spec, job.shards, job.weights, job.round, job.attempt)
+        # The task joins the trace of the version it starts in.
+        version = await store.running_round(tx, job.job_id, job.round, job.attempt)
+        trace = None if version is None else telemetry.headers_for(telemetry.round_context(
+            int(version["trace_id"], 16), int(version["span_id"], 16)))
+        queued: list[Pending] = []
+        for shard in chosen:
+            queued += await self._task(tx, target, settings, shard, worker, now, trace)
+        await self._outbox.add_all(tx, queued)
 
     async def _training(self, tx: Executor, job_id: str) -> set[int]:
         rows = await tx.fetch("SELECT shard FROM async_slots WHERE job_id = $1 AND status = $2", job_id, TRAINING)
@@ -186,8 +209,11 @@ class AsyncVersions:
                                  weights=target.weights, secret_digest=proof.digest(secret),
                                  progress_digest=proof.digest(proof.progress_token(secret)))
         headers = trace or {}
-        # The announcement first: the aggregator stores it before the task's report can arrive.
-        return [Pending(assigned, headers=headers), Pending(message, routing_key=routing_key, headers=headers)]
+        # The announcement first: the aggregator stores it before the task's report can arrive. The task's own
+        # timeout frees its slot if no report comes by its deadline (a worker hung but alive, say).
+        expiry = TaskTimeout(job_id=target.job_id, round=target.round, attempt=number, task=TRAIN)
+        return [Pending(assigned, headers=headers), Pending(message, routing_key=routing_key, headers=headers),
+                Pending(expiry, delay=timeout, headers=headers)]
 
 
 def _shard(shards: list[ShardInfo], index: int) -> ShardInfo:

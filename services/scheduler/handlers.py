@@ -17,6 +17,7 @@ from apiary.contracts import (
     EVALUATE,
     INIT,
     MERGE,
+    TRAIN,
     AdapterMerged,
     JobSharded,
     JobWaiting,
@@ -333,10 +334,14 @@ class SchedulerHandlers:
 
     async def on_task_timeout(self, event: TaskTimeout, delivery: Delivery) -> None:
         """An init, evaluate or merge task's time is up: a job still waiting for its initial weights or its
-        merged model fails; an evaluation not in yet is recorded as failed (the job goes on)."""
+        merged model fails; an evaluation not in yet is recorded as failed (the job goes on). A mode-async
+        training task still out loses its slot, and its shard goes out again."""
         async with self._locks(event.job_id):
             job = await store.job(self._db, event.job_id)
             if job is None or job.status.terminal:
+                return
+            if event.task == TRAIN:  # a mode-async training task (services.scheduler.async_rounds)
+                await self.versions.on_task_timeout(event, job)
                 return
             timeout = task_timeout(job.spec)
             if event.task == MERGE:

@@ -122,3 +122,52 @@ async def test_an_entrypoint_that_raises_fails_an_async_job_without_waiting_for_
 
     assert view["status"] == "failed"
     assert "failed 2 time(s) in a row" in view["reason"] and "RuntimeError: toy failure on shard" in view["reason"]
+
+
+async def test_a_task_whose_report_never_comes_loses_its_slot_at_its_deadline_and_its_shard_trains_again(
+        embedded: StackFactory, tmp_path: Path, toy_dataset: Path) -> None:
+    # Prepare: 4 workers, one shard each, every shard training at once; the first report of shard 3 is lost on
+    # its way (its worker stays alive and heartbeating, as a worker that hangs after training would): with no
+    # deadline of its own, the task would hold its slot, and shard 3 would never train again. Tasks from version 3
+    # on wait for their gates, so the job is still running when the lost task's deadline passes.
+    from apiary.contracts import decode_body
+
+    gate = tmp_path / "gate-{round}"
+    for index in (1, 2):
+        Path(str(gate).replace("{round}", str(index))).touch()
+    request = toy_request(toy_dataset, num_rounds=6, min_workers=4, max_workers=4, mode="async", evaluate_every=0,
+                          aggregation_timeout=30, **{"async": {"buffer_size": 2}})
+    request["config"] = {"mode": "gated", "gate": str(gate)}
+    async with embedded(workers=4) as stack:
+        db = stack.ports.db
+        lost: list[int] = []
+
+        def losing(publish: Any) -> Any:
+            async def maybe(key: str, body: bytes, **kwargs: Any) -> None:
+                if key in ("worker.done.async", "worker.failed.async") and not lost:
+                    report = decode_body(body)
+                    if report["shard"] == SLOW:
+                        lost.append(int(report["attempt"]))
+                        return
+                await publish(key, body, **kwargs)
+            return maybe
+
+        for worker in stack.workers:
+            worker.bus.publish = losing(worker.bus.publish)  # type: ignore[method-assign]
+        job_id = await stack.submit(request)
+
+        # Execute: wait for the lost task's deadline to free its slot, then let every task go on.
+        async def slot_lost() -> bool:
+            return bool(lost) and await db.fetchval("SELECT status FROM async_slots WHERE job_id = $1 AND attempt"
+                                                    " = $2", job_id, lost[0]) == "lost"
+        await _wait_for(slot_lost, 90)
+        for index in range(3, 12):
+            Path(str(gate).replace("{round}", str(index))).touch()
+        view = await stack.wait(job_id, timeout=120)
+        slots = await db.fetch("SELECT attempt, shard, status FROM async_slots WHERE job_id = $1 ORDER BY attempt",
+                               job_id)
+
+    # Assert: the job completed, and shard 3 trained again after its lost task and reported.
+    assert view["status"] == "completed", view.get("reason")
+    assert len(lost) == 1
+    assert any(r["shard"] == SLOW and r["attempt"] > lost[0] and r["status"] == "done" for r in slots)

@@ -692,12 +692,13 @@ class AdapterMerged(RoundEvent):
 
 
 class TaskTimeout(RoundEvent):
-    """`task.timeout` (delayed): an init, evaluate or merge assignment's time is up; if it has not reported, the
-    scheduler stops waiting for it."""
+    """`task.timeout` (delayed): an init, evaluate or merge assignment's time is up, or a mode-async training
+    task's; if it has not reported, the scheduler stops waiting for it (a training task's shard goes out again)."""
 
     routing_key: ClassVar[str] = "task.timeout"
     task: TaskKind = EVALUATE
-    """Which task's time is up: `init`, `evaluate` or `merge` (with the event's round and attempt)."""
+    """Which task's time is up: `init`, `evaluate` or `merge` (with the event's round and attempt), or `train` (a
+    mode-async task: `attempt` is its task number)."""
 
 
 class JobCompleted(Event):

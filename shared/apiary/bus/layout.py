@@ -15,7 +15,8 @@ SERVICE_QUEUES: Mapping[str, Sequence[str]] = {
                   "worker.heartbeat", "worker.offline", "worker.done", "worker.failed"),
     "sharder": ("shard.requested",),
     "aggregator": ("round.start", "worker.done", "worker.failed", "round.timeout", "job.failed", "job.completed",
-                   "worker.secagg.keys", "worker.secagg.shares", "worker.secagg.reveal", "round.assigned"),
+                   "worker.secagg.keys", "worker.secagg.shares", "worker.secagg.check", "worker.secagg.reveal",
+                   "round.assigned"),
     "tracker": ("#",),
     POOL: (POOL,),
 }

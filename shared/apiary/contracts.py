@@ -463,8 +463,9 @@ class SecAggShares(RoundEvent):
 
 
 class SecAggReveal(RoundEvent):
-    """`worker.secagg.reveal`: secure aggregation's stage 4, a survivor's shares (hex) of its neighbours' self-mask
-    seeds (`b_shares`, of the shards that sent masked vectors) and key (`s_shares`, of those that dropped)."""
+    """`worker.secagg.reveal`: secure aggregation's stage 5, a signing survivor's shares (hex) of its neighbours'
+    self-mask seeds (`b_shares`, of the shards that sent masked vectors) and key (`s_shares`, of those that
+    dropped)."""
 
     routing_key: ClassVar[str] = "worker.secagg.reveal"
     worker_id: str

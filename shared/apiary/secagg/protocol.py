@@ -24,9 +24,10 @@ does I/O.
 
 What it protects: the aggregator (and storage) hold masked vectors only; fewer than t colluding neighbours of a
 worker learn nothing of its masks. Against an aggregator that lies about who dropped (telling some workers a
-node survived, to get shares of its self mask, and others that it dropped, to get shares of its mask key), the
-consistency check holds where t is more than half the participants: two survivor sets cannot both gather t
-signatures (docs/security.md).
+node survived, to get shares of its self mask, and others that it dropped, to get shares of its mask key): an
+honest participant signs one survivor set and reveals one of a node's two secrets, so the lie needs 2t of the
+node's neighbours (t > num_shares / 2 rules it out), and every revealer acted on a set t participants signed
+(t > half the participants: one set a round). docs/security.md says more.
 """
 
 from __future__ import annotations

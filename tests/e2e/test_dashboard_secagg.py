@@ -27,6 +27,7 @@ async def test_the_api_status_and_job_page_show_each_secure_round(browser: Brows
         body["config"] = {**body["config"], "mode": "raise", "fail_shards": [2]}
         job_id = await stack.submit(body)
         view = await stack.wait(job_id, timeout=120)
+        fetched = await stack.api.get_job(job_id)  # GET /training-jobs/{id}, through the API's schema
         page = await browser.new_page()
         await page.goto(f"{url}/?token={await stack.api_token()}#/jobs/{job_id}")
         await page.wait_for_selector("td.secure-aggregation", timeout=30_000)
@@ -34,6 +35,7 @@ async def test_the_api_status_and_job_page_show_each_secure_round(browser: Brows
 
     assert view["status"] == "completed", view.get("reason")
     summary = view["rounds"][0]["secure_aggregation"]
+    assert fetched["rounds"][0]["secure_aggregation"] == summary
     assert summary["stage"] == "unmasked" and summary["threshold"] == 2 and summary["num_shares"] == 3
     assert summary["participants"] == [0, 1, 2] and summary["survivors"] == [0, 1] and summary["signers"] == [0, 1]
     assert summary["revealed"] == [0, 1]

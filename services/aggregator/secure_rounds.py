@@ -89,6 +89,11 @@ class SecureRounds:
             return None
         held = self._rounds.get(round_.key)
         if held is None:
+            # The job's earlier rounds have closed (a round starts once the one before it ended): a replica that
+            # did not close them forgets them here (read back from the database, should one be needed again).
+            job_id, round_index, attempt = round_.key
+            for key in [k for k in self._rounds if k[0] == job_id and (k[1], k[2]) < (round_index, attempt)]:
+                del self._rounds[key]
             params = round_.secure.settings.resolved(len(round_.secure.verify_keys))
             verify = {node(shard): bytes.fromhex(key) for shard, key in round_.secure.verify_keys.items()}
             context = crypto.round_context(*round_.key)
@@ -120,7 +125,7 @@ class SecureRounds:
             row = stages.get(stage)
             if row is None or (-1, row["kind"]) in held.applied:
                 continue
-            fixed = json.loads(row["body"])
+            fixed = _fixed(row["body"])
             nodes = [node(s) for s in fixed.get("shards", [])]
             if stage == "shares":
                 collector.fix_roster(nodes)
@@ -392,3 +397,12 @@ def _hex(text: str) -> bytes:
         return bytes.fromhex(text)
     except ValueError:
         raise SecAggError("a signature is not hex") from None
+
+
+def _fixed(body: str) -> dict[str, Any]:
+    """A stage row's fixed set and reason (a row stored before stages carried sets holds the reason alone)."""
+    try:
+        fixed = json.loads(body)
+    except ValueError:
+        return {"reason": body}
+    return fixed if isinstance(fixed, dict) else {"reason": body}

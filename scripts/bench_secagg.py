@@ -107,7 +107,15 @@ def bench(k: int, params: int) -> dict[str, float]:
         t = time.perf_counter()
         collector.take_masked(n, from_wire(load_numpy(upload)[MASKED]))
         aggregator += time.perf_counter() - t
-    for n in sorted(collector.contributed - {k}):  # the last worker dropped after masking
+    survivors = collector.fix_survivors(collector.contributed)
+    signers = sorted(set(survivors) - {k})  # the last worker dropped after masking
+    for n in signers:
+        signature = timed_worker(n, lambda n=n: workers[n].check(survivors))
+        sent[n] += len(signature)
+        t = time.perf_counter()
+        collector.take_check(n, signature)
+        aggregator += time.perf_counter() - t
+    for n in signers:
         reveal = timed_worker(n, lambda n=n: workers[n].unmask(collector.unmask_request(n)))
         sent[n] += sum(len(s) + 8 for s in (*reveal.b_shares.values(), *reveal.s_shares.values()))
         t = time.perf_counter()

@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from apiary import keys, metrics, telemetry
-from apiary.contracts import RoundAggregated, RoundFailed
+from apiary.contracts import RoundAggregated, RoundFailed, SecAggSummary
 from apiary.outbox import Outbox
 from apiary.status import ContributionStatus, RoundStatus
 from apiary.storage import Storage
@@ -35,6 +35,8 @@ class RoundCloser:
 
     def __init__(self, store: AggregatorStore, storage: Storage, outbox: Outbox, rounds: OpenRounds) -> None:
         self._store, self._storage, self._outbox, self._rounds = store, storage, outbox, rounds
+        # What secure aggregation did in a round, for its round.aggregated / round.failed (unmasked: aggregated).
+        self.secure_summary: Callable[..., SecAggSummary | None] = lambda key, unmasked=False: None
 
     async def close(self, state: RoundState, *, timed_out: bool) -> None:
         """Aggregate or fail the round, inside one span: a child of the round, linked to every
@@ -74,7 +76,8 @@ class RoundCloser:
     async def _fail(self, state: RoundState, reason: str, reported: int) -> None:
         job_id, round_index, attempt = state.key
         failed = RoundFailed(job_id=job_id, round=round_index, attempt=attempt, reason=reason,
-                             reported=reported, required=state.round.min_workers)
+                             reported=reported, required=state.round.min_workers,
+                             secure_aggregation=self.secure_summary(state.key))
         async with self._store.db.transaction() as tx:
             closed = await self._store.close(tx, state.key, RoundStatus.FAILED, reason=reason)
             if closed:
@@ -119,7 +122,7 @@ class RoundCloser:
                 metrics=result.metrics, rejected=refused,
                 trained_by={r["shard"]: r["worker_id"] for r in accepted},
                 shard_states=await shard_states.of_round(tx, state.key, (r["shard"] for r in accepted)),
-                server_state=shared,
+                server_state=shared, secure_aggregation=self.secure_summary(state.key, unmasked=True),
             )
             await self._outbox.add(tx, done)
         self._rounds.remember_closed(state.key, RoundStatus.AGGREGATED)

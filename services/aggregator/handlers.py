@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from apiary import contracts, keys, metrics
@@ -58,6 +60,7 @@ class Aggregator(Component):
         self._secure = SecureRounds(self.bus, self.store)
         self._rounds.wrap = self._secure.strategy
         self._rounds.restore = self._secure.restore
+        self._closer.secure_summary = self._secure.summary
         self._buffers = AsyncBuffers(self.store, self.storage, self.outbox)  # mode async (FedBuff) versions
 
     async def start(self) -> None:
@@ -77,6 +80,7 @@ class Aggregator(Component):
             "job.completed": self.on_job_ended,
             "worker.secagg.keys": self.on_secagg_keys,
             "worker.secagg.shares": self.on_secagg_shares,
+            "worker.secagg.check": self.on_secagg_check,
             "worker.secagg.reveal": self.on_secagg_reveal,
         }
         await self.consume("aggregator", handlers)
@@ -148,6 +152,7 @@ class Aggregator(Component):
             try:
                 kept = await shard_states.check(self.storage, self.db, event, state.round.weights.size)
                 contribution = await self._decode(event, fetched, state)
+                await self._secure.admit(state.round, event.shard)  # a secure round: its stages as stored
                 # Its state's reference first (only an accepted shard's counts): a failure here leaves nothing held.
                 await shard_states.remember(self.storage, self.db, event, kept)
                 await take_in(state, event.shard, contribution)
@@ -171,9 +176,8 @@ class Aggregator(Component):
             return
         async with self._locks(event.job_id):
             state = await self._rounds.current((event.job_id, event.round, event.attempt))
-            if not isinstance(state, Verdict) and not await self._secure.holds_back(state):
-                await self._closer.close(state, timed_out=True)
-                self._secure.drop(state.key)
+            if not isinstance(state, Verdict):
+                await self._close(state, timed_out=True)
 
     async def on_job_ended(self, event: contracts.JobFailed | contracts.JobCompleted, delivery: Delivery) -> None:
         """A job was cancelled, failed or completed (early stopping ends one while its next round runs): its
@@ -290,40 +294,58 @@ class Aggregator(Component):
                 return
         await self._close(state)
 
-    async def _close(self, state: RoundState) -> None:
-        if await self._secure.holds_back(state):  # a secure round closes once its shares are revealed
-            return
+    async def _close(self, state: RoundState, *, timed_out: bool | None = None) -> None:
+        """Close the round (`timed_out` None: as a last shard settling after the deadline would); a secure round
+        first, holding every accepted contribution (by any replica), goes through the stages that unmask it."""
+        if state.round.secure is not None:
+            state = await self._completed(state)
+            if await self._secure.holds_back(state):
+                return
         # A last shard settled after the deadline (a straggler stopped there) ends a round that timed out.
-        await self._closer.close(state, timed_out=past_deadline(state.round.deadline, time.time()))
+        if timed_out is None:
+            timed_out = past_deadline(state.round.deadline, time.time())
+        await self._closer.close(state, timed_out=timed_out)
         self._secure.drop(state.key)
+
+    async def _completed(self, state: RoundState) -> RoundState:
+        """A secure round's state holding the masked vectors of every accepted contribution, this replica's and
+        any other's (the survivor set is fixed from them)."""
+        await self._rounds.recorder.drain(state.key)
+        rows = await self.store.contributions(*state.key)
+        await self._secure.sync(state.round)
+        return await self._rounds.complete(state, [r for r in rows if r["status"] == ContributionStatus.ACCEPTED])
 
     async def on_secagg_keys(self, event: contracts.SecAggKeys, delivery: Delivery) -> None:
         """Secure aggregation's stage 1: a shard's signed keys (services.aggregator.secure_rounds)."""
-        state = await self._secure_round(event)
-        if state is not None:
-            async with self._locks(event.job_id):
+        async with self._secure_round(event) as state:
+            if state is not None:
                 await self._secure.on_keys(state, event, delivery.user_id)
 
     async def on_secagg_shares(self, event: contracts.SecAggShares, delivery: Delivery) -> None:
         """Secure aggregation's stage 2: a shard's encrypted shares."""
-        state = await self._secure_round(event)
-        if state is not None:
-            async with self._locks(event.job_id):
+        async with self._secure_round(event) as state:
+            if state is not None:
                 await self._secure.on_shares(state, event, delivery.user_id)
 
-    async def on_secagg_reveal(self, event: contracts.SecAggReveal, delivery: Delivery) -> None:
-        """Secure aggregation's stage 4: a survivor's shares; the round closes once they rebuild every secret."""
-        state = await self._secure_round(event)
-        if state is not None:
-            async with self._locks(event.job_id):
-                if await self._secure.on_reveal(state, event, delivery.user_id):
-                    current = await self._rounds.current(state.key)
-                    if not isinstance(current, Verdict):
-                        await self._close(current)
+    async def on_secagg_check(self, event: contracts.SecAggCheck, delivery: Delivery) -> None:
+        """Secure aggregation's stage 4: a survivor's signature over the survivor set."""
+        async with self._secure_round(event) as state:
+            if state is not None:
+                await self._secure.on_check(state, event, delivery.user_id)
 
-    async def _secure_round(self, event: contracts.SecAggKeys | contracts.SecAggShares | contracts.SecAggReveal
-                            ) -> RoundState | None:
-        """The open round a protocol message is for, or None (logged) if it is not open."""
+    async def on_secagg_reveal(self, event: contracts.SecAggReveal, delivery: Delivery) -> None:
+        """Secure aggregation's stage 5: a survivor's shares; the round closes once they rebuild every secret."""
+        async with self._secure_round(event) as state:
+            if state is not None and await self._secure.on_reveal(state, event, delivery.user_id):
+                current = await self._rounds.current(state.key)
+                if not isinstance(current, Verdict):
+                    await self._close(current)
+
+    @contextlib.asynccontextmanager
+    async def _secure_round(self, event: contracts.SecAggKeys | contracts.SecAggShares | contracts.SecAggCheck
+                            | contracts.SecAggReveal) -> AsyncIterator[RoundState | None]:
+        """Under the job's lock, the open round a protocol message is for, or None (logged) if it is not open
+        (waiting, outside the lock, for a round.start another replica may still be handling)."""
         key = (event.job_id, event.round, event.attempt)
         if self._rounds.held(key) is None and not self._rounds.closed(key):
             async def stored() -> bool:
@@ -332,11 +354,12 @@ class Aggregator(Component):
             await poll(stored, ROUND_START_POLL, ROUND_START_WAIT)
         async with self._locks(event.job_id):
             state = await self._rounds.current(key)
-        if isinstance(state, Verdict):
-            log.info("job %s: %s for round %d/%d ignored: %s", event.job_id, event.routing_key, event.round,
-                     event.attempt, state.reason)
-            return None
-        return state
+            if isinstance(state, Verdict):
+                log.info("job %s: %s for round %d/%d ignored: %s", event.job_id, event.routing_key, event.round,
+                         event.attempt, state.reason)
+                yield None
+            else:
+                yield state
 
     async def _record(self, event: Report, status: ContributionStatus, reason: str) -> None:
         """Store a report that settles nothing."""

@@ -177,11 +177,21 @@ class AggregatorStore:
         )
         return int(settled or 0)
 
-    async def keep_secagg(self, key: tuple[str, int, int], shard: int, kind: str, body: str) -> None:
-        """Store one message (or stage) of a round's key agreement, once."""
-        await self.db.execute(
+    async def keep_secagg(self, key: tuple[str, int, int], shard: int, kind: str, body: str) -> bool:
+        """Store one message (or stage) of a round's key agreement, once; whether this call stored it (False: it
+        was stored already, by this aggregator or another replica)."""
+        return bool(await self.db.execute(
             "INSERT INTO secagg_messages (job_id, round, attempt, shard, kind, body, received_at)"
-            " VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING", *key, shard, kind, body, time.time())
+            " VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING", *key, shard, kind, body, time.time()))
+
+    async def refused_shards(self, job_id: str, round_index: int, attempt: int) -> set[int]:
+        """The shards of a round attempt that settled without a contribution (failed or rejected), by any
+        aggregator replica."""
+        rows = await self.db.fetch(
+            "SELECT shard FROM contributions WHERE job_id = $1 AND round = $2 AND attempt = $3"
+            " AND status IN ($4, $5)", job_id, round_index, attempt, str(ContributionStatus.FAILED),
+            str(ContributionStatus.REJECTED))
+        return {int(r["shard"]) for r in rows}
 
     async def secagg_messages(self, job_id: str, round_index: int, attempt: int) -> list[dict[str, Any]]:
         """A round's key agreement as stored, in the order it came."""

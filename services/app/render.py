@@ -151,15 +151,42 @@ def async_text(view: dict[str, Any] | None) -> str | None:
 
 def _rounds_table(view: dict[str, Any], unit: str = "round") -> Table:
     rounds = Table(box=None, pad_edge=False, show_header=True, header_style="dim")
+    shown = view.get("rounds", [])[-5:]
+    secure = any(r.get("secure_aggregation") for r in shown)
     for column in (unit, "status", "loss", "val_loss", "other aggregated metrics", "evaluation"):
         rounds.add_column(column)
-    for r in view.get("rounds", [])[-5:]:
+    if secure:
+        rounds.add_column("secure aggregation")
+    for r in shown:
         metrics = r.get("metrics") or {}
         others = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k not in _ROUND_COLUMNS)
         rounds.add_row(f"{r['round']}" + (f".{r['attempt']}" if r["attempt"] > 1 else ""), r["status"],
                        *(_number(metrics.get(name)) for name in _ROUND_COLUMNS), others or (r.get("reason") or ""),
-                       evaluation_text(r))
+                       evaluation_text(r), *([secure_text(r.get("secure_aggregation"))] if secure else []))
     return rounds
+
+
+def secure_text(summary: dict[str, Any] | None) -> str:
+    """What secure aggregation did in a round, in one line: `unmasked; threshold 2 of 3; participants 0,1,2;
+    masked 0,1; dropped 2 (recovered from shares); signed 0,1; shares from 0,1`; '-' for a round in the clear."""
+    if not summary:
+        return "-"
+
+    def listed(shards: list[int]) -> str:
+        return ",".join(str(s) for s in shards) or "none"
+
+    parts = [summary["stage"], f"threshold {summary['threshold']} of {summary['num_shares']}",
+             f"participants {listed(summary.get('participants') or [])}"]
+    if summary.get("survivors"):
+        parts.append(f"masked {listed(summary['survivors'])}")
+    if summary.get("dropped"):
+        recovered = " (recovered from shares)" if summary["stage"] == "unmasked" else ""
+        parts.append(f"dropped {listed(summary['dropped'])}{recovered}")
+    if summary.get("signers"):
+        parts.append(f"signed {listed(summary['signers'])}")
+    if summary.get("revealed"):
+        parts.append(f"shares from {listed(summary['revealed'])}")
+    return "; ".join(parts)
 
 
 def evaluation_text(r: dict[str, Any]) -> Text | str:

@@ -25,6 +25,7 @@ from apiary.contracts import (
     RoundEvaluated,
     RoundFailed,
     RoundStart,
+    SecAggSummary,
     WorkerDone,
     WorkerFailed,
     WorkerHeartbeat,
@@ -112,15 +113,21 @@ async def _worker_failed(tx: Executor, e: WorkerFailed, ts: float) -> None:
     await store.touch_worker(tx, WorkerSeen(e.worker_id, ts, state="idle"))
 
 
+def _secure(summary: SecAggSummary | None) -> str | None:
+    return None if summary is None else summary.model_dump_json()
+
+
 async def _round_aggregated(tx: Executor, e: RoundAggregated, ts: float) -> None:
-    await store.round_ended(tx, e.job_id, e.round, e.attempt, "aggregated", ts, metrics=to_json(e.metrics))
+    await store.round_ended(tx, e.job_id, e.round, e.attempt, "aggregated", ts, metrics=to_json(e.metrics),
+                            secure=_secure(e.secure_aggregation))
     rejected = {int(shard): reason for shard, reason in e.rejected.items()}
     await store.shards_rejected(tx, e.job_id, e.round, e.attempt, rejected)
     await async_views.aggregated(tx, e, ts)
 
 
 async def _round_failed(tx: Executor, e: RoundFailed, ts: float) -> None:
-    await store.round_ended(tx, e.job_id, e.round, e.attempt, "failed", ts, reason=e.reason)
+    await store.round_ended(tx, e.job_id, e.round, e.attempt, "failed", ts, reason=e.reason,
+                            secure=_secure(e.secure_aggregation))
 
 
 async def _round_evaluated(tx: Executor, e: RoundEvaluated, ts: float) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import HTTPException, Path
 from pydantic import BaseModel, ConfigDict, Field
 
-from apiary.contracts import JOB_ID_PATTERN
+from apiary.contracts import JOB_ID_PATTERN, SecAggSummary
 from apiary.jobspec import FieldError
 
 
@@ -101,6 +101,9 @@ class RoundView(BaseModel):
         default=None, description="the round's global model evaluated on a worker (fl_evaluate_model, or the "
                                   "built-in trainer on eval_dataset_id), if it was")
     evaluation_error: str | None = Field(default=None, description="why the round's evaluation failed, if it did")
+    secure_aggregation: SecAggSummary | None = Field(
+        default=None, description="what secure aggregation did in the round (the stage reached, who took part at "
+                                  "each stage, the threshold); null for a round aggregated in the clear")
 
 
 class ShardProgress(BaseModel):

@@ -36,6 +36,8 @@ MIGRATIONS = [
       metrics TEXT, reason TEXT, started_at DOUBLE PRECISION, ended_at DOUBLE PRECISION,
       -- The round's evaluation metrics (round.evaluated, on a worker) or why its evaluation failed.
       evaluation TEXT, evaluation_error TEXT,
+      -- What secure aggregation did in the round (JSON of contracts.SecAggSummary; NULL: a round in the clear).
+      secure_aggregation TEXT,
       PRIMARY KEY (job_id, round, attempt));
     CREATE TABLE IF NOT EXISTS shard_views (
       job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL, shard BIGINT NOT NULL,
@@ -214,12 +216,14 @@ async def record_forged(tx: Executor, report: ShardReport | WorkerHeartbeat | Re
 
 
 async def round_ended(tx: Executor, job_id: str, round_index: int, attempt: int, status: str, ts: float, *,
-                      metrics: str | None = None, reason: str | None = None) -> None:
-    """A running round aggregated (with its metrics, as JSON) or failed (with why)."""
+                      metrics: str | None = None, reason: str | None = None, secure: str | None = None) -> None:
+    """A running round aggregated (with its metrics, as JSON) or failed (with why); `secure`: what secure
+    aggregation did in it (JSON)."""
     await tx.execute(
         "UPDATE round_views SET status = $4, metrics = COALESCE($5, metrics), reason = COALESCE($6, reason),"
-        " ended_at = $7 WHERE job_id = $1 AND round = $2 AND attempt = $3 AND status = 'running'",
-        job_id, round_index, attempt, status, metrics, reason, ts,
+        " ended_at = $7, secure_aggregation = COALESCE($8, secure_aggregation)"
+        " WHERE job_id = $1 AND round = $2 AND attempt = $3 AND status = 'running'",
+        job_id, round_index, attempt, status, metrics, reason, ts, secure,
     )
 
 

@@ -67,8 +67,8 @@ class AssignmentRun:
 
     async def _secure(self, call: TrainCall, started: float) -> float | None:
         """Train, upload and report with secure aggregation (services.worker.secure_rounds): keys advertised
-        before training, the masked update uploaded in place of the weights, shares revealed after the report.
-        A protocol failure fails the shard, in one line."""
+        before training, the masked update uploaded in place of the weights, the survivor set signed and shares
+        revealed after the report. A protocol failure fails the shard, in one line."""
         a, worker = self.a, self.worker
         try:
             secure = SecureShard(worker, a, worker.secagg)
@@ -89,6 +89,7 @@ class AssignmentRun:
                 return None
             rate = await self._report(result, time.monotonic() - started)
             try:
+                await secure.check()
                 await secure.reveal()
             except ValueError as e:  # reported already: the round rebuilds this shard's mask from the others' shares
                 log.warning("worker %s: job %s round %d shard %d: secure aggregation: %s", worker.worker_id, a.job_id,

@@ -1,5 +1,6 @@
 """A worker's side of secure aggregation for one shard (apiary.secagg): it advertises its keys before training,
-masks its trained update instead of uploading it, and reveals shares when the aggregator unmasks the round.
+masks its trained update instead of uploading it, signs the survivor set it is told of, and reveals shares when
+the aggregator unmasks the round (only if enough survivors signed that same set).
 
 The aggregator's stages reach the worker on its control queue (`secagg.worker.<id>`) and wait in its
 `SecAggInbox` for the run of the shard they name. The worker process never loads torch: the update is read with
@@ -20,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 
 from apiary.backoff import while_unavailable
 from apiary.bus import publish_event
-from apiary.contracts import Assignment, SecAggKeys, SecAggReveal, SecAggShares, SecAggStage
+from apiary.contracts import Assignment, SecAggCheck, SecAggKeys, SecAggReveal, SecAggShares, SecAggStage
 from apiary.secagg import crypto
 from apiary.secagg.messages import advertisement, node, revealed, share, shares_of, unmask_nodes
 from apiary.secagg.protocol import Participant, SecAggError, UnmaskRequest
@@ -82,12 +83,27 @@ class SecureShard:
         data = await asyncio.to_thread(result_path.read_bytes)
         return replace(result, size=len(data), sha256=hashlib.sha256(data).hexdigest())
 
+    async def check(self) -> None:
+        """Stage 4, the consistency check: sign the survivor set the aggregator names, once the round's masked
+        vectors are in."""
+        a = self.a
+        told = await self._stage("check")
+        signature = self.participant.check(node(s) for s in told.survivors)
+        await self._publish(SecAggCheck(job_id=a.job_id, round=a.round, attempt=a.attempt,
+                                        worker_id=self.worker.worker_id, shard=a.shard, signature=signature.hex(),
+                                        secret=a.secret or ""))
+
     async def reveal(self) -> None:
-        """Stage 4: the shares the aggregator asks for, once the round's masked vectors are in."""
+        """Stage 5: the shares the aggregator asks for, if at least the threshold of survivors signed the set
+        this worker signed."""
         a = self.a
         request = await self._stage("unmask")
         survivors, dropped = unmask_nodes(request)
-        b_shares, s_shares = revealed(self.participant.unmask(UnmaskRequest(survivors, dropped)))
+        try:
+            signatures = {node(int(s)): bytes.fromhex(sig) for s, sig in request.signatures.items()}
+        except ValueError:
+            raise SecAggError("the unmask request's signatures are not hex") from None
+        b_shares, s_shares = revealed(self.participant.unmask(UnmaskRequest(survivors, dropped, signatures)))
         await self._publish(SecAggReveal(job_id=a.job_id, round=a.round, attempt=a.attempt,
                                          worker_id=self.worker.worker_id, shard=a.shard, b_shares=b_shares,
                                          s_shares=s_shares, secret=a.secret or ""))
@@ -112,7 +128,7 @@ class SecureShard:
             raise SecAggError(f"expected the {stage} stage, got {event.stage}")
         return event
 
-    async def _publish(self, event: SecAggKeys | SecAggShares | SecAggReveal) -> None:
+    async def _publish(self, event: SecAggKeys | SecAggShares | SecAggCheck | SecAggReveal) -> None:
         what = f"worker {self.worker.worker_id}: {event.routing_key} of job {event.job_id}"
         await while_unavailable(lambda: publish_event(self.worker.bus, event),
                                 self.worker.settings.dependency_backoff(), what, log)

@@ -470,8 +470,9 @@ class SecAggShares(RoundEvent):
 
 
 class SecAggReveal(RoundEvent):
-    """`worker.secagg.reveal`: secure aggregation's stage 4, a survivor's shares (hex) of its neighbours' self-mask
-    seeds (`b_shares`, of the shards that sent masked vectors) and key (`s_shares`, of those that dropped)."""
+    """`worker.secagg.reveal`: secure aggregation's stage 5, a signing survivor's shares (hex) of its neighbours'
+    self-mask seeds (`b_shares`, of the shards that sent masked vectors) and key (`s_shares`, of those that
+    dropped)."""
 
     routing_key: ClassVar[str] = "worker.secagg.reveal"
     worker_id: str
@@ -482,6 +483,21 @@ class SecAggReveal(RoundEvent):
     """Per shard that sent a masked vector, this survivor's share (hex) of its self-mask seed."""
     s_shares: dict[int, str] = Field(default_factory=dict)
     """Per shard that dropped after masking began, this survivor's share (hex) of its mask key."""
+    secret: str = ""  # the assignment's one-time secret
+    """The assignment's one-time secret, proving the message comes from its worker (the event log drops it)."""
+
+
+class SecAggCheck(RoundEvent):
+    """`worker.secagg.check`: secure aggregation's consistency check, a survivor's Ed25519 signature (hex) over
+    the survivor set the aggregator told it (its `check` stage), by its shard's signing key."""
+
+    routing_key: ClassVar[str] = "worker.secagg.check"
+    worker_id: str
+    """The surviving worker that signs."""
+    shard: int
+    """The survivor's shard, by index."""
+    signature: str
+    """Ed25519 signature (hex) over the round and the survivor set, by the shard's signing key."""
     secret: str = ""  # the assignment's one-time secret
     """The assignment's one-time secret, proving the message comes from its worker (the event log drops it)."""
 
@@ -503,22 +519,27 @@ class SecAggKeysOf(BaseModel):
 
 class SecAggStage(RoundEvent):
     """`secagg.worker.<worker id>`: the aggregator's next step of secure aggregation for one shard's worker:
-    `roster` (every shard's signed keys), `forward` (the shares sent to this shard) or `unmask` (whose shares it
-    must reveal)."""
+    `roster` (every shard's signed keys), `forward` (the shares sent to this shard), `check` (the survivor set
+    to sign) or `unmask` (whose shares it must reveal, with the survivors' signatures)."""
 
     routing_key: ClassVar[str] = "secagg.worker"
     shard: int
     """The shard the step is for, by index."""
-    stage: Literal["roster", "forward", "unmask", "abort"]
-    """Which step: the roster of keys, the forwarded shares, the call to unmask, or an abort."""
+    stage: Literal["roster", "forward", "check", "unmask", "abort"]
+    """Which step: the roster of keys, the forwarded shares, the survivor set to sign, the call to unmask, or an
+    abort."""
     roster: list[SecAggKeysOf] = Field(default_factory=list)
     """`roster`: every shard's signed keys (the worker checks each signature)."""
     shares: list[SecAggShare] = Field(default_factory=list)
     """`forward`: the encrypted shares other shards sent to this one."""
     survivors: list[int] = Field(default_factory=list)
-    """`unmask`: the shards whose masked vectors arrived (reveal their self-mask seed shares)."""
+    """`check`: every shard whose masked vector the sum holds (the set to sign); `unmask`: those of them among
+    this shard's neighbours (reveal their self-mask seed shares)."""
     dropped: list[int] = Field(default_factory=list)
     """`unmask`: the shards that dropped after the roster (reveal their mask key shares)."""
+    signatures: dict[int, str] = Field(default_factory=dict)
+    """`unmask`: per shard that signed it, its signature (hex) over the survivor set (the worker reveals only
+    if at least the threshold of them verify over the set it signed)."""
     reason: str = ""  # abort: why the round cannot be aggregated securely
     """`abort`: why the round cannot be aggregated securely, in one line."""
 
@@ -573,6 +594,31 @@ class RoundAssigned(RoundEvent):
     """The SHA-256 (hex) of the task's progress token, for its progress reports; empty: none."""
 
 
+class SecAggSummary(BaseModel):
+    """What secure aggregation did in one round: the stage it reached and who took part at each stage."""
+
+    model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
+
+    stage: str
+    """The last stage reached: keys, shares, masked, check, unmask, unmasked (the sum was unmasked) or aborted."""
+    threshold: int
+    """Shares needed to rebuild a worker's secrets (reconstruction_threshold, resolved)."""
+    num_shares: int
+    """How many workers each worker's secrets are shared among (itself included)."""
+    participants: list[int] = Field(default_factory=list)
+    """The shards that advertised keys (the roster)."""
+    shared: list[int] = Field(default_factory=list)
+    """The shards that sent their encrypted shares (their masks are in play)."""
+    survivors: list[int] = Field(default_factory=list)
+    """The shards whose masked vectors the sum holds."""
+    signers: list[int] = Field(default_factory=list)
+    """The survivors that signed the survivor set (the consistency check)."""
+    revealed: list[int] = Field(default_factory=list)
+    """The signers whose shares were in when the round closed."""
+    dropped: list[int] = Field(default_factory=list)
+    """The shards that shared keys but sent no masked vector: their masks were removed from the others' shares."""
+
+
 class RoundAggregated(RoundEvent):
     """`round.aggregated`: the aggregator folded a round's contributions into new global `weights`."""
 
@@ -600,6 +646,8 @@ class RoundAggregated(RoundEvent):
     """Mode async: each update the version folded, in folding order; empty for a synchronous round."""
     next_traceparent: str | None = None
     """Mode async: the W3C traceparent of the next version, opened as this one closed; else None."""
+    secure_aggregation: SecAggSummary | None = None
+    """Secure aggregation's stages in this round; None for a round aggregated in the clear."""
 
 
 class RoundFailed(RoundEvent):
@@ -612,6 +660,8 @@ class RoundFailed(RoundEvent):
     """How many valid contributions the round had when it closed."""
     required: int = 0
     """How many it needed: the job's `distributed.min_workers`."""
+    secure_aggregation: SecAggSummary | None = None
+    """Secure aggregation's stages in this round, as far as they went; None for a round in the clear."""
 
 
 class WeightsInitialized(Event):
@@ -834,7 +884,7 @@ EVENT_TYPES: dict[str, type[BaseModel]] = {
         WorkerProgress, WorkerDone, WorkerFailed, RoundTimeout, RoundAggregated, RoundFailed,
         JobCompleted, JobFailed, JobWaiting, JobCancelRequested, WorkerOnline, WorkerHeartbeat, WorkerOffline,
         WeightsInitialized, RoundEvaluated, WorkerEvaluated, ReportForged, AdapterMerged, TaskTimeout,
-        PresencePace, SecAggKeys, SecAggShares, SecAggReveal,
+        PresencePace, SecAggKeys, SecAggShares, SecAggCheck, SecAggReveal,
     )
 }
 EVENT_TYPES[RoundAssigned.routing_key] = RoundAssigned  # mode async's task announcements

@@ -1,9 +1,11 @@
 """Secure aggregation through a whole job on the embedded stack: the final weights are the plain weighted mean
 within the quantisation bound, every stored contribution is a masked vector that does not correlate with its
-worker's plain update, and a worker that goes silent after masking is recovered from the others' shares."""
+worker's plain update, a worker that goes silent after masking is recovered from the others' shares, and an
+aggregator that tells workers different survivor sets gets no share revealed (the consistency check)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +13,15 @@ import pytest
 import torch
 
 from apiary import keys
+from apiary.bus import publish_event
+from apiary.contracts import SecAggStage, secagg_key
+from apiary.secagg.messages import node
+from apiary.secagg.protocol import Collector
 from apiary.secagg.settings import SecureAggregation
 from apiary.secagg.updates import MASKED
 from apiary.weights import loads
+from services.aggregator.round_state import RoundKey
+from services.aggregator.secure_rounds import SecureRound, SecureRounds
 from services.worker.secure_rounds import SecureShard
 from tests.fixtures.embedded import StackFactory, toy_request
 from tests.toyjobs.toy import noise_update
@@ -137,3 +145,48 @@ async def test_differential_privacy_clipped_on_workers_noises_the_unmasked_mean(
     noise = final["wide.weight"].double() - expected
     assert abs(noise.std().item() / std - 1) < 0.1  # the central noise, on the unmasked mean
     assert view["metrics"].get("dp_epsilon") is not None
+
+
+async def test_an_aggregator_telling_workers_different_survivor_sets_gets_no_reveal(
+        embedded: StackFactory, toy_dataset: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A lying aggregator: it tells shard 0 that every shard survived (to get shares of shard 2's self mask) and
+    # shards 1 and 2 that shard 2 dropped (to get shares of its mask key), and takes any signature without looking.
+    resend = SecureRounds._resend
+
+    async def lie(self: SecureRounds, key: RoundKey, held: SecureRound) -> None:
+        if held.stage != "check":
+            await resend(self, key, held)
+            return
+        for n, worker_id in held.workers.items():
+            told = [0, 1, 2] if n == node(0) else [0, 1]
+            await publish_event(self._bus, SecAggStage(job_id=key[0], round=key[1], attempt=key[2], shard=n - 1,
+                                                       stage="check", survivors=told),
+                                routing_key=secagg_key(worker_id))
+
+    def take_any(self: Collector, n: int, signature: bytes) -> None:
+        self.checks.setdefault(n, signature)
+
+    monkeypatch.setattr(SecureRounds, "_resend", lie)
+    monkeypatch.setattr(Collector, "take_check", take_any)
+    caplog.set_level(logging.WARNING, logger="apiary.worker")
+    async with embedded(workers=3) as stack:
+        body = request(toy_dataset, num_rounds=1)
+        body["distributed"]["secure_aggregation"] = {**SECAGG, "timeout": 3}  # each stage's wait, in seconds
+        job_id = await stack.submit(body)
+        view = await stack.wait(job_id, timeout=120)
+        signed = await stack.ports.db.fetch(
+            "SELECT shard FROM secagg_messages WHERE job_id = $1 AND round = 1 AND attempt = 1 AND kind = 'check'"
+            " ORDER BY shard", job_id)
+        revealed = await stack.ports.db.fetch(
+            "SELECT shard FROM secagg_messages WHERE job_id = $1 AND kind = 'reveal'", job_id)
+        failed = await stack.ports.db.fetchrow(
+            "SELECT status, reason FROM aggregations WHERE job_id = $1 AND round = 1 AND attempt = 1", job_id)
+
+    assert view["status"] == "failed"
+    assert [r["shard"] for r in signed] == [0, 1]  # shard 2, told it dropped after masking, signs nothing
+    assert revealed == []  # no worker revealed a share: nothing of any update can be unmasked
+    assert failed["status"] == "failed" and "too few shares revealed" in failed["reason"]
+    refusals = [r.getMessage() for r in caplog.records if "different survivor sets" in r.getMessage()]
+    assert len(refusals) >= 2  # shards 0 and 1 each saw fewer than 2 valid signatures over the set it signed
+    assert view["rounds"][0]["secure_aggregation"]["stage"] == "unmask"

@@ -43,7 +43,11 @@ def run(participants: dict[int, Participant], collector: Collector, updates: dic
         vector, _ = p.masked_input(collector.forwarded(n), updates[n], samples[n], np.random.default_rng(n))
         collector.take_masked(n, vector)
         uploaded[n] = vector
-    for n in sorted(collector.contributed - drop_after_masking):
+    survivors = collector.fix_survivors(collector.contributed)
+    signers = sorted(set(survivors) - drop_after_masking)
+    for n in signers:
+        collector.take_check(n, participants[n].check(survivors))
+    for n in signers:
         collector.take_reveal(participants[n].unmask(collector.unmask_request(n)))
     mean, total, contributors = collector.finish()
     return mean, total, contributors, uploaded
@@ -191,10 +195,78 @@ def test_a_request_to_unmask_one_node_both_ways_is_refused() -> None:
     roster = collector.roster_list()
     for n, p in participants.items():
         collector.take_shares(n, p.share_keys(roster))
-    participants[1].masked_input(collector.forwarded(1), updates[1], samples[1])
+    for n, p in participants.items():
+        p.masked_input(collector.forwarded(n), updates[n], samples[n])
+    signatures = {n: participants[n].check((1, 2, 3, 4)) for n in (1, 2)}
 
     with pytest.raises(SecAggError, match="both survivor and dropped"):
-        participants[1].unmask(UnmaskRequest(survivors=(1, 2, 3), dropped=(2,)))
+        participants[1].unmask(UnmaskRequest(survivors=(1, 2, 3), dropped=(2,), signatures=signatures))
+
+
+def masked_round(k: int, threshold: int) -> tuple[dict[int, Participant], Collector]:
+    """A round of k nodes up to their masked inputs, every vector in the collector's sum."""
+    _, participants, collector = round_of(k, threshold=threshold)
+    updates, samples = data(k)
+    for p in participants.values():
+        collector.take_advertisement(p.advertise())
+    roster = collector.roster_list()
+    for n, p in participants.items():
+        collector.take_shares(n, p.share_keys(roster))
+    collector.close_shares()
+    for n, p in participants.items():
+        collector.take_masked(n, p.masked_input(collector.forwarded(n), updates[n], samples[n])[0])
+    return participants, collector
+
+
+def test_an_aggregator_telling_workers_different_survivor_sets_gets_no_reveal() -> None:
+    # The lie SecAgg's consistency check stops: nodes 1 and 2 are told node 4 survived (to reveal its self-mask
+    # seed), node 3 that it dropped (to reveal its mask key): both secrets would unmask node 4's input.
+    participants, _ = masked_round(4, threshold=3)
+    told = {1: (1, 2, 3, 4), 2: (1, 2, 3, 4), 3: (1, 2, 3)}
+    signatures = {n: participants[n].check(told[n]) for n in told}
+    with pytest.raises(SecAggError, match="did not survive"):
+        participants[4].check((1, 2, 3))  # node 4 itself is told it dropped: it signs nothing
+    requests = {1: UnmaskRequest((1, 2, 3, 4), (), signatures), 2: UnmaskRequest((1, 2, 3, 4), (), signatures),
+                3: UnmaskRequest((1, 2, 3), (4,), signatures)}
+
+    refused = []
+    for n, request in requests.items():
+        with pytest.raises(SecAggError, match="different survivor sets") as raised:
+            participants[n].unmask(request)
+        refused.append(str(raised.value))
+
+    assert len(refused) == 3  # nobody reveals a share: neither set gathered t = 3 signatures
+
+
+def test_the_consistency_check_refuses_forged_foreign_and_contradicting_signatures() -> None:
+    participants, collector = masked_round(4, threshold=3)
+    survivors = collector.fix_survivors(collector.contributed)
+    signatures = {n: participants[n].check(survivors) for n in (1, 2, 3)}
+    other_round = crypto.sign(participants[2].signing_key, b"apiary secagg survivors|another round|")
+    forged = {1: signatures[1], 2: other_round, 3: signatures[3][:-1] + bytes([signatures[3][-1] ^ 1])}
+
+    with pytest.raises(SecAggError, match="only 1 valid signature"):
+        participants[1].unmask(UnmaskRequest((1, 2, 3, 4), (), forged))
+    with pytest.raises(SecAggError, match="does not verify"):
+        collector.take_check(2, other_round)
+    with pytest.raises(SecAggError, match="two different survivor sets"):
+        participants[1].check((1, 2, 3))
+    with pytest.raises(SecAggError, match="contradicts the survivor set"):
+        participants[1].unmask(UnmaskRequest((1, 2, 3), (4,), signatures))  # 4 survived in the set signed
+    for n in (1, 2, 3):
+        collector.take_check(n, signatures[n])
+    reveal = participants[1].unmask(collector.unmask_request(1))
+    assert set(reveal.b_shares) == {1, 2, 3, 4} and not reveal.s_shares
+
+
+def test_the_sum_must_hold_exactly_the_survivors_fixed_for_unmasking() -> None:
+    _, collector = masked_round(3, threshold=2)
+    collector.fix_survivors({1, 2})  # node 3's vector is in the sum, but the survivors were fixed without it
+
+    assert collector.late(3) == "node 3's masked vector came after the survivors were fixed for unmasking"
+    assert collector.late(2) is None
+    with pytest.raises(SecAggError, match="cannot be unmasked exactly"):
+        collector.finish()
 
 
 def test_a_sample_count_over_max_weight_is_refused_on_the_worker() -> None:

@@ -60,7 +60,10 @@ def secure_round(plain: list[Contribution], global_weights: Mapping[str, torch.T
     collector.close_shares()
     for n, w in workers.items():
         collector.take_masked(n, w.masked_input(collector.forwarded(n), vectors[n - 1], plain[n - 1].samples)[0])
+    survivors = collector.fix_survivors(collector.contributed)
     for n in (1, 2, 3):  # node 4 dropped after masking
+        collector.take_check(n, workers[n].check(survivors))
+    for n in (1, 2, 3):
         collector.take_reveal(workers[n].unmask(collector.unmask_request(n)))
     mean, total, contributors = collector.finish()
     return contribution_of_mean(mean, global_weights, total), params.error_bound(contributors, total)

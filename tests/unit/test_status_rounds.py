@@ -72,3 +72,31 @@ def test_each_round_prints_its_evaluation_or_why_it_failed() -> None:
     assert ["2", "aggregated", "0.4000", "-", "failed:", "RuntimeError:", "no", "held-out", "data",
             "(train.py:9", "in", "fl_evaluate_model)"] in rows
     assert ["3", "aggregated", "0.3000", "-"] in rows
+
+
+def test_a_secure_round_prints_what_secure_aggregation_did() -> None:
+    # Prepare: round 1 unmasked with shard 2 dropped after sharing keys; round 2 failed at the consistency check
+    unmasked = {"stage": "unmasked", "threshold": 2, "num_shares": 3, "participants": [0, 1, 2],
+                "shared": [0, 1, 2], "survivors": [0, 1], "signers": [0, 1], "revealed": [0, 1], "dropped": [2]}
+    stopped = {"stage": "check", "threshold": 2, "num_shares": 3, "participants": [0, 1, 2], "shared": [0, 1, 2],
+               "survivors": [0, 1, 2], "signers": [0], "revealed": [], "dropped": []}
+    view = _view([
+        {"round": 1, "attempt": 1, "status": "aggregated", "metrics": {"loss": 0.5}, "secure_aggregation": unmasked},
+        {"round": 2, "attempt": 1, "status": "failed", "metrics": {}, "reason": "too few signed",
+         "secure_aggregation": stopped},
+    ])
+
+    # Execute
+    text = " ".join(" ".join(line.split()) for line in _printed(view))
+
+    # Assert
+    assert "secure aggregation" in text
+    assert ("unmasked; threshold 2 of 3; participants 0,1,2; masked 0,1; dropped 2 (recovered from shares); "
+            "signed 0,1; shares from 0,1") in text
+    assert "check; threshold 2 of 3; participants 0,1,2; masked 0,1,2; signed 0" in text
+
+
+def test_a_round_in_the_clear_has_no_secure_aggregation_column() -> None:
+    view = _view([{"round": 1, "attempt": 1, "status": "aggregated", "metrics": {"loss": 0.5}}])
+
+    assert not any("secure aggregation" in line for line in _printed(view))

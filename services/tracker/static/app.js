@@ -524,10 +524,26 @@ function jobPage(jobId) {
       }))));
   }
 
+  /* What secure aggregation did in a round, as `apiary status` prints it (its "secure aggregation" column). */
+  function secureText(s) {
+    if (!s) return "—";
+    const listed = (shards) => (shards && shards.length ? shards.join(",") : "none");
+    const parts = [s.stage, `threshold ${s.threshold} of ${s.num_shares}`, `participants ${listed(s.participants)}`];
+    if (s.survivors && s.survivors.length) parts.push(`masked ${listed(s.survivors)}`);
+    if (s.dropped && s.dropped.length) {
+      parts.push(`dropped ${listed(s.dropped)}${s.stage === "unmasked" ? " (recovered from shares)" : ""}`);
+    }
+    if (s.signers && s.signers.length) parts.push(`signed ${listed(s.signers)}`);
+    if (s.revealed && s.revealed.length) parts.push(`shares from ${listed(s.revealed)}`);
+    return parts.join("; ");
+  }
+
   function renderRounds(job) {
     if (!job.rounds.length) { parts.rounds.replaceChildren(h("p", { class: "empty" }, "No round yet.")); return; }
+    const secure = job.rounds.some((r) => r.secure_aggregation);
+    const columns = ["Round", "Status", "Loss", "Val loss", "Other metrics", "Evaluation", "Duration"];
     parts.rounds.replaceChildren(h("table", { class: "grid" },
-      h("thead", {}, h("tr", {}, ["Round", "Status", "Loss", "Val loss", "Other metrics", "Evaluation", "Duration"]
+      h("thead", {}, h("tr", {}, columns.concat(secure ? ["Secure aggregation"] : [])
         .map((c) => h("th", {}, c)))),
       h("tbody", {}, job.rounds.slice().reverse().map((r) => h("tr", {},
         h("td", { class: "num" }, `${r.round}${r.attempt > 1 ? ` (attempt ${r.attempt})` : ""}`),
@@ -537,7 +553,8 @@ function jobPage(jobId) {
         h("td", { class: r.reason ? "error-text" : "muted" }, r.reason || Object.entries(r.metrics)
           .filter(([k]) => k !== "loss" && k !== "val_loss").map(([k, v]) => `${k} ${num(v)}`).join(" · ") || "—"),
         h("td", { class: r.evaluation_error ? "error-text evaluation" : "muted evaluation" }, evaluationText(r)),
-        h("td", { class: "num muted" }, r.started_at && r.ended_at ? duration(r.ended_at - r.started_at) : "…"))))));
+        h("td", { class: "num muted" }, r.started_at && r.ended_at ? duration(r.ended_at - r.started_at) : "…"),
+        ...(secure ? [h("td", { class: "muted secure-aggregation" }, secureText(r.secure_aggregation))] : []))))));
   }
 
   /* What each worker receives: one stacked bar per shard, a segment per label sized by its samples; a bar's

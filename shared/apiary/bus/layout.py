@@ -15,8 +15,8 @@ SERVICE_QUEUES: Mapping[str, Sequence[str]] = {
                   "worker.heartbeat", "worker.offline", "worker.done.async", "worker.failed.async"),
     "sharder": ("shard.requested",),
     "aggregator": ("round.start", "worker.done", "worker.failed", "worker.done.async", "worker.failed.async",
-                   "round.timeout", "job.failed", "job.completed",
-                   "worker.secagg.keys", "worker.secagg.shares", "worker.secagg.reveal", "round.assigned"),
+                   "round.timeout", "job.failed", "job.completed", "worker.secagg.keys", "worker.secagg.shares",
+                   "worker.secagg.check", "worker.secagg.reveal", "round.assigned"),
     "tracker": ("#",),
     POOL: (POOL,),
 }

@@ -37,9 +37,10 @@ class SecureAggregation(BaseModel):
                                     "[0, quantization_range]")
     modulus_range: int = Field(4294967296, description="the ring of masks and sums (a power of 2, above "
                                "quantization_range times the round's workers, at most 2**32)")
-    timeout: float | None = Field(None, gt=0.0, allow_inf_nan=False, description="seconds the unmask stage waits "
-                                  "for the survivors' shares (default 60); the earlier stages wait within the "
-                                  "round's aggregation_timeout")
+    timeout: float | None = Field(None, gt=0.0, allow_inf_nan=False, description="seconds the consistency check "
+                                  "waits for the survivors' signatures, and then the unmask stage for their shares "
+                                  "(default 60 each); the earlier stages wait within the round's "
+                                  "aggregation_timeout")
 
     @model_validator(mode="after")
     def _consistent(self) -> SecureAggregation:

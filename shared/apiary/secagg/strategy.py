@@ -1,6 +1,8 @@
-"""Secure aggregation at the strategy seam: a round's contributions are masked vectors, folded in the ring by the
-round's `Collector`; at the finish the unmasked mean update becomes the wrapped strategy's one contribution
-(apiary.secagg.aggregate). Pure: the aggregator relays the protocol's stages and hands the collector in.
+"""Secure aggregation at the strategy seam: a round's contributions are masked vectors, checked by the round's
+`Collector` and summed in the ring here; at the finish the collector unmasks the sum and the mean update becomes
+the wrapped strategy's one contribution (apiary.secagg.aggregate). Pure: the aggregator relays the protocol's
+stages and hands the collector in. The sum is this strategy's, like any round's running state: a round
+recovered from its stored contributions sums them again, exactly those its rows accept.
 """
 
 from __future__ import annotations
@@ -8,11 +10,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from apiary.secagg.aggregate import contribution_of_mean
 from apiary.secagg.messages import node
-from apiary.secagg.protocol import Collector, SecAggError
+from apiary.secagg.protocol import Collector, SecAggError, add_masked
 from apiary.secagg.updates import MASKED, from_wire
 from apiary.strategies.base import Contribution, RoundResult, StoredContributions, Strategy, Wrapping, weighted_metrics
 from apiary.strategies.clipping import clip_for_upload
@@ -32,6 +35,8 @@ class MaskedSum(Wrapping):
         super().__init__(inner)
         self.collector, self._missing = collector, missing
         self._global: Mapping[str, torch.Tensor] = {}
+        self.total: np.ndarray | None = None  # the masked vectors' sum in the ring
+        self.contributed: set[int] = set()  # whose vectors it holds (node ids)
 
     def begin(self, spec: WeightSpec, update_format: UpdateFormat,
               global_weights: Mapping[str, torch.Tensor] | None = None) -> None:
@@ -61,11 +66,16 @@ class MaskedSum(Wrapping):
                                       f"{sorted(contribution.weights)[:3]}")
         if contribution.samples <= 0:
             raise InvalidContribution(f"sample count must be positive, got {contribution.samples}")
+        n = node(contribution.shard)
         try:
             vector = from_wire(contribution.weights[MASKED].numpy())
-            self.collector.take_masked(node(contribution.shard), vector)
+            self.collector.check_masked(n, vector)
         except ValueError as e:
             raise InvalidContribution(str(e)) from None
+        if n in self.contributed:  # in the sum already (it is summed once)
+            return
+        self.total = add_masked(self.total, vector, self.collector.params.modulus_range)
+        self.contributed.add(n)
         self._metrics.append((contribution.samples, contribution.metrics))
         self.total_samples += contribution.samples
 
@@ -85,7 +95,7 @@ class MaskedSum(Wrapping):
         make the round of the mean."""
         if self.collector is None:
             raise SecAggError(self._missing or "no key agreement is held for this round")
-        mean, total, contributors = self.collector.finish()
+        mean, total, contributors = self.collector.finish(self.total, self.contributed)
         one = contribution_of_mean(mean, self._global, total, weighted_metrics(self._metrics))
         if isinstance(self.inner, DifferentiallyPrivate):
             # The mean of updates clipped to C is within C; quantisation may move it a hair over, which the

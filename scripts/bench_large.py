@@ -224,37 +224,65 @@ def wire_bytes(base: Path, trained: Path) -> dict[str, Any]:
             "ratio": (down + up) / fp32}
 
 
-def _upload_child(upload_json: str, source: str) -> None:
+def _upload_child(upload_json: str, source: str, started_log: str) -> None:
+    """Upload in parts, noting each part as it starts in `started_log`, and SIGKILL this process the moment half
+    the parts are stored (parts in flight then are cut off mid-body, as a worker killed at 50% would be)."""
+    import logging
+
     from apiary import transfer_parts
     from apiary.contracts import MultipartUpload
 
-    asyncio.run(transfer_parts.upload(MultipartUpload.model_validate_json(upload_json), Path(source)))
+    upload = MultipartUpload.model_validate_json(upload_json)
+    half = transfer_parts.part_count(Path(source).stat().st_size, upload.part_size) // 2
+    fd = os.open(started_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+
+    class Started(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            os.write(fd, f"{record.args[0]}\n".encode())  # type: ignore[index]
+
+    logger = logging.getLogger("apiary.transfer_parts")
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(Started())
+    stored: list[int] = []
+
+    def sent(number: int) -> None:
+        stored.append(number)
+        if len(stored) >= half:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    asyncio.run(transfer_parts.upload(upload, Path(source), sent=sent))
 
 
 def resume(storage: Any, source: Path, part_mib: int) -> dict[str, Any]:
+    """A multipart upload killed (SIGKILL) once half its parts are stored, then resumed: which parts went again.
+    `resent` are all the parts the resume sent; of them `resent_already_stored` (parts stored before the kill,
+    which a resume must not send) and `resent_started_before_kill` (the parts in flight at the kill, cut off
+    mid-body: the only bytes that go twice)."""
     from apiary import transfer_parts
 
     part = part_mib * 2**20
     parts = transfer_parts.part_count(source.stat().st_size, part)
     key = "bench/resume.safetensors"
     upload = asyncio.run(storage.start_multipart(key, parts, part, 3600))
-    child = subprocess.Popen([sys.executable, __file__, "--upload-child", upload.model_dump_json(), str(source)])
+    with tempfile.TemporaryDirectory() as tmp:
+        started_log = Path(tmp) / "started"
+        child = subprocess.run([sys.executable, __file__, "--upload-child", upload.model_dump_json(), str(source),
+                                str(started_log)], check=False)
+        if child.returncode != -signal.SIGKILL:
+            return {"error": f"the upload child exited with {child.returncode} before it was killed"}
+        started = {int(line) for line in started_log.read_text().split()}
     full = f"{storage.prefix}/{key}" if storage.prefix else key
-    while True:
-        listed = storage._client.list_parts(Bucket=storage.bucket, Key=full, UploadId=upload.upload_id)
-        if len(listed.get("Parts", [])) * 2 >= parts or child.poll() is not None:
-            break
-        time.sleep(0.05)
-    child.send_signal(signal.SIGKILL)
-    child.wait()
-    stored_at_kill = len(storage._client.list_parts(Bucket=storage.bucket, Key=full,
-                                                    UploadId=upload.upload_id).get("Parts", []))
-    started = time.perf_counter()
-    resent = asyncio.run(transfer_parts.upload(upload, source)).sent
-    elapsed = time.perf_counter() - started
-    missing_at_kill = parts - stored_at_kill
-    return {"parts": parts, "part_mib": part_mib, "stored_at_kill": stored_at_kill, "resent": resent,
-            "resent_beyond_missing": resent - missing_at_kill, "resume_seconds": elapsed}
+    at_kill = {p["PartNumber"] for p in storage._client.list_parts(Bucket=storage.bucket, Key=full,
+                                                                   UploadId=upload.upload_id).get("Parts", [])}
+    resent: list[int] = []
+    started_at = time.perf_counter()
+    asyncio.run(transfer_parts.upload(upload, source, sent=resent.append))
+    elapsed = time.perf_counter() - started_at
+    return {"parts": parts, "part_mib": part_mib, "parallel": transfer_parts.PARALLEL, "stored_at_kill": len(at_kill),
+            "in_flight_at_kill": len(started - at_kill), "resent": len(resent),
+            "resent_already_stored": len(at_kill & set(resent)),
+            "resent_started_before_kill": len(started & set(resent)),
+            "resent_beyond_missing": len(resent) - (parts - len(at_kill)), "resume_seconds": elapsed}
 
 
 def round_times(model_bytes: int, k: int, transfer: dict[str, Any], rounds: int, work: Path) -> dict[str, Any]:
@@ -299,7 +327,8 @@ def main() -> None:
     parser.add_argument("--skip-whole", action="store_true", help="skip the whole-object fold (it holds 2 x model)")
     parser.add_argument("--rounds", type=int, default=0, help="also time this many whole rounds on the embedded "
                         "stack, fp32 and bf16 + int8 delta (K workers on this machine)")
-    parser.add_argument("--upload-child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--resume-only", action="store_true", help="only the upload killed at 50%% and resumed")
+    parser.add_argument("--upload-child", nargs=3, help=argparse.SUPPRESS)
     add_json_argument(parser, "large")
     args = parser.parse_args()
     if args.upload_child:
@@ -327,6 +356,19 @@ def main() -> None:
             write_model(path, shapes, i + 1, base)
         contributions.append(path)
     model_bytes = base.stat().st_size
+    if args.resume_only:
+        from tests.fixtures import s3server
+
+        server, endpoint = s3server.launch()
+        try:
+            out = {"params": params, "model_bytes": model_bytes,
+                   "resume": resume(S3Storage("s3://bench-large/runs", endpoint_url=endpoint), contributions[0],
+                                    args.part_mib)}
+        finally:
+            server.terminate()
+            server.wait()
+        print(json.dumps(out, indent=1))
+        return
     digests = [hashlib.file_digest(p.open("rb"), "sha256").hexdigest() for p in contributions]
     out: dict[str, Any] = {"params": params, "model_bytes": model_bytes, "k": args.k,
                            "wire": wire_bytes(base, contributions[0])}

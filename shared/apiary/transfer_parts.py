@@ -99,6 +99,8 @@ def _upload_parts(upload: MultipartUpload, source: Path, deadline: float | None,
 
         def attempt() -> str:
             response = _http().put(url, content=data, headers=headers)
+            if response.status_code == 400 and b"BadDigest" in response.content:  # S3 checked the Content-MD5
+                raise _Transient(f"part {number} arrived with other bytes than were sent")
             _check(response, "upload of a part to", url)
             stored_as = response.headers.get("etag", etag)
             if stored_as.strip('"') != digest.hex():  # the store's MD5 of what it received (S3, MinIO, moto)

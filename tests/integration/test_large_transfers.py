@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from apiary import transfer_parts
@@ -131,6 +132,38 @@ async def test_a_killed_upload_resumes_sending_only_the_parts_it_lacks(s3: S3Sto
     assert missing - set(resent) <= started
     # Of the parts sent before the kill, only those cut off in flight go again.
     assert len(started & set(resent)) <= transfer_parts.PARALLEL
+
+
+async def test_a_part_corrupted_on_the_way_is_refused_and_sent_again(s3: S3Storage, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    source, digest = _file(tmp_path, 2 * PART)
+    key = "jobs/j/rounds/0001/attempt-1/shard-0007.safetensors"
+    upload = await s3.start_multipart(key, 3, PART, 300)
+    assert upload is not None
+    real = transfer_parts._http()
+    corrupted: list[str] = []
+
+    class FlipsOneByteOfPartTwo:
+        """The network between worker and store: flips a byte of part 2's body, once."""
+
+        def put(self, url: str, *, content: bytes, headers: dict[str, str]) -> httpx.Response:
+            if "partNumber=2" in url and not corrupted:
+                corrupted.append(url)
+                content = bytes([content[0] ^ 1]) + content[1:]
+            return real.put(url, content=content, headers=headers)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+    monkeypatch.setattr(transfer_parts, "_http", FlipsOneByteOfPartTwo)
+
+    done = await transfer_parts.upload(upload, source)
+
+    # The store's MD5 of what it received (its ETag; S3 itself refuses the part against its Content-MD5) did not
+    # match what was sent: the part went again, and the object holds the file's bytes.
+    assert len(corrupted) == 1
+    assert done.sent == 2
+    assert hashlib.sha256(await s3.get_bytes(key)).hexdigest() == digest
 
 
 async def test_a_part_whose_bytes_changed_is_sent_again(s3: S3Storage, tmp_path: Path) -> None:

@@ -8,8 +8,10 @@ local store, each in the same run:
 - raw read: every contribution read with boto3's `download_fileobj` and its TransferConfig (8 threads, 32 MiB
   parts) into a sink, the fastest plain client here; for the local store, plain file reads;
 - fold: FedAvg's accumulator fed straight from storage (`apiary.streamed_weights`: ranged reads, 4 in flight,
-  256 MiB window, sha256 checked on the way), in a fresh process, timed, with its peak RSS above its baseline;
-  also the whole-object path (fetch the object, then fold it) for comparison;
+  256 MiB window, no hashing where the store vouches for the bytes: moto's objects read by their ETag, the local
+  store's files by the sha256 recorded when they were written), in a fresh process, timed, with its peak RSS above
+  its baseline; the same fold hashing every byte (`fold_streamed_sha256`); also the whole-object path (fetch the
+  object, then fold it) for comparison;
 - bytes per worker per round: fp32 both ways against bf16 download + int8_blockwise delta upload, measured on the
   encoded objects;
 - worker upload resume: a multipart upload (parts of --part-mib) killed with SIGKILL once half its parts are
@@ -118,6 +120,12 @@ def _fold_child(mode: str, sources: list[tuple[str, int, str, str | None]], spec
     from apiary.transfer import _http
     from apiary.weights import DTYPES, TensorSpec, loads, read_header
 
+    class Unvouched(RangeSource):
+        """The same reads, every byte hashed: as if the store vouched for nothing."""
+
+        def vouched(self, sha256: str) -> bool:
+            return False
+
     with open(spec_path, "rb") as f:  # the spec from the header alone
         head = f.read(8)
         head += f.read(int.from_bytes(head, "little"))
@@ -136,6 +144,8 @@ def _fold_child(mode: str, sources: list[tuple[str, int, str, str | None]], spec
     for index, (url, size, digest, etag) in enumerate(sources):
         if mode == "streamed":
             weights: Any = StreamedWeights(RangeSource(url, etag), size, digest)
+        elif mode == "hashed":
+            weights = StreamedWeights(Unvouched(url, etag), size, digest)
         elif mode == "memory":
             weights = held[index]
         else:
@@ -338,6 +348,7 @@ def main() -> None:
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     from apiary.storage.local import LocalStorage
     from apiary.storage.s3 import S3Storage
+    from apiary.transfer import upload as upload_file
 
     shapes = layout(int(args.params))
     params = sum(math.prod(s) for s in shapes.values())
@@ -349,11 +360,15 @@ def main() -> None:
         write_model(base, shapes, 0)
     local = LocalStorage(work / "store")
     contributions = []
-    for i in range(args.k):  # written straight into the local store (no copy)
-        path = local.root / "c" / str(i)
-        path.parent.mkdir(parents=True, exist_ok=True)
+    for i in range(args.k):
+        # Into the local store as a worker's upload puts them there: copied, with the sha256 its training child
+        # computed while writing the file recorded beside the copy.
+        path, written = local.root / "c" / str(i), work / "result.safetensors"
         if not (reuse and path.is_file() and path.stat().st_size == base.stat().st_size):
-            write_model(path, shapes, i + 1, base)
+            write_model(written, shapes, i + 1, base)
+            digest = hashlib.file_digest(written.open("rb"), "sha256").hexdigest()
+            asyncio.run(upload_file(local.presign_put(f"c/{i}", 3600), written, sha256=digest))
+            written.unlink()
         contributions.append(path)
     model_bytes = base.stat().st_size
     if args.resume_only:
@@ -376,7 +391,8 @@ def main() -> None:
                                              if k.endswith("bytes")}
     sources = [(local.presign_get(f"c/{i}", 3600), p.stat().st_size, d, None)
                for i, (p, d) in enumerate(zip(contributions, digests, strict=True))]
-    out["local"] = {"raw_read": raw_read_local(contributions), "fold_streamed": fold("streamed", sources, base)}
+    out["local"] = {"raw_read": raw_read_local(contributions), "fold_streamed": fold("streamed", sources, base),
+                    "fold_streamed_sha256": fold("hashed", sources, base)}
     if not args.skip_whole:
         out["local"]["fold_whole"] = fold("whole", sources, base)
         out["local"]["fold_in_memory"] = fold("memory", sources, base)
@@ -392,7 +408,7 @@ def main() -> None:
             sources = [(s3.presign_get(r.key, 3600), r.size, d, e)
                        for r, d, e in zip(refs, digests, etags, strict=True)]
             out["moto"] = {"raw_read": raw_read_s3(s3._client, s3.bucket, [f"runs/{r.key}" for r in refs]),
-                           "fold_streamed_sha256": fold("streamed", [(u, n, d, None) for u, n, d, _ in sources], base)}
+                           "fold_streamed_sha256": fold("hashed", sources, base)}
             out["moto"]["fold_streamed"] = fold("streamed", sources, base)
             if not args.skip_whole:
                 out["moto"]["fold_whole"] = fold("whole", sources, base)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,30 @@ def test_a_delta_without_the_global_weights_is_refused_in_one_line(tmp_path: Pat
 
     with pytest.raises(WeightsError, match="no global weights"):
         StreamedUpdate(_stored(tmp_path, "u", data), None)
+
+
+def test_scales_stored_after_their_codes_are_read_first(tmp_path: Path) -> None:
+    base = _model(0)
+    data = encode_update(_model(1), base, "int8_blockwise", 64)
+    stored = _stored(tmp_path, "sorted", data)
+    # The same tensors with every tensor's codes before its scales (safetensors itself writes wider dtypes first).
+    order = sorted(stored._entries, key=lambda n: (n.endswith(SCALES), n))
+    header: dict[str, object] = {"__metadata__": stored.metadata}
+    body, at = b"", 0
+    for name in order:
+        entry = stored._entries[name]
+        start, end = entry["data_offsets"]
+        header[name] = {**entry, "data_offsets": [at, at + end - start]}
+        body += data[stored._base + start : stored._base + end]
+        at += end - start
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    reordered = len(text).to_bytes(8, "little") + text + body
+
+    streamed = StreamedUpdate(_stored(tmp_path, "reordered", reordered), base)
+    pieces = {n: torch.empty(t.numel(), dtype=t.dtype) for n, t in decode_update(data, base).items()}
+    for name, at_, values in streamed.chunks():
+        pieces[name][at_ : at_ + values.numel()] = values
+
+    whole = decode_update(data, base)
+    assert all(torch.equal(pieces[n].view(whole[n].shape), whole[n]) for n in whole)

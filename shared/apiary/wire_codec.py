@@ -109,12 +109,6 @@ def quantise(values: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch
     return codes.view(-1), absmax
 
 
-def dequantise(codes: torch.Tensor, absmax: torch.Tensor, numel: int, block_size: int) -> torch.Tensor:
-    """The float32 values `quantise` encoded (the first `numel`, flat)."""
-    view = codes.view(-1, block_size).to(torch.float32)
-    return view.mul_((absmax / LEVELS).unsqueeze(1)).view(-1)[:numel]
-
-
 def int8_bound(values: torch.Tensor, block_size: int) -> torch.Tensor:
     """The most each value may be off after int8_blockwise (absmax of its block / 254), in `values`' shape."""
     flat = values.reshape(-1).to(torch.float32)
@@ -264,8 +258,8 @@ def decode_values(coded: Encoding, name: str, stored: torch.Tensor, scales: torc
 
 
 def dequantise_range(codes: torch.Tensor, absmax: torch.Tensor, offset: int, block: int) -> torch.Tensor:
-    """The float32 values of int8 codes that start at value `offset` of their tensor (flat), as `dequantise` gives
-    them: each code times its block's absmax / LEVELS."""
+    """The float32 values of int8 codes that start at value `offset` of their tensor (flat), `quantise` undone: each
+    code times its block's absmax / LEVELS."""
     scale = absmax / LEVELS
     out = codes.to(torch.float32)
     at, first = 0, offset // block

@@ -16,6 +16,8 @@ from apiary.streamed_weights import StreamedWeights
 from apiary.weights import TensorSpec, WeightsError, WeightSpec
 from apiary.wire_codec import SCALES, check_scales, decode_values, encoding_of, reference_of
 
+DECODED = 2**22  # values decoded at once (16 MiB in float32), whatever a read holds
+
 
 class StreamedUpdate(Mapping[str, torch.Tensor]):
     """The weights an encoded upload read by `stored` stands for (decoded chunk by chunk: `chunks`); `base`, the
@@ -81,8 +83,11 @@ class StreamedUpdate(Mapping[str, torch.Tensor]):
                 read = self._scales(name)  # an order safetensors does not write: read them first
                 assert read is not None
                 scales[name], filled[name] = read, read.numel()
-            if count or not self._numel[name]:
-                yield name, at, decode_values(coded, name, values, scales.get(name), at, count, self._reference(name))
+            if not self._numel[name]:
+                yield name, at, decode_values(coded, name, values, scales.get(name), at, 0, self._reference(name))
+            for start in range(0, count, DECODED):  # a read of int8 codes is 4x as many bytes once decoded
+                yield name, at + start, decode_values(coded, name, values[start:], scales.get(name), at + start,
+                                                      min(DECODED, count - start), self._reference(name))
 
     def _numel_scales(self, name: str) -> int:
         return self._stored.declared_spec[name + SCALES].shape[0]

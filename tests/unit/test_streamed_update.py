@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from apiary import streamed_weights
+from apiary import streamed_update, streamed_weights
 from apiary.strategies.base import Contribution, create
 from apiary.strategies.format import UpdateFormat
 from apiary.streamed_update import StreamedUpdate
@@ -21,6 +21,7 @@ from apiary.wire_codec import SCALES, decode_update, encode_update
 @pytest.fixture(autouse=True)
 def small_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(streamed_weights, "READ", 999)  # reads split blocks, values and tensors anywhere
+    monkeypatch.setattr(streamed_update, "DECODED", 100)  # and a read's values are decoded in several slices
 
 
 def _model(seed: int) -> dict[str, torch.Tensor]:

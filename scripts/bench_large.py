@@ -8,8 +8,10 @@ local store, each in the same run:
 - raw read: every contribution read with boto3's `download_fileobj` and its TransferConfig (8 threads, 32 MiB
   parts) into a sink, the fastest plain client here; for the local store, plain file reads;
 - fold: FedAvg's accumulator fed straight from storage (`apiary.streamed_weights`: ranged reads, 4 in flight,
-  256 MiB window, sha256 checked on the way), in a fresh process, timed, with its peak RSS above its baseline;
-  also the whole-object path (fetch the object, then fold it) for comparison;
+  256 MiB window, no hashing where the store vouches for the bytes: moto's objects read by their ETag, the local
+  store's files by the sha256 recorded when they were written), in a fresh process, timed, with its peak RSS above
+  its baseline; the same fold hashing every byte (`fold_streamed_sha256`); also the whole-object path (fetch the
+  object, then fold it) for comparison;
 - bytes per worker per round: fp32 both ways against bf16 download + int8_blockwise delta upload, measured on the
   encoded objects;
 - worker upload resume: a multipart upload (parts of --part-mib) killed with SIGKILL once half its parts are
@@ -118,6 +120,12 @@ def _fold_child(mode: str, sources: list[tuple[str, int, str, str | None]], spec
     from apiary.transfer import _http
     from apiary.weights import DTYPES, TensorSpec, loads, read_header
 
+    class Unvouched(RangeSource):
+        """The same reads, every byte hashed: as if the store vouched for nothing."""
+
+        def vouched(self, sha256: str) -> bool:
+            return False
+
     with open(spec_path, "rb") as f:  # the spec from the header alone
         head = f.read(8)
         head += f.read(int.from_bytes(head, "little"))
@@ -136,6 +144,8 @@ def _fold_child(mode: str, sources: list[tuple[str, int, str, str | None]], spec
     for index, (url, size, digest, etag) in enumerate(sources):
         if mode == "streamed":
             weights: Any = StreamedWeights(RangeSource(url, etag), size, digest)
+        elif mode == "hashed":
+            weights = StreamedWeights(Unvouched(url, etag), size, digest)
         elif mode == "memory":
             weights = held[index]
         else:
@@ -224,37 +234,65 @@ def wire_bytes(base: Path, trained: Path) -> dict[str, Any]:
             "ratio": (down + up) / fp32}
 
 
-def _upload_child(upload_json: str, source: str) -> None:
+def _upload_child(upload_json: str, source: str, started_log: str) -> None:
+    """Upload in parts, noting each part as it starts in `started_log`, and SIGKILL this process the moment half
+    the parts are stored (parts in flight then are cut off mid-body, as a worker killed at 50% would be)."""
+    import logging
+
     from apiary import transfer_parts
     from apiary.contracts import MultipartUpload
 
-    asyncio.run(transfer_parts.upload(MultipartUpload.model_validate_json(upload_json), Path(source)))
+    upload = MultipartUpload.model_validate_json(upload_json)
+    half = transfer_parts.part_count(Path(source).stat().st_size, upload.part_size) // 2
+    fd = os.open(started_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+
+    class Started(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            os.write(fd, f"{record.args[0]}\n".encode())  # type: ignore[index]
+
+    logger = logging.getLogger("apiary.transfer_parts")
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(Started())
+    stored: list[int] = []
+
+    def sent(number: int) -> None:
+        stored.append(number)
+        if len(stored) >= half:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    asyncio.run(transfer_parts.upload(upload, Path(source), sent=sent))
 
 
 def resume(storage: Any, source: Path, part_mib: int) -> dict[str, Any]:
+    """A multipart upload killed (SIGKILL) once half its parts are stored, then resumed: which parts went again.
+    `resent` are all the parts the resume sent; of them `resent_already_stored` (parts stored before the kill,
+    which a resume must not send) and `resent_started_before_kill` (the parts in flight at the kill, cut off
+    mid-body: the only bytes that go twice)."""
     from apiary import transfer_parts
 
     part = part_mib * 2**20
     parts = transfer_parts.part_count(source.stat().st_size, part)
     key = "bench/resume.safetensors"
     upload = asyncio.run(storage.start_multipart(key, parts, part, 3600))
-    child = subprocess.Popen([sys.executable, __file__, "--upload-child", upload.model_dump_json(), str(source)])
+    with tempfile.TemporaryDirectory() as tmp:
+        started_log = Path(tmp) / "started"
+        child = subprocess.run([sys.executable, __file__, "--upload-child", upload.model_dump_json(), str(source),
+                                str(started_log)], check=False)
+        if child.returncode != -signal.SIGKILL:
+            return {"error": f"the upload child exited with {child.returncode} before it was killed"}
+        started = {int(line) for line in started_log.read_text().split()}
     full = f"{storage.prefix}/{key}" if storage.prefix else key
-    while True:
-        listed = storage._client.list_parts(Bucket=storage.bucket, Key=full, UploadId=upload.upload_id)
-        if len(listed.get("Parts", [])) * 2 >= parts or child.poll() is not None:
-            break
-        time.sleep(0.05)
-    child.send_signal(signal.SIGKILL)
-    child.wait()
-    stored_at_kill = len(storage._client.list_parts(Bucket=storage.bucket, Key=full,
-                                                    UploadId=upload.upload_id).get("Parts", []))
-    started = time.perf_counter()
-    resent = asyncio.run(transfer_parts.upload(upload, source)).sent
-    elapsed = time.perf_counter() - started
-    missing_at_kill = parts - stored_at_kill
-    return {"parts": parts, "part_mib": part_mib, "stored_at_kill": stored_at_kill, "resent": resent,
-            "resent_beyond_missing": resent - missing_at_kill, "resume_seconds": elapsed}
+    at_kill = {p["PartNumber"] for p in storage._client.list_parts(Bucket=storage.bucket, Key=full,
+                                                                   UploadId=upload.upload_id).get("Parts", [])}
+    resent: list[int] = []
+    started_at = time.perf_counter()
+    asyncio.run(transfer_parts.upload(upload, source, sent=resent.append))
+    elapsed = time.perf_counter() - started_at
+    return {"parts": parts, "part_mib": part_mib, "parallel": transfer_parts.PARALLEL, "stored_at_kill": len(at_kill),
+            "in_flight_at_kill": len(started - at_kill), "resent": len(resent),
+            "resent_already_stored": len(at_kill & set(resent)),
+            "resent_started_before_kill": len(started & set(resent)),
+            "resent_beyond_missing": len(resent) - (parts - len(at_kill)), "resume_seconds": elapsed}
 
 
 def round_times(model_bytes: int, k: int, transfer: dict[str, Any], rounds: int, work: Path) -> dict[str, Any]:
@@ -299,7 +337,8 @@ def main() -> None:
     parser.add_argument("--skip-whole", action="store_true", help="skip the whole-object fold (it holds 2 x model)")
     parser.add_argument("--rounds", type=int, default=0, help="also time this many whole rounds on the embedded "
                         "stack, fp32 and bf16 + int8 delta (K workers on this machine)")
-    parser.add_argument("--upload-child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--resume-only", action="store_true", help="only the upload killed at 50%% and resumed")
+    parser.add_argument("--upload-child", nargs=3, help=argparse.SUPPRESS)
     add_json_argument(parser, "large")
     args = parser.parse_args()
     if args.upload_child:
@@ -309,6 +348,7 @@ def main() -> None:
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     from apiary.storage.local import LocalStorage
     from apiary.storage.s3 import S3Storage
+    from apiary.transfer import upload as upload_file
 
     shapes = layout(int(args.params))
     params = sum(math.prod(s) for s in shapes.values())
@@ -320,13 +360,30 @@ def main() -> None:
         write_model(base, shapes, 0)
     local = LocalStorage(work / "store")
     contributions = []
-    for i in range(args.k):  # written straight into the local store (no copy)
-        path = local.root / "c" / str(i)
-        path.parent.mkdir(parents=True, exist_ok=True)
+    for i in range(args.k):
+        # Into the local store as a worker's upload puts them there: copied, with the sha256 its training child
+        # computed while writing the file recorded beside the copy.
+        path, written = local.root / "c" / str(i), work / "result.safetensors"
         if not (reuse and path.is_file() and path.stat().st_size == base.stat().st_size):
-            write_model(path, shapes, i + 1, base)
+            write_model(written, shapes, i + 1, base)
+            digest = hashlib.file_digest(written.open("rb"), "sha256").hexdigest()
+            asyncio.run(upload_file(local.presign_put(f"c/{i}", 3600), written, sha256=digest))
+            written.unlink()
         contributions.append(path)
     model_bytes = base.stat().st_size
+    if args.resume_only:
+        from tests.fixtures import s3server
+
+        server, endpoint = s3server.launch()
+        try:
+            out = {"params": params, "model_bytes": model_bytes,
+                   "resume": resume(S3Storage("s3://bench-large/runs", endpoint_url=endpoint), contributions[0],
+                                    args.part_mib)}
+        finally:
+            server.terminate()
+            server.wait()
+        print(json.dumps(out, indent=1))
+        return
     digests = [hashlib.file_digest(p.open("rb"), "sha256").hexdigest() for p in contributions]
     out: dict[str, Any] = {"params": params, "model_bytes": model_bytes, "k": args.k,
                            "wire": wire_bytes(base, contributions[0])}
@@ -334,7 +391,8 @@ def main() -> None:
                                              if k.endswith("bytes")}
     sources = [(local.presign_get(f"c/{i}", 3600), p.stat().st_size, d, None)
                for i, (p, d) in enumerate(zip(contributions, digests, strict=True))]
-    out["local"] = {"raw_read": raw_read_local(contributions), "fold_streamed": fold("streamed", sources, base)}
+    out["local"] = {"raw_read": raw_read_local(contributions), "fold_streamed": fold("streamed", sources, base),
+                    "fold_streamed_sha256": fold("hashed", sources, base)}
     if not args.skip_whole:
         out["local"]["fold_whole"] = fold("whole", sources, base)
         out["local"]["fold_in_memory"] = fold("memory", sources, base)
@@ -350,7 +408,7 @@ def main() -> None:
             sources = [(s3.presign_get(r.key, 3600), r.size, d, e)
                        for r, d, e in zip(refs, digests, etags, strict=True)]
             out["moto"] = {"raw_read": raw_read_s3(s3._client, s3.bucket, [f"runs/{r.key}" for r in refs]),
-                           "fold_streamed_sha256": fold("streamed", [(u, n, d, None) for u, n, d, _ in sources], base)}
+                           "fold_streamed_sha256": fold("hashed", sources, base)}
             out["moto"]["fold_streamed"] = fold("streamed", sources, base)
             if not args.skip_whole:
                 out["moto"]["fold_whole"] = fold("whole", sources, base)

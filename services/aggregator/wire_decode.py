@@ -13,6 +13,7 @@ import torch
 from apiary.contracts import ObjectRef
 from apiary.storage import Storage
 from apiary.strategies.base import Contribution
+from apiary.streamed_update import StreamedUpdate
 from apiary.streamed_weights import RangeSource, StreamedWeights
 from apiary.weights import loads as load_weights
 from apiary.wire_codec import UPDATE_KEY, decode_update, is_encoded, needs_base
@@ -44,14 +45,16 @@ class UpdateDecoder:
 
     async def stored(self, ref: ObjectRef, weights: ObjectRef, samples: int,
                      metrics: Mapping[str, float]) -> Contribution:
-        """The contribution stored as `ref` in a round that started from `weights`: a large plain one streamed from
-        storage as it is folded (checked against `ref`'s sha256 before its last tensor), any other fetched whole
-        (checked) and decoded."""
+        """The contribution stored as `ref` in a round that started from `weights`: a large one streamed from
+        storage as it is folded (checked against `ref`'s sha256 before its last tensor; an encoded one decoded chunk
+        by chunk), any other fetched whole (checked) and decoded."""
         if streams(ref.size):
             source = RangeSource(self._storage.presign_get(ref.key, URL_SECONDS), ref.etag)
             streamed = await asyncio.to_thread(StreamedWeights, source, ref.size, ref.sha256)
             if UPDATE_KEY not in streamed.metadata:
                 return Contribution(streamed, samples, metrics)
+            base = await self._base(weights) if needs_base(streamed.metadata) else None
+            return Contribution(StreamedUpdate(streamed, base), samples, metrics)
         return await self.contribution(await self._storage.verified_bytes(ref), weights, samples, metrics)
 
     async def _base(self, weights: ObjectRef) -> Mapping[str, torch.Tensor]:
@@ -75,7 +78,7 @@ def streams(size: int) -> bool:
 async def take_in(state: RoundState, shard: int, contribution: Contribution) -> None:
     """Fold a contribution into the round's state: one streamed from storage in a thread (its reads and the
     strategy's `add_` overlap there, the event loop free), any other here."""
-    if not isinstance(contribution.weights, StreamedWeights):
+    if not isinstance(contribution.weights, StreamedWeights | StreamedUpdate):
         state.take_in(shard, contribution)
         return
     fold = asyncio.ensure_future(asyncio.to_thread(state.take_in, shard, contribution))

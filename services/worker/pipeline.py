@@ -211,7 +211,8 @@ class AssignmentRun:
         a, space = self.a, self.space
         with telemetry.tracer().start_as_current_span("upload", attributes=self.worker.span_attributes(a)) as span:
             try:
-                moved, etag = await transfers.upload_outputs(a, space.result, result.size, space.out_dir, space.work)
+                moved, etag = await transfers.upload_outputs(a, space.result, result.size, result.sha256,
+                                                              space.out_dir, space.work)
                 moved += await transfers.upload_state(a, space.work, result.state_size)
                 span.set_attribute("apiary.bytes", moved)
             except transfers.UPLOAD_ERRORS as e:

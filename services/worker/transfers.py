@@ -73,7 +73,7 @@ def fetch_weights(a: Assignment, target: Path) -> asyncio.Future[None]:
                                                          deadline=a.deadline))
 
 
-async def upload_outputs(a: Assignment, result: Path, size: int, out_dir: Path,
+async def upload_outputs(a: Assignment, result: Path, size: int, sha256: str, out_dir: Path,
                          work: Path) -> tuple[int, str | None]:
     """Upload the trained weights (`size` bytes: in parts where the assignment opened a multipart upload and they
     fit its parts, else whole) and the run's files; the bytes sent, and the result's ETag where it went in parts."""
@@ -81,7 +81,7 @@ async def upload_outputs(a: Assignment, result: Path, size: int, out_dir: Path,
     if a.multipart is not None and part_count(size, a.multipart.part_size) <= len(a.multipart.part_urls):
         etag = (await transfer_parts.upload(a.multipart, result, deadline=a.deadline)).etag
     else:
-        await transfer.upload(a.upload_url, result, deadline=a.deadline)
+        await transfer.upload(a.upload_url, result, sha256=sha256, deadline=a.deadline)
     return size + await _upload_files(a, out_dir, work), etag
 
 

@@ -1,7 +1,9 @@
 """A stored safetensors object read as a name -> tensor map without holding it whole: its header first, then its
 tensors in file order, several ranged reads in flight (at most `window` bytes), each tensor handed over as soon as
 its bytes are in, while the next ones arrive (a fold's `add_` overlaps the network). The object's sha256 is computed
-on the way and checked before its last tensor is handed over, so a changed object never completes a fold.
+on the way and checked before its last tensor is handed over, so a changed object never completes a fold, unless the
+store vouches for the bytes (`RangeSource.vouched`: read by S3's ETag, or a file whose sha256 the embedded store
+recorded when it wrote it).
 
 `declared_spec` (the header's names, dtypes and shapes) lets validation check the object without reading a tensor.
 Reads go by presigned URL: ranged GETs over HTTP (S3), `pread` for `file:` URLs (the embedded store)."""
@@ -15,11 +17,13 @@ import os
 import struct
 import warnings
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 import torch
 
+from apiary.storage.local import recorded_sha256
 from apiary.transfer import _check, _http, _Transient, _with_retries
 from apiary.weights import DTYPES, TensorSpec, WeightsError, WeightSpec, read_header
 
@@ -35,8 +39,25 @@ class RangeSource:
     def __init__(self, url: str, etag: str | None = None) -> None:
         self.url, self.etag = url, etag
         self._path = unquote(urlparse(url).path) if url.startswith("file:") else None
+        self._recorded: tuple[str, str] | None = None
         if self._path is not None:
-            self.etag = None  # a local file has no ETag: its bytes are hashed
+            self.etag = None  # a local file has no ETag: see `vouched`
+
+    def vouched(self, sha256: str) -> bool:
+        """Whether the store vouches that the object's bytes are those of `sha256`, so a reader need not hash them:
+        read by the ETag S3 computed from the parts it verified (If-Match), or a file of the embedded store whose
+        sha256 the store recorded when it was written and which is still that file."""
+        if self.etag is not None:
+            return True
+        if self._path is None:
+            return False
+        self._recorded = recorded_sha256(Path(self._path))
+        return self._recorded is not None and self._recorded[0] == sha256
+
+    def unchanged(self) -> bool:
+        """Whether a vouched local file is still the file it was when vouched for (not replaced nor written to)."""
+        return self._path is None or (self._recorded is not None
+                                      and recorded_sha256(Path(self._path)) == self._recorded)
 
     def read(self, offset: int, length: int) -> bytes:
         """`length` bytes from `offset` (WeightsError if the object is shorter)."""
@@ -66,10 +87,11 @@ class RangeSource:
 
 class StreamedWeights(Mapping[str, torch.Tensor]):
     """A safetensors object of `size` bytes and `sha256` at `source`, read tensor by tensor; its bytes hashed unless
-    the source reads them only from the object with the ETag the store computed from the parts it verified."""
+    the store vouches for them (`RangeSource.vouched`)."""
 
     def __init__(self, source: RangeSource, size: int, sha256: str, *, window: int = WINDOW) -> None:
         self._source, self.size, self.sha256, self._window = source, size, sha256, max(window, READ)
+        self._vouched = source.vouched(sha256)
         head = source.read(0, min(size, 1 << 20))
         if len(head) < 8:
             raise WeightsError("weights file is too short to be safetensors")
@@ -140,7 +162,7 @@ class StreamedWeights(Mapping[str, torch.Tensor]):
                     offset, future = pending.popleft()
                     chunk = future.result()
                     queued -= len(chunk)
-                    if self._source.etag is None:  # else each read was of the object the store verified (If-Match)
+                    if not self._vouched:
                         hashed.append(hashing.submit(digest.update, chunk))  # in order, beside the fold
                         while len(hashed) > HASH_BACKLOG:  # the reads it holds count against memory too
                             hashed.popleft().result()
@@ -162,7 +184,9 @@ class StreamedWeights(Mapping[str, torch.Tensor]):
                     future.cancel()
 
     def _verify(self, digest: Any) -> None:
-        if self._source.etag is not None:
+        if self._vouched:
+            if not self._source.unchanged():
+                raise WeightsError("the stored file was replaced or written to while it was read")
             return
         if digest.hexdigest() != self.sha256:
             raise WeightsError(f"sha256 mismatch: the stored object hashes to {digest.hexdigest()[:12]}…, "

@@ -5,7 +5,7 @@ One HTTP client (httpx) with timeouts (a server that stops answering fails the r
 capped exponential backoff and jitter (`apiary.backoff`), `RETRY.attempts` times or, given a `deadline`,
 until then; a download that breaks off resumes where it stopped with a `Range` request, so a multi-GB
 checkpoint is not fetched again from its first byte; uploads stream from the file. `file:` URLs (the
-embedded storage) are copied.
+embedded storage) are copied, and a copy of a store file whose sha256 the store recorded is not hashed again.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import httpx
 from apiary import metrics
 from apiary.backoff import Backoff, retry
 from apiary.storage.base import sha256_file
-from apiary.storage.local import atomic_copy
+from apiary.storage.local import atomic_copy, recorded_sha256
 
 T = TypeVar("T")
 
@@ -147,7 +147,10 @@ def _download(url: str, target: Path, deadline: float | None) -> str:
         source = _local(url)
         if not source.is_file():
             raise TransferError(f"{source} does not exist")
+        recorded = recorded_sha256(source)
         atomic_copy(source, target)
+        if recorded is not None and recorded_sha256(source) == recorded:  # the same file before and after the copy
+            return recorded[0]
         return sha256_file(target)
     tmp = target.with_name(f".{target.name}.part")
     try:
@@ -167,9 +170,9 @@ def _put(url: str, source: Path) -> None:
     _check(response, "upload to", url)
 
 
-def _upload(url: str, source: Path, deadline: float | None) -> None:
+def _upload(url: str, source: Path, sha256: str | None, deadline: float | None) -> None:
     if url.startswith("file:"):
-        atomic_copy(source, _local(url))
+        atomic_copy(source, _local(url), sha256)
         return
     _with_retries("upload to", url, lambda: _put(url, source), deadline)
 
@@ -211,8 +214,9 @@ async def download(url: str, target: Path, sha256: str | None = None, *, deadlin
     metrics.transferred("download", target.stat().st_size)
 
 
-async def upload(url: str, source: Path, *, deadline: float | None = None) -> None:
+async def upload(url: str, source: Path, *, sha256: str | None = None, deadline: float | None = None) -> None:
     """PUT a file to a URL, streamed from disk, retrying transient failures (until `deadline`, epoch
-    seconds, if given)."""
-    await asyncio.to_thread(_upload, url, source, deadline)
+    seconds, if given). To a `file:` URL (the embedded store) the file is copied, and `sha256`, where the caller
+    computed it while writing the file, is recorded beside the copy for the store's readers."""
+    await asyncio.to_thread(_upload, url, source, sha256, deadline)
     metrics.transferred("upload", source.stat().st_size)

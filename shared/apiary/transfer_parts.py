@@ -9,6 +9,7 @@ import asyncio
 import base64
 import concurrent.futures
 import hashlib
+import logging
 import os
 import threading
 import xml.etree.ElementTree as ET
@@ -24,6 +25,8 @@ from apiary.transfer import OCTET_STREAM, TransferError, _check, _http, _Transie
 PARALLEL = 4  # parts in flight at once, each a part's size in memory
 RANGE_PART = 64 * 2**20  # bytes per ranged GET of a parallel download
 _S3 = "{http://s3.amazonaws.com/doc/2006-03-01/}"
+
+log = logging.getLogger("apiary.transfer_parts")
 
 
 def part_count(size: int, part_size: int) -> int:
@@ -70,8 +73,18 @@ def _upload_parts(upload: MultipartUpload, source: Path, deadline: float | None,
     stored = _stored_parts(upload.list_url)
     lock = threading.Lock()
     resent = 0
+    failed = threading.Event()
 
     def one(number: int) -> str:
+        if failed.is_set():  # a part failed: the upload ends with the parts in flight, the rest wait for the resume
+            raise TransferError(f"upload of {source.name} stopped before part {number}")
+        try:
+            return send(number)
+        except BaseException:
+            failed.set()
+            raise
+
+    def send(number: int) -> str:
         nonlocal resent
         offset = (number - 1) * upload.part_size
         with open(source, "rb") as f:
@@ -81,10 +94,13 @@ def _upload_parts(upload: MultipartUpload, source: Path, deadline: float | None,
         if stored.get(number) == etag:
             return etag  # stored by an earlier attempt, byte for byte
         url = upload.part_urls[number - 1]
+        log.debug("sending part %d of %s", number, source.name)
         headers = {"Content-MD5": base64.b64encode(digest).decode(), "Content-Type": OCTET_STREAM}
 
         def attempt() -> str:
             response = _http().put(url, content=data, headers=headers)
+            if response.status_code == 400 and b"BadDigest" in response.content:  # S3 checked the Content-MD5
+                raise _Transient(f"part {number} arrived with other bytes than were sent")
             _check(response, "upload of a part to", url)
             stored_as = response.headers.get("etag", etag)
             if stored_as.strip('"') != digest.hex():  # the store's MD5 of what it received (S3, MinIO, moto)

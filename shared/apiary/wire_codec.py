@@ -15,10 +15,11 @@ absmax(its block) / 254 (`int8_bound`), so a weighted mean of such values is off
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import save as _save
@@ -108,12 +109,6 @@ def quantise(values: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch
     return codes.view(-1), absmax
 
 
-def dequantise(codes: torch.Tensor, absmax: torch.Tensor, numel: int, block_size: int) -> torch.Tensor:
-    """The float32 values `quantise` encoded (the first `numel`, flat)."""
-    view = codes.view(-1, block_size).to(torch.float32)
-    return view.mul_((absmax / LEVELS).unsqueeze(1)).view(-1)[:numel]
-
-
 def int8_bound(values: torch.Tensor, block_size: int) -> torch.Tensor:
     """The most each value may be off after int8_blockwise (absmax of its block / 254), in `values`' shape."""
     flat = values.reshape(-1).to(torch.float32)
@@ -175,10 +170,110 @@ def file_is_encoded(path: str | Path) -> bool:
         return length <= MAX_HEADER and is_encoded(head + f.read(length))
 
 
-def needs_base(data: bytes | bytearray | memoryview) -> bool:
-    """Whether decoding these bytes needs the round's global weights (a delta)."""
-    described = _json_field(metadata(data), UPDATE_KEY)
+def needs_base(data: bytes | bytearray | memoryview | Mapping[str, str]) -> bool:
+    """Whether decoding these bytes (or an object with this metadata) needs the round's global weights (a delta)."""
+    described = _json_field(data if isinstance(data, Mapping) else metadata(data), UPDATE_KEY)
     return bool(described and described.get("delta"))
+
+
+class Encoding(NamedTuple):
+    """How an upload was encoded, from its metadata, checked."""
+
+    encoding: str
+    block: int
+    delta: bool
+    dtypes: dict[str, torch.dtype]  # each tensor's dtype in the round
+    shapes: dict[str, list[int]]
+
+    def stored_names(self) -> set[str]:
+        """The tensors an upload so encoded holds: one per tensor, and the scales of each quantised one."""
+        return set(self.dtypes) | {n + SCALES for n, d in self.dtypes.items()
+                                   if self.encoding == "int8_blockwise" and d.is_floating_point}
+
+    def check_stored(self, name: str, stored: tuple[torch.dtype, int], scales: tuple[torch.dtype, int] | None) -> int:
+        """Check tensor `name` as stored (dtype, element count; its scales' likewise); the count of its values."""
+        numel = math.prod(self.shapes[name])
+        dtype = self.dtypes[name]
+        if not dtype.is_floating_point:
+            if stored != (dtype, numel):
+                raise WeightsError(f"tensor {name!r}: stored as {stored[0]} with {stored[1]} values, metadata says "
+                                   f"{dtype}{self.shapes[name]}")
+        elif self.encoding == "int8_blockwise":
+            blocks = -(-numel // self.block)
+            if stored != (torch.int8, blocks * self.block) or scales != (torch.float32, blocks):
+                raise WeightsError(f"tensor {name!r}: int8 codes or scales do not fit {numel} values in blocks "
+                                   f"of {self.block}")
+        elif stored != (HALVES[self.encoding], numel):
+            raise WeightsError(f"tensor {name!r}: stored as {stored[0]} with {stored[1]} values, metadata says "
+                               f"{self.encoding}{self.shapes[name]}")
+        return numel
+
+
+def encoding_of(meta: Mapping[str, str]) -> Encoding | None:
+    """How an upload with this metadata was encoded; None for plain weights; WeightsError if malformed."""
+    described = _json_field(meta, UPDATE_KEY)
+    if described is None:
+        return None
+    encoding, block = described.get("encoding"), described.get("block_size")
+    dtypes, shapes = described.get("dtypes"), described.get("shapes")
+    if encoding not in ("fp32", "bf16", "fp16", "int8_blockwise") or not isinstance(dtypes, dict) \
+            or not isinstance(shapes, dict) or not isinstance(block, int) or not 1 <= block <= 1 << 20:
+        raise WeightsError(f"upload encoding metadata is malformed: {json.dumps(described)[:120]}")
+    for name in dtypes:
+        shape = shapes.get(name)
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise WeightsError(f"tensor {name!r}: metadata shape {shape!r} is malformed")
+    return Encoding(encoding, block, bool(described.get("delta")), {n: _dtype(n, dtypes) for n in dtypes},
+                    {n: shapes[n] for n in dtypes})
+
+
+def check_scales(name: str, scales: torch.Tensor) -> None:
+    """Refuse block scales no encoder writes (negative or not finite)."""
+    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        raise WeightsError(f"tensor {name!r}: its block scales are negative or not finite")
+
+
+def reference_of(name: str, shape: list[int], base: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The global weights' tensor a delta's tensor `name` is added to."""
+    reference = base.get(name)
+    if reference is None or list(reference.shape) != shape:
+        raise WeightsError(f"tensor {name!r} of the delta is not in the round's global weights with shape {shape}")
+    return reference
+
+
+def decode_values(coded: Encoding, name: str, stored: torch.Tensor, scales: torch.Tensor | None, offset: int,
+                  count: int, reference: torch.Tensor | None) -> torch.Tensor:
+    """Values `offset`..`offset + count` (flat) of floating tensor `name` as the round holds them, from its stored
+    values from `offset` on (int8 codes with the tensor's block `scales`, or halves) and, for a delta, the global
+    weights' tensor: the same bits for any split of a tensor into ranges (elementwise float32 operations)."""
+    if coded.encoding == "int8_blockwise":
+        assert scales is not None
+        value = dequantise_range(stored[:count], scales, offset, coded.block)
+    else:
+        value = stored[:count].to(torch.float32)
+    if reference is not None:
+        added = reference.reshape(-1)[offset : offset + count].to(torch.float32)
+        value = value.add_(added) if value.data_ptr() != stored.data_ptr() else added + value
+    return value.to(coded.dtypes[name])
+
+
+def dequantise_range(codes: torch.Tensor, absmax: torch.Tensor, offset: int, block: int) -> torch.Tensor:
+    """The float32 values of int8 codes that start at value `offset` of their tensor (flat), `quantise` undone: each
+    code times its block's absmax / LEVELS."""
+    scale = absmax / LEVELS
+    out = codes.to(torch.float32)
+    at, first = 0, offset // block
+    head = min(len(out), (-offset) % block)
+    if head:
+        out[:head].mul_(scale[first])
+        at, first = head, first + 1
+    whole = (len(out) - at) // block
+    if whole:
+        out[at : at + whole * block].view(whole, block).mul_(scale[first : first + whole].unsqueeze(1))
+        at, first = at + whole * block, first + whole
+    if at < len(out):
+        out[at:].mul_(scale[first])
+    return out
 
 
 def decode_update(data: bytes | bytearray | memoryview,
@@ -186,57 +281,27 @@ def decode_update(data: bytes | bytearray | memoryview,
     """The weights an upload stands for, in their own dtypes: plain weights as they are (zero-copy), an encoded
     upload dequantised and, for a delta, added to `base` (the round's global weights) in float32.
     WeightsError (one line) for anything malformed."""
-    described = _json_field(metadata(data), UPDATE_KEY)
+    coded = encoding_of(metadata(data))
     tensors = loads(data, copy=False)
-    if described is None:
+    if coded is None:
         return tensors
-    encoding, block = described.get("encoding"), described.get("block_size")
-    dtypes, shapes = described.get("dtypes"), described.get("shapes")
-    if encoding not in ("fp32", "bf16", "fp16", "int8_blockwise") or not isinstance(dtypes, dict) \
-            or not isinstance(shapes, dict) or not isinstance(block, int) or not 1 <= block <= 1 << 20:
-        raise WeightsError(f"upload encoding metadata is malformed: {json.dumps(described)[:120]}")
-    delta = bool(described.get("delta"))
-    if delta and base is None:
+    if coded.delta and base is None:
         raise WeightsError("the upload is a delta but no global weights were given to add it to")
-    expected = set(dtypes) | {n + SCALES for n in dtypes if encoding == "int8_blockwise"
-                              and _dtype(n, dtypes).is_floating_point}
+    expected = coded.stored_names()
     if set(tensors) != expected:
         raise WeightsError(f"upload tensors differ from its metadata: extra {sorted(set(tensors) - expected)[:3]}, "
                            f"missing {sorted(expected - set(tensors))[:3]}")
     out: dict[str, torch.Tensor] = {}
-    for name in dtypes:
-        dtype, shape = _dtype(name, dtypes), shapes.get(name)
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise WeightsError(f"tensor {name!r}: metadata shape {shape!r} is malformed")
-        numel = 1
-        for d in shape:
-            numel *= d
-        stored = tensors[name]
+    for name, dtype in coded.dtypes.items():
+        stored, scales = tensors[name], tensors.get(name + SCALES)
+        numel = coded.check_stored(name, (stored.dtype, stored.numel()),
+                                   None if scales is None else (scales.dtype, scales.numel()))
         if not dtype.is_floating_point:
             out[name] = stored
             continue
-        if encoding == "int8_blockwise":
-            scales = tensors[name + SCALES]
-            blocks = -(-numel // block)
-            if stored.dtype != torch.int8 or stored.numel() != blocks * block or scales.dtype != torch.float32 \
-                    or scales.numel() != blocks:
-                raise WeightsError(f"tensor {name!r}: int8 codes or scales do not fit {numel} values in blocks "
-                                   f"of {block}")
-            if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
-                raise WeightsError(f"tensor {name!r}: its block scales are negative or not finite")
-            value = dequantise(stored, scales, numel, block).view(shape)
-        else:
-            if stored.numel() != numel or stored.dtype != HALVES[encoding]:
-                raise WeightsError(f"tensor {name!r}: stored as {stored.dtype}{list(stored.shape)}, metadata says "
-                                   f"{encoding}{shape}")
-            value = stored.view(shape).to(torch.float32)
-        if delta:
-            assert base is not None
-            reference = base.get(name)
-            if reference is None or list(reference.shape) != shape:
-                raise WeightsError(f"tensor {name!r} of the delta is not in the round's global weights with shape "
-                                   f"{shape}")
-            value = value.add_(reference.to(torch.float32)) if value.dtype == torch.float32 and \
-                value.data_ptr() != stored.data_ptr() else reference.to(torch.float32) + value
-        out[name] = value.to(dtype)
+        if scales is not None:
+            check_scales(name, scales)
+        reference = reference_of(name, coded.shapes[name], base) if base is not None and coded.delta else None
+        out[name] = decode_values(coded, name, stored.reshape(-1), scales, 0, numel, reference).view(
+            coded.shapes[name])
     return out

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from apiary import keys, streamed_weights
+from apiary import keys, streamed_update, streamed_weights
 from apiary.weights import loads
 from apiary.wire_codec import is_encoded, metadata
-from services.aggregator import wire_decode
+from services.aggregator import handlers, wire_decode
 from tests.fixtures.embedded import StackFactory, toy_request
 
 
@@ -103,6 +103,36 @@ async def test_large_contributions_fold_straight_from_storage(embedded: StackFac
 
     assert view["status"] == "completed", view.get("reason")
     assert len(streamed) == 6  # every contribution of both rounds
+    step = (5 * 1 + 4 * 2 + 4 * 3) / 13 / 8
+    torch.testing.assert_close(final["big.weight"], initial["big.weight"] + 2 * step, rtol=0, atol=1e-5)
+    assert int(final["steps"]) == 2
+
+
+async def test_large_int8_delta_contributions_are_decoded_as_they_fold_from_storage(
+        embedded: StackFactory, toy_dataset: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wire_decode, "STREAM_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(handlers, "PREFETCH_MAX_BYTES", 1 << 20)
+    monkeypatch.setattr(streamed_weights, "READ", 1 << 20)
+    decoded: list[int] = []
+    real = streamed_update.StreamedUpdate.chunks
+
+    def counted(self: streamed_update.StreamedUpdate):  # type: ignore[no-untyped-def]
+        decoded.append(len(self))
+        return real(self)
+
+    monkeypatch.setattr(streamed_update.StreamedUpdate, "chunks", counted)
+    request = toy_request(toy_dataset, num_rounds=2, transfer={"upload": "int8_blockwise", "delta": True})
+    request["entrypoint"] = "tests.toyjobs.big:fl_train_model"
+    request["config"] = {"big_mib": 10}  # 2.5 MiB in int8: over the (lowered) streaming threshold
+    async with embedded(workers=3) as stack:
+        job_id = await stack.submit(request)
+        view = await stack.wait(job_id, timeout=180)
+        initial = loads(await stack.ports.storage.get_bytes(keys.global_weights(job_id, 0)))
+        final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
+
+    assert view["status"] == "completed", view.get("reason")
+    assert len(decoded) == 6  # every contribution of both rounds
+    # The deltas are constant (1/8, 2/8, 3/8 per round): exact in int8.
     step = (5 * 1 + 4 * 2 + 4 * 3) / 13 / 8
     torch.testing.assert_close(final["big.weight"], initial["big.weight"] + 2 * step, rtol=0, atol=1e-5)
     assert int(final["steps"]) == 2

@@ -173,9 +173,7 @@ def test_every_problem_in_a_job_file_is_named_before_anything_starts(tmp_path: P
                              "distributed": {"num_round": 5, "min_workers": 4, "max_workers": 2}})
 
     # Execute
-    began = time.monotonic()
     done = _apiary("run", str(job), home=tmp_path / ".apiary", cwd=tmp_path)
-    took = time.monotonic() - began
 
     # Assert: one line per problem, the absolute path tried, and nothing started
     assert done.returncode == 2 and done.stdout == ""
@@ -187,7 +185,6 @@ def test_every_problem_in_a_job_file_is_named_before_anything_starts(tmp_path: P
         f"error: {job}: entrypoint: module 'nothere.train' not found: no nothere/train.py or "
         f"nothere/train/__init__.py in {folder} or a folder above it, and no installed package of that name",
     ]
-    assert took < 3, f"took {took:.1f}s"
     assert not (tmp_path / ".apiary" / "apiary.db").exists()
 
 

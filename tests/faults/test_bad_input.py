@@ -40,7 +40,9 @@ def test_poison_messages_are_dead_lettered_with_their_reason_and_services_keep_r
         ("round.aggregated", msgpack_of({"job_id": "x", "round": "one"}), "application/msgpack", "malformed"),
         ("round.timeout", msgpack_of([1, 2, 3]), "application/msgpack", "must be a map"),
         ("job.sharded", msgpack_of({"v": 99, "job_id": "x"}), "application/msgpack", "schema version 99"),
-        ("worker.heartbeat", msgpack_of({"worker_id": ["not", "a", "string"]}), "application/msgpack", "malformed"),
+        # Two services hear a heartbeat (the scheduler and the tracker), and either may dead-letter it first: each
+        # reason names the field at fault.
+        ("worker.heartbeat", msgpack_of({"worker_id": ["not", "a", "string"]}), "application/msgpack", "worker_id"),
         ("assign.pool", msgpack_of({"job_id": "x", "round": 1, "shard": "zero"}), "application/msgpack",
          "malformed"),
         ("job.requested", b"\x00\xff\xfe", "application/msgpack", "not valid application/msgpack"),

@@ -41,10 +41,10 @@ from apiary.db import Database, Executor
 from apiary.jobspec import JobSpec
 from apiary.outbox import KeyedLocks, Outbox, Pending
 from apiary.policy import Policy
+from apiary.safetensors_header import WeightsError
 from apiary.settings import Settings
 from apiary.status import JobStatus, RoundStatus
 from apiary.storage import ObjectNotFound, Storage
-from apiary.weights import WeightsError
 from services.scheduler import endings, shard_states, store, task_proofs
 from services.scheduler.async_rounds import AsyncVersions
 from services.scheduler.commands import JobCommands

@@ -16,9 +16,9 @@ from apiary import keys
 from apiary.contracts import Assignment, ObjectRef, RoundAggregated
 from apiary.db import Executor
 from apiary.jobspec import JobSpec
+from apiary.safetensors_header import tensor_names
 from apiary.shard_state import personal_layers_error
 from apiary.storage import ObjectNotFound, Storage
-from apiary.weights import spec_of
 
 log = logging.getLogger("apiary.scheduler")
 
@@ -104,6 +104,6 @@ async def personal_layers_refused(storage: Storage, spec: JobSpec, weights: Obje
     globs = spec.distributed.personal_layers
     if not globs:
         return None
-    names = spec_of(await storage.get_bytes(weights.key))
+    names = tensor_names(await storage.get_bytes(weights.key))
     why = personal_layers_error(names, globs)
     return None if why is None else f"distributed.personal_layers: {why}"

@@ -52,7 +52,10 @@ from services.scheduler.evaluation import (
     FAILED,
     NONE,
     PENDING,
+    Evaluation,
     evaluation_due,
+    judged_by_evaluation,
+    may_be_kept,
     may_end,
     planned_rounds,
     task_timeout,
@@ -260,9 +263,20 @@ class SchedulerHandlers:
         if spec.distributed.mode != "async":
             await prune_after(self._storage, event.job_id, event.round, event.attempt, event.weights.sha256,
                               keep_contributions=spec.distributed.transfer.keep_contributions)
+            if event.shard_states:
+                await self._prune_shard_states(job, event.round)
         if may_end(spec, decision.next is Next.FINISH):
             # Read back before the next round's assignments go out: skipped where nothing can end the job yet.
             await self._finisher.settle(event.job_id)
+
+    async def _prune_shard_states(self, job: Job, round_index: int) -> None:
+        """Delete the shard states no round the job may still end with needs (round `round_index` aggregated)."""
+        rounds = await store.aggregated_rounds(self._db, job.job_id)
+        rows = await store.evaluations(self._db, job.job_id)
+        evaluations = [Evaluation(r["round"], r["status"], r["metrics"], r["error"]) for r in rows]
+        metrics = {index: r["metrics"] for index, r in rounds.items()}
+        kept = may_be_kept(job.spec, judged_by_evaluation(job.spec, job.evaluates), metrics, evaluations)
+        await shard_states.prune(self._storage, self._db, job.job_id, round_index, kept)
 
     async def _queue_evaluation(self, tx: Executor, job_id: str, spec: JobSpec, round_index: int, attempt: int,
                                 weights: ObjectRef) -> None:

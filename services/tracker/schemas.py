@@ -101,6 +101,10 @@ class RoundView(BaseModel):
         default=None, description="the round's global model evaluated on a worker (fl_evaluate_model, or the "
                                   "built-in trainer on eval_dataset_id), if it was")
     evaluation_error: str | None = Field(default=None, description="why the round's evaluation failed, if it did")
+    evaluation_shards: dict[int, dict[str, float]] | None = Field(
+        default=None, description="a personal-layers job: each shard's personalised model (the global model with "
+                                  "its personal layers) scored on its own held-out data; `evaluation` is their "
+                                  "num_samples-weighted mean")
 
 
 class ShardProgress(BaseModel):

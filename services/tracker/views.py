@@ -69,10 +69,12 @@ async def job_view(db: Executor, job_id: str) -> dict[str, Any] | None:
     job["data_shards"] = from_json(job["data_shards"], [])
     job["code"] = from_json(job["code"])
     rounds = await db.fetch(
-        "SELECT round, attempt, status, metrics, reason, started_at, ended_at, evaluation, evaluation_error"
-        " FROM round_views WHERE job_id = $1 ORDER BY round, attempt", job_id,
+        "SELECT round, attempt, status, metrics, reason, started_at, ended_at, evaluation, evaluation_error,"
+        " evaluation_shards FROM round_views WHERE job_id = $1 ORDER BY round, attempt", job_id,
     )
-    job["rounds"] = [{**r, "metrics": from_json(r["metrics"], {}), "evaluation": from_json(r["evaluation"])}
+    job["rounds"] = [{**r, "metrics": from_json(r["metrics"], {}), "evaluation": from_json(r["evaluation"]),
+                      "evaluation_shards": {int(k): v for k, v in (from_json(r["evaluation_shards"]) or {}).items()}
+                      or None}
                      for r in rounds]
     job["asynchronous"] = await async_views.summary(db, job_id)
     # An async job's rounds are versions: its shards are each one's latest training task, whichever version.

@@ -265,7 +265,7 @@ class SchedulerHandlers:
         if spec.distributed.mode != "async":
             await prune_after(self._storage, event.job_id, event.round, event.attempt, event.weights.sha256,
                               keep_contributions=spec.distributed.transfer.keep_contributions)
-            if event.shard_states:
+            if event.shard_states and not spec.distributed.transfer.keep_contributions:
                 await self._prune_shard_states(job, event.round)
         if may_end(spec, decision.next is Next.FINISH):
             # Read back before the next round's assignments go out: skipped where nothing can end the job yet.

@@ -117,3 +117,28 @@ async def test_the_final_model_keeps_the_shard_states_of_its_round(embedded: Sta
         torch.testing.assert_close(state["personal.layer.bias"], torch.arange(2, dtype=torch.float32) + shard + 1)
     # While it could still be kept, round 1's states were not pruned: they stay beside round 3's (the current ones).
     assert len(stored) == 6
+
+
+async def test_a_scaffold_worker_uploads_its_weights_and_its_state_only(embedded: StackFactory,
+                                                                         toy_dataset: Path) -> None:
+    request = {**toy_request(toy_dataset, num_rounds=2, min_workers=3, max_workers=3, strategy="scaffold",
+                             transfer={"keep_contributions": True}),
+               "entrypoint": "tests.toyjobs.scaffoldtoy:fl_train_model"}
+    async with embedded(workers=3) as stack:
+        job_id = await stack.submit(request)
+        view = await stack.wait(job_id, timeout=120)
+        storage = stack.ports.storage
+        model = await storage.get_bytes(keys.global_weights(job_id, 1))
+        uploads = [(await storage.get_bytes(keys.contribution(job_id, 2, 1, s)),
+                    await storage.get_bytes(keys.shard_state(job_id, s, 2, 1))) for s in range(3)]
+        c = loads(await storage.get_bytes(keys.strategy_state(job_id, 2)))
+
+    assert view["status"] == "completed", view.get("reason")
+    for weights, state in uploads:
+        # The weights as the model has them (no control deltas: the aggregator derives those from the states)...
+        assert set(loads(weights)) == set(loads(model)) and len(weights) == len(model)
+        # ...and the shard's new control variate: two models up a round in all, at most.
+        assert set(loads(state)) == {"scaffold.c_i.layer.weight", "scaffold.c_i.layer.bias"}
+        assert len(weights) + len(state) <= 2 * len(model)
+    # The control variate c the aggregator folded from the derived deltas moved.
+    assert any(bool(t.abs().max() > 0) for t in c.values())

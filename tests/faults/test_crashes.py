@@ -12,6 +12,7 @@ import torch
 
 from apiary.strategies.base import Contribution, create
 from apiary.strategies.format import UpdateFormat
+from apiary.strategies.scaffold import control_deltas
 from apiary.weights import loads as load_weights
 from apiary.weights import spec_of_tensors
 from tests.faults.support import (
@@ -183,8 +184,11 @@ def test_aggregator_killed_mid_scaffold_job_ends_as_an_undisturbed_fold_of_the_s
     assert 0 not in recorded, "the kill came mid-round 2 (shard 0 trains slowly)"
     rows = [r for r in faults.contributions(job_id) if r["status"] == "accepted"]
     assert sorted((r["round"], r["shard"]) for r in rows) == [(r, s) for r in (1, 2, 3) for s in (0, 1, 2)]
-    # Replayed: each round's stored contributions (weights and control deltas) through a fresh strategy.
-    weights, state = faults.global_weights(job_id, 0), {}
+    # Replayed: each round's stored contributions through a fresh strategy, with their control deltas derived from
+    # each shard's stored states (keep_contributions keeps every round's), as the aggregator derives them.
+    kept = {(r["round"], r["shard"]): load_weights(faults.object(r["state_key"])) for r in faults.query(
+        "SELECT round, shard, state_key FROM contribution_states WHERE job_id = $1", job_id)}
+    weights, state, shard_states = faults.global_weights(job_id, 0), {}, {}
     for round_index in (1, 2, 3):
         strategy = create("scaffold")
         strategy.population(3)
@@ -192,7 +196,11 @@ def test_aggregator_killed_mid_scaffold_job_ends_as_an_undisturbed_fold_of_the_s
         strategy.begin(spec_of_tensors(weights), UpdateFormat.FULL)
         for row in rows:
             if row["round"] == round_index:
-                strategy.accept(Contribution(load_weights(faults.object(row["result_key"])), row["samples"]))
+                new = kept[(round_index, row["shard"])]
+                deltas = control_deltas(new, shard_states.get(row["shard"], {}))
+                shard_states[row["shard"]] = new
+                strategy.accept(Contribution({**load_weights(faults.object(row["result_key"])), **deltas},
+                                             row["samples"]))
         weights, state = strategy.finish(weights).weights, strategy.state()
     final = faults.final_weights(job_id)
     stored_c = load_weights(faults.object(faults.aggregations(job_id)[-1]["state_key"]))

@@ -6,8 +6,6 @@ view and `apiary status`."""
 from __future__ import annotations
 
 import io
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -21,13 +19,6 @@ from services.app.render import evaluation_text
 from tests.fixtures.embedded import REPO, StackFactory
 
 FRACTION = 0.25
-
-
-@pytest.fixture(scope="module")
-def digits_data() -> Path:
-    if not (REPO / "examples/digits/data/manifest.json").is_file():
-        subprocess.run([sys.executable, "examples/digits/prepare.py"], cwd=REPO, check=True, capture_output=True)
-    return REPO / "examples/digits/data"
 
 
 def personal_request(data: Path) -> dict[str, object]:

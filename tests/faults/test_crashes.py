@@ -160,7 +160,6 @@ def test_aggregator_killed_mid_fedadam_job_ends_with_the_weights_of_an_undisturb
             f" moments stored each round; final weights equal to an undisturbed run's", double)
 
 
-@pytest.mark.queue_types
 def test_aggregator_killed_mid_scaffold_job_ends_as_an_undisturbed_fold_of_the_same_contributions(
         faults: Faults, toy_data: Data, outcome: Record) -> None:
     cluster = faults.cluster
@@ -215,7 +214,6 @@ def test_aggregator_killed_mid_scaffold_job_ends_as_an_undisturbed_fold_of_the_s
             "weights and stored control variate equal to a replay of the stored contributions", double)
 
 
-@pytest.mark.queue_types
 def test_aggregator_killed_mid_scaffold_job_finds_the_shard_states_it_needs_while_superseded_ones_go(
         faults: Faults, toy_data: Data, outcome: Record) -> None:
     cluster = faults.cluster

@@ -136,6 +136,8 @@ def job_request(setting: Setting) -> dict[str, Any]:
     distributed.update(max_workers=setting.workers, min_workers=setting.workers, evaluate_every=1)
     if setting.personal:
         distributed["personal_layers"] = list(setting.personal)
+    if setting.family == "shard-state":  # `traffic` reads every round's uploads (and the states they trained with)
+        distributed["transfer"] = {**distributed.get("transfer", {}), "keep_contributions": True}
     if setting.strategy == "federated_averaging":
         distributed.pop("strategy_params")
     request["distributed"] = distributed
@@ -232,8 +234,9 @@ def traffic(job_folder: Path, rounds: int, workers: int, *,
     """((bytes down, bytes up) per worker per round, bytes of shard and server state stored for the job), from
     the objects the run stored: a worker downloads the round's global weights, the server state its workers get
     (`shared_server_state`: SCAFFOLD's c; other strategies keep theirs to the aggregator) and its shard's state,
-    and uploads its contribution (weights and control deltas) and its shard's new state. Stored: every upload of
-    a shard state, the aggregator's copy of each accepted one, and each round's shared server state."""
+    and uploads its contribution (its weights) and its shard's new state. Stored: every upload of a shard state,
+    the aggregator's copy of each accepted one, and each round's shared server state (the job keeps them all, as
+    `keep_contributions` asks; otherwise superseded states are deleted as rounds go)."""
     def size(path: Path) -> int:
         return path.stat().st_size if path.is_file() else 0
 

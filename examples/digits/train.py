@@ -103,6 +103,19 @@ def load_dataset(root: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(images).unsqueeze(1), torch.tensor(labels, dtype=torch.long)
 
 
+def shard_split(num_samples: int, env: dict[str, Any], shard_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A shard's samples as (training, held-out) indices: SHARD_EVAL_FRACTION of them (config shard_eval_fraction,
+    default 0) held out, drawn by the job's seed and the shard, the same way in training and evaluation."""
+    fraction = float(env.get("SHARD_EVAL_FRACTION") or 0.0)
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"SHARD_EVAL_FRACTION must be in [0, 1), got {fraction}")
+    held = int(num_samples * fraction)
+    if held == 0:  # the whole shard trains, in its own order
+        return torch.arange(num_samples), torch.arange(0)
+    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(int(env.get("SEED", 0)) + shard_index))
+    return order[held:].sort().values, order[:held]
+
+
 def fl_init_weights(env: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Return the round-1 global weights, seeded so every run starts from the same model."""
     torch.manual_seed(int(env.get("SEED", 0)))
@@ -127,7 +140,8 @@ def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) ->
 
     device = torch.device(payload.get("device", "cpu"))  # the worker's GPU, or the CPU
     x, y = load_dataset(payload["dataset"]["data_root"])
-    x, y = x.to(device), y.to(device)
+    train, _ = shard_split(len(y), env, shard_index)  # the shard's held-out part never trains
+    x, y = x[train].to(device), y[train].to(device)
     model = build_model().to(device)
     model.load_state_dict(payload["initial_weights"])
     anchor = {k: v.detach().to(device) for k, v in payload["initial_weights"].items()} if mu > 0 else {}
@@ -185,8 +199,17 @@ def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) ->
 
 @torch.no_grad()
 def fl_evaluate_model(weights: dict[str, torch.Tensor], env: dict[str, Any]) -> dict[str, Any]:
-    """Score weights on the held-out dataset folder named by env["HELDOUT"]."""
-    x, y = load_dataset(Path(env["HELDOUT"]))
+    """Score weights on the held-out dataset folder named by env["HELDOUT"]; in a job with personal layers, a shard's
+    personalised weights on the part of that shard (env["SHARD_DATA"], its folder on this worker) that
+    SHARD_EVAL_FRACTION holds out of its training (on HELDOUT where it holds out none)."""
+    held: torch.Tensor | None = None
+    if env.get("SHARD_DATA"):
+        x, y = load_dataset(Path(env["SHARD_DATA"]))
+        _, held = shard_split(len(y), env, int(env["SHARD_INDEX"]))
+    if held is not None and len(held):
+        x, y = x[held], y[held]
+    else:
+        x, y = load_dataset(Path(env["HELDOUT"]))
     model = build_model()
     model.load_state_dict(weights)
     model.eval()

@@ -14,6 +14,7 @@ from apiary import contracts, keys, metrics
 from apiary.backoff import Backoff, poll
 from apiary.bus import Delivery, EventHandler
 from apiary.component import Component, to_json
+from apiary.jobspec import SCAFFOLD
 from apiary.outbox import KeyedLocks, Outbox
 from apiary.status import ContributionStatus, RoundStatus
 from apiary.storage import ObjectNotFound
@@ -155,6 +156,9 @@ class Aggregator(Component):
                 await self._secure.admit(state.round, event.shard)  # a secure round: its stages as stored
                 # Its state's reference first (only an accepted shard's counts): a failure here leaves nothing held.
                 await shard_states.remember(self.storage, self.db, event, kept)
+                if state.round.strategy == SCAFFOLD:
+                    contribution = await shard_states.with_control_deltas(self.storage, self.db, state.key,
+                                                                          event.shard, contribution, kept)
                 await take_in(state, event.shard, contribution)
             except (ObjectNotFound, InvalidContribution, WeightsError, ValueError) as e:
                 settled = await self._reject(event, state, e)

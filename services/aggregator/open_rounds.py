@@ -11,12 +11,14 @@ from typing import Any
 
 from apiary.component import from_json
 from apiary.contracts import ObjectRef
+from apiary.jobspec import SCAFFOLD
 from apiary.status import ContributionStatus, RoundStatus
 from apiary.storage import Storage
 from apiary.strategies.base import Strategy, create
 from apiary.strategies.private import private
 from apiary.weights import WeightSpec, spec_of
 from apiary.weights import loads as load_weights
+from services.aggregator import shard_states
 from services.aggregator.decisions import Verdict, judge_round
 from services.aggregator.recording import GroupRecorder
 from services.aggregator.round_state import Round, RoundKey, RoundState
@@ -166,7 +168,11 @@ class OpenRounds:
                     contribution = await self.decoder.stored(ref, state.round.weights, row["samples"], metrics)
                 else:
                     contribution = await self.decoder.contribution(data, state.round.weights, row["samples"], metrics)
-                await take_in(state, row["shard"], dataclasses.replace(contribution, shard=row["shard"]))
+                contribution = dataclasses.replace(contribution, shard=row["shard"])
+                if state.round.strategy == SCAFFOLD:  # its control deltas, derived from the shard's states again
+                    contribution = await shard_states.with_control_deltas(self._storage, self._store.db, state.key,
+                                                                          row["shard"], contribution)
+                await take_in(state, row["shard"], contribution)
 
     async def _fetched(self, rows: list[dict[str, Any]]) -> AsyncGenerator[tuple[dict[str, Any], bytes | None]]:
         """Each row with its object's verified bytes, in order, up to FETCH_AHEAD objects (FETCH_AHEAD_BYTES in

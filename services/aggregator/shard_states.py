@@ -10,6 +10,8 @@ there twice, after the first report was judged.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from collections.abc import Iterable
 
 from apiary import keys
@@ -18,8 +20,11 @@ from apiary.db import Executor
 from apiary.shard_state import state_error, state_limit
 from apiary.status import ContributionStatus, RoundStatus
 from apiary.storage import ObjectNotFound, Storage
+from apiary.strategies.base import Contribution
+from apiary.strategies.scaffold import control_deltas
 from apiary.strategies.validation import InvalidContribution
-from apiary.weights import WeightsError, spec_of
+from apiary.streamed_weights import StreamedWeights
+from apiary.weights import WeightsError, loads, spec_of
 from services.aggregator.round_state import RoundKey
 
 COMPONENT = "aggregator_shard_states"
@@ -83,6 +88,34 @@ async def remember(storage: Storage, db: Executor, event: WorkerDone, data: byte
         " VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (job_id, round, attempt, shard)"
         " DO UPDATE SET state_key = $5, size = $6, sha256 = $7",
         event.job_id, event.round, event.attempt, event.shard, ref.key, ref.size, ref.sha256)
+
+
+async def with_control_deltas(storage: Storage, db: Executor, key: RoundKey, shard: int, contribution: Contribution,
+                              new_state: bytes | None = None) -> Contribution:
+    """A SCAFFOLD contribution with its control-variate change beside its weights (`control_delta.<name>`), derived
+    from the shard's new state (`new_state`, else the copy its row names) and the state it trained from: the
+    worker uploads only its weights and its new state. Unchanged where the shard reported no state."""
+    job_id, round_index, _ = key
+    if new_state is None:
+        row = await db.fetchrow("SELECT state_key FROM contribution_states WHERE job_id = $1 AND round = $2"
+                                " AND attempt = $3 AND shard = $4", *key, shard)
+        if row is None:
+            return contribution
+        new_state = await storage.get_bytes(row["state_key"])
+    previous = await db.fetchrow(_PREVIOUS, job_id, shard, round_index, str(ContributionStatus.ACCEPTED),
+                                 str(RoundStatus.AGGREGATED))
+    try:
+        old = {} if previous is None else loads(await storage.get_bytes(previous["state_key"]))
+    except ObjectNotFound as e:
+        raise InvalidContribution(f"the shard's previous state is missing: {e}") from None
+    deltas = control_deltas(loads(new_state), old)
+    if not deltas:
+        return contribution
+    weights = contribution.weights
+    # A large contribution streams from storage: read in a thread, as its fold would be.
+    merged = (await asyncio.to_thread(dict, weights) if isinstance(weights, StreamedWeights) else dict(weights))
+    merged.update(deltas)
+    return dataclasses.replace(contribution, weights=merged)
 
 
 async def of_round(db: Executor, key: RoundKey, accepted: Iterable[int]) -> dict[int, ObjectRef]:

@@ -193,7 +193,15 @@ def evaluation_text(r: dict[str, Any]) -> Text | str:
     """A round's evaluation of its global model (on a worker): its metrics, why it failed, or nothing."""
     if r.get("evaluation_error"):
         return Text(f"failed: {r['evaluation_error']}", style="red")
-    return ", ".join(f"{k}={v:.4g}" for k, v in (r.get("evaluation") or {}).items())
+    text = ", ".join(f"{k}={v:.4g}" for k, v in (r.get("evaluation") or {}).items())
+    shards = r.get("evaluation_shards") or {}
+    if not shards:
+        return text
+    # A personal-layers job: the mean above, then each shard's personalised model by the mean's first score.
+    first = next((k for k in (r.get("evaluation") or {}) if k != "num_samples"), None)
+    ordered = sorted(shards.items(), key=lambda item: int(item[0]))
+    each = " ".join(f"{shard}:{metrics[first]:.3g}" for shard, metrics in ordered if first in metrics)
+    return f"{text}; mean of {len(shards)} shards, {first} by shard {each}" if first else text
 
 
 # The training loss and the held-out (validation) loss, sample-weighted over the round's workers, side by side.

@@ -28,7 +28,8 @@ async def _until_signalled() -> None:
 
 
 def _component(name: str, ports: Ports) -> Any:
-    # Only the named service is imported: the tracker and the sharder never load torch (2 s and ~200 MB).
+    # Only the named service is imported: the tracker, the sharder and the scheduler never load torch (1-2 s and
+    # ~200 MB; tests/unit/test_light_imports.py).
     args = (ports.bus, ports.db, ports.storage, ports.settings)
     if name == "tracker":
         from services.tracker import Tracker

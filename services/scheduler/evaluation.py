@@ -146,6 +146,21 @@ def ending(spec: JobSpec, last_round: int | None, by_evaluation: bool, rounds: M
     return Ending(last_round, kept, reason=reason)
 
 
+def may_be_kept(spec: JobSpec, by_evaluation: bool, rounds: Mapping[int, Mapping[str, float]],
+                evaluations: Sequence[Evaluation]) -> set[int]:
+    """The aggregated rounds whose model the job may still end with (so their shard states are kept): the latest
+    round; with early stopping every round its rule has not judged yet, and the best judged one (keep_best)."""
+    latest = max(rounds, default=0)
+    rule = spec.distributed.early_stopping
+    if rule is None:
+        return {latest}
+    seen, _ = history(rule, by_evaluation, rounds, evaluations)
+    judged = max((r for r, _ in seen), default=0)
+    kept = {r for r in rounds if r > judged} | {latest}
+    best = best_round(seen, rule) if rule.keep_best else None
+    return kept | ({best} if best is not None else set())
+
+
 def final_metrics(kept: int, rounds: Mapping[int, Mapping[str, float]],
                   evaluations: Sequence[Evaluation]) -> dict[str, Any]:
     """The job's metrics: the kept round's aggregated training metrics, its evaluation's over them."""

@@ -135,7 +135,10 @@ class JobFinisher:
         history = await store.round_history(self._db, job_id)
         report = final_report(job_id, job.spec.name, verdict.metrics, history, verdict.evaluations, end.kept, reason)
         await self._storage.put_bytes(keys.final_metrics(job_id), report)
-        await shard_states.keep_final(self._storage, self._db, job_id)
+        await shard_states.keep_final(self._storage, self._db, job_id, end.kept)
+        if not job.spec.distributed.transfer.keep_contributions:
+            # Kept beside the final model now: the states no round needs any more go (those of pending evaluations).
+            await shard_states.prune(self._storage, self._db, job_id, end.last, {end.kept})
         final_uri = self._storage.uri(final.key)
         async with self._db.transaction() as tx:
             await endings.close_running_rounds(tx, job_id, RoundStatus.CANCELLED, reason or "job completed")

@@ -9,8 +9,6 @@ import collections
 from apiary import keys
 from apiary.contracts import ObjectRef
 from apiary.storage import Storage
-from apiary.weights import loads as load_weights
-from apiary.wire_codec import halve
 
 HELD = 64  # copies remembered (a restarted scheduler makes the copy again: the same bytes)
 
@@ -28,9 +26,19 @@ class HalvedWeights:
         ref = self._made.get(known)
         if ref is None:
             data = await self._storage.verified_bytes(weights)
-            halved = await asyncio.to_thread(lambda: halve(load_weights(data, copy=False), precision))
+            halved = await asyncio.to_thread(_halved, data, precision)
             ref = await self._storage.put_bytes(keys.halved_weights(job_id, weights.sha256, precision), halved)
             self._made[known] = ref
             while len(self._made) > HELD:
                 self._made.popitem(last=False)
         return ref
+
+
+def _halved(data: bytes, precision: str) -> bytes:
+    """The weights in `data` at half precision, as safetensors bytes."""
+    # torch is imported here, not with the module: the scheduler loads it only for a job that halves its downloads
+    # (it never holds tensors otherwise, and each of its processes starts a second or more sooner without it).
+    from apiary.weights import loads
+    from apiary.wire_codec import halve
+
+    return halve(loads(data, copy=False), precision)

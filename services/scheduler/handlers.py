@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeAlias, TypeVar
 
 from apiary import metrics, telemetry
@@ -26,6 +26,7 @@ from apiary.contracts import (
     RoundEvaluated,
     RoundFailed,
     RoundTimeout,
+    ShardInfo,
     TaskKind,
     TaskTimeout,
     WeightsInitialized,
@@ -41,11 +42,11 @@ from apiary.db import Database, Executor
 from apiary.jobspec import JobSpec
 from apiary.outbox import KeyedLocks, Outbox, Pending
 from apiary.policy import Policy
+from apiary.safetensors_header import WeightsError
 from apiary.settings import Settings
 from apiary.status import JobStatus, RoundStatus
 from apiary.storage import ObjectNotFound, Storage
-from apiary.weights import WeightsError
-from services.scheduler import endings, shard_states, store, task_proofs
+from services.scheduler import endings, shard_evaluations, shard_states, store, task_proofs
 from services.scheduler.async_rounds import AsyncVersions
 from services.scheduler.commands import JobCommands
 from services.scheduler.evaluation import (
@@ -53,7 +54,10 @@ from services.scheduler.evaluation import (
     FAILED,
     NONE,
     PENDING,
+    Evaluation,
     evaluation_due,
+    judged_by_evaluation,
+    may_be_kept,
     may_end,
     planned_rounds,
     task_timeout,
@@ -254,24 +258,45 @@ class SchedulerHandlers:
                 await self._start_round(tx, target, prefer=event.trained_by)
             # Queued after the next round's assignments: a worker takes its training first.
             if evaluation_due(spec, event.round, job.evaluates):
-                await self._queue_evaluation(tx, event.job_id, spec, event.round, event.attempt, event.weights)
+                await self._queue_evaluation(tx, event.job_id, spec, event.round, event.attempt, event.weights,
+                                             job.shards)
         # The round's result is durable: what no round needs any more goes (distributed.transfer.keep_contributions).
         # Not in mode async: there an attempt numbers a task, and tasks of a version still train or wait in the
         # open version's buffer (an aggregator that restarts folds them again), so every contribution stays.
         if spec.distributed.mode != "async":
             await prune_after(self._storage, event.job_id, event.round, event.attempt, event.weights.sha256,
                               keep_contributions=spec.distributed.transfer.keep_contributions)
+            if event.shard_states and not spec.distributed.transfer.keep_contributions:
+                await self._prune_shard_states(job, event.round)
         if may_end(spec, decision.next is Next.FINISH):
             # Read back before the next round's assignments go out: skipped where nothing can end the job yet.
             await self._finisher.settle(event.job_id)
 
+    async def _prune_shard_states(self, job: Job, round_index: int) -> None:
+        """Delete the shard states no round the job may still end with needs (round `round_index` aggregated)."""
+        rounds = await store.aggregated_rounds(self._db, job.job_id)
+        rows = await store.evaluations(self._db, job.job_id)
+        evaluations = [Evaluation(r["round"], r["status"], r["metrics"], r["error"]) for r in rows]
+        metrics = {index: r["metrics"] for index, r in rounds.items()}
+        kept = may_be_kept(job.spec, judged_by_evaluation(job.spec, job.evaluates), metrics, evaluations)
+        # A shard's evaluation still to come scores the shard's state as its round left it.
+        scored = {e.round for e in evaluations if e.status == PENDING}
+        await shard_states.prune(self._storage, self._db, job.job_id, round_index, kept | scored)
+
     async def _queue_evaluation(self, tx: Executor, job_id: str, spec: JobSpec, round_index: int, attempt: int,
-                                weights: ObjectRef) -> None:
-        """Queue the round's evaluation on a worker; the next round does not wait for it."""
+                                weights: ObjectRef, shards: Sequence[ShardInfo] = ()) -> None:
+        """Queue the round's evaluation on a worker (a personal-layers job: each shard's, where its data is); the
+        next round does not wait for it."""
         now = time.time()
         online = set(await store.online_workers(tx, now - self._pace.offline_after(now)))
         await store.insert_evaluation(tx, job_id, round_index, weights.key, now)
-        queued = await self._tasks.evaluate(job_id, spec, round_index, attempt, weights, online, now)
+        if shards and shard_evaluations.by_shard(spec, round_index):
+            await shard_evaluations.insert(tx, job_id, round_index, [s.index for s in shards])
+            states = await shard_states.as_of(tx, job_id, round_index)
+            queued = await self._tasks.evaluate_shards(job_id, spec, round_index, attempt, weights, shards, states,
+                                                       online, now)
+        else:
+            queued = await self._tasks.evaluate(job_id, spec, round_index, attempt, weights, online, now)
         await task_proofs.remember(tx, queued)
         await self._outbox.add_all(tx, queued)
 
@@ -302,14 +327,47 @@ class SchedulerHandlers:
             status = NONE if not event.found else FAILED if event.error else DONE
             if event.error:
                 log.warning("job %s: evaluation of round %d failed: %s", event.job_id, event.round, event.error)
-            async with self._db.transaction() as tx:
-                await store.settle_evaluation(tx, event.job_id, event.round, status, time.time(),
-                                              metrics=event.metrics, error=event.error, worker_id=event.worker_id)
-                await self._outbox.add(tx, RoundEvaluated.model_validate(event.model_dump(exclude={"secret"})))
-                if status != FAILED and job.evaluates is None:
-                    await store.set_evaluates(tx, event.job_id, event.found)
-            await self._finisher.settle(event.job_id)
+            if event.shard is not None:
+                await self._shard_evaluated(job, event, status)
+            else:
+                await self._evaluated(job, event, status)
         await self._outbox.flush()
+
+    async def _evaluated(self, job: Job, event: WorkerEvaluated, status: str) -> None:
+        """The global model scored: recorded and announced; the job may end now."""
+        async with self._db.transaction() as tx:
+            await store.settle_evaluation(tx, event.job_id, event.round, status, time.time(),
+                                          metrics=event.metrics, error=event.error, worker_id=event.worker_id)
+            await self._outbox.add(tx, RoundEvaluated.model_validate(event.model_dump(exclude={"secret"})))
+            if status != FAILED and job.evaluates is None:
+                await store.set_evaluates(tx, event.job_id, event.found)
+        await self._finisher.settle(event.job_id)
+
+    async def _shard_evaluated(self, job: Job, event: WorkerEvaluated, status: str) -> None:
+        """One shard's personalised model scored: kept (once); the round's evaluation settles with the last one."""
+        async with self._db.transaction() as tx:
+            if not await shard_evaluations.settle(tx, event.job_id, event.round, int(event.shard or 0), status,
+                                                  event.metrics, event.error, event.worker_id):
+                return
+            settled = await self._settle_by_shard(tx, job, event.round, event.attempt)
+        if settled:
+            await self._finisher.settle(event.job_id)
+
+    async def _settle_by_shard(self, tx: Executor, job: Job, round_index: int, attempt: int) -> bool:
+        """Settle a round's evaluation from its shards' reports once none is pending, and announce it; whether it
+        settled."""
+        reports = await shard_evaluations.reports(tx, job.job_id, round_index)
+        summary = shard_evaluations.summary(reports) if reports else None
+        if summary is None:
+            return False
+        await store.settle_evaluation(tx, job.job_id, round_index, summary.status, time.time(),
+                                      metrics=summary.metrics, error=summary.error, worker_id=summary.workers)
+        await self._outbox.add(tx, RoundEvaluated(job_id=job.job_id, round=round_index, attempt=attempt,
+                                                  worker_id=summary.workers,
+                                                  **shard_evaluations.as_dict(summary)))
+        if summary.status != FAILED and job.evaluates is None:
+            await store.set_evaluates(tx, job.job_id, summary.status != NONE)
+        return True
 
     async def on_adapter_merged(self, event: AdapterMerged, delivery: Delivery) -> None:
         """A worker merged a built-in job's final adapter into its base model: the job completes (or fails), if
@@ -357,6 +415,9 @@ class SchedulerHandlers:
             why = f"no worker reported it within {timeout:.0f}s"
             log.warning("job %s: evaluation of round %d failed: %s", event.job_id, event.round, why)
             async with self._db.transaction() as tx:
+                if shard_evaluations.by_shard(job.spec, event.round):
+                    await shard_evaluations.give_up(tx, event.job_id, event.round, why)
+                    await self._settle_by_shard(tx, job, event.round, event.attempt)
                 await store.settle_evaluation(tx, event.job_id, event.round, FAILED, time.time(), error=why)
             await self._finisher.settle(event.job_id)
         await self._outbox.flush()

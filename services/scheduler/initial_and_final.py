@@ -13,9 +13,9 @@ from apiary import keys
 from apiary.contracts import ObjectRef
 from apiary.jobspec import JobSpec
 from apiary.registry import RegistryError, model_info
+from apiary.safetensors_header import read_header
 from apiary.storage import Storage
 from apiary.trainers import TrainerError
-from apiary.weights import read_header
 from services.scheduler import builtin
 
 log = logging.getLogger("apiary.scheduler")

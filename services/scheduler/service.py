@@ -12,7 +12,7 @@ from apiary.bus import EventHandler, Raw
 from apiary.component import Component
 from apiary.contracts import AdapterMerged, WeightsInitialized, WorkerDone, WorkerEvaluated, WorkerFailed
 from apiary.outbox import Outbox
-from services.scheduler import gauges, shard_states, task_proofs
+from services.scheduler import gauges, shard_evaluations, shard_states, task_proofs
 from services.scheduler.handlers import SchedulerHandlers
 from services.scheduler.store import MIGRATIONS, OUTBOX
 
@@ -37,6 +37,7 @@ class Scheduler(Component):
         await self.db.migrate(self.name, MIGRATIONS)
         await self.db.migrate(task_proofs.COMPONENT, task_proofs.MIGRATIONS)
         await self.db.migrate(shard_states.COMPONENT, shard_states.MIGRATIONS)
+        await self.db.migrate(shard_evaluations.COMPONENT, shard_evaluations.MIGRATIONS)
         await self.handlers.versions.migrate()
         await self.outbox.flush()
         h = self.handlers

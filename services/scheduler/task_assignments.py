@@ -4,8 +4,10 @@ which the scheduler stops waiting for them."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from apiary import keys, proof
-from apiary.contracts import EVALUATE, INIT, MERGE, Assignment, ObjectRef, TaskKind, TaskTimeout
+from apiary.contracts import EVALUATE, INIT, MERGE, Assignment, ObjectRef, ShardInfo, TaskKind, TaskTimeout
 from apiary.jobspec import JobSpec
 from apiary.outbox import Pending
 from apiary.storage import Storage
@@ -51,11 +53,33 @@ class TaskQueue:
                                   weights_sha256=weights.sha256, env=spec.env(round_index),
                                   **await self._router.evaluation_inputs(spec, ttl))
 
+    async def evaluate_shards(self, job_id: str, spec: JobSpec, round_index: int, attempt: int, weights: ObjectRef,
+                              shards: Sequence[ShardInfo], states: Mapping[int, ObjectRef], online: set[str],
+                              now: float) -> list[Pending]:
+        """A personal-layers job: one evaluate assignment a shard, each scoring the round's global weights with the
+        shard's personal layers (its state as the round left it) on a worker that fetches the shard's data (a
+        pinned shard's own worker)."""
+        ttl = int(task_timeout(spec) + self._presign_ttl)
+        pinned = spec.worker_selection.pinned
+        queued: list[Pending] = []
+        for shard in shards:
+            state = states.get(shard.index)
+            queued += await self._queued(
+                job_id, spec, EVALUATE, round_index, attempt, online, now,
+                worker=pinned[shard.index] if pinned else None,
+                weights_url=self._storage.presign_get(weights.key, ttl), weights_sha256=weights.sha256,
+                env=spec.env(round_index), shard=shard.index, num_shards=len(shards),
+                shard_num_samples=shard.num_samples, shard_url=self._storage.presign_get(shard.key, ttl),
+                shard_sha256=shard.sha256, personal_layers=list(spec.distributed.personal_layers),
+                state_url=self._storage.presign_get(state.key, ttl) if state else "",
+                state_sha256=state.sha256 if state else "")
+        return queued
+
     async def _queued(self, job_id: str, spec: JobSpec, task: TaskKind, round_index: int, attempt: int,
-                      online: set[str], now: float, **fields: object) -> list[Pending]:
-        """The assignment on its queue, then its delayed timeout."""
+                      online: set[str], now: float, worker: str | None = None, **fields: object) -> list[Pending]:
+        """The assignment on its queue (to `worker`, or the job's task worker), then its delayed timeout."""
         timeout = task_timeout(spec)
-        worker = task_worker(spec, online, round_index)
+        worker = worker or task_worker(spec, online, round_index)
         ended = self._storage.presign_get(keys.job_ended(job_id), int(timeout + self._presign_ttl))
         assignment = Assignment.model_validate({
             "task": task, "job_id": job_id, "round": round_index, "attempt": attempt, "job_name": spec.name,

@@ -35,7 +35,13 @@ async def remember(tx: Executor, queued: Sequence[Pending]) -> None:
             await tx.execute(
                 "INSERT INTO task_proofs (job_id, task, round, attempt, secret_digest) VALUES ($1, $2, $3, $4, $5)"
                 " ON CONFLICT (job_id, task, round, attempt) DO UPDATE SET secret_digest = $5",
-                a.job_id, a.task, a.round, a.attempt, proof.digest(a.secret))
+                a.job_id, proof_task(a.task, a.shard if a.scores_shard else None), a.round, a.attempt,
+                proof.digest(a.secret))
+
+
+def proof_task(task: TaskKind, shard: int | None) -> str:
+    """The task a proof is kept under: one shard's evaluation (a personal-layers job) has its own."""
+    return task if shard is None else f"{task}.shard-{shard}"
 
 
 async def forged(tx: Executor, task: TaskKind, report: TaskReport, user_id: str | None) -> ReportForged | None:
@@ -43,7 +49,8 @@ async def forged(tx: Executor, task: TaskKind, report: TaskReport, user_id: str 
     round_index = 0 if isinstance(report, WeightsInitialized) else report.round
     digest = await tx.fetchval(
         "SELECT secret_digest FROM task_proofs WHERE job_id = $1 AND task = $2 AND round = $3 AND attempt = $4",
-        report.job_id, task, round_index, report.attempt)
+        report.job_id, proof_task(task, report.shard if isinstance(report, WorkerEvaluated) else None),
+        round_index, report.attempt)
     reason = proof.judge(report.worker_id, user_id, report.secret, digest, about="the task")
     if reason is None:
         return None
@@ -51,4 +58,4 @@ async def forged(tx: Executor, task: TaskKind, report: TaskReport, user_id: str 
                         report=report.routing_key, reason=reason)
 
 
-__all__ = ["COMPONENT", "MIGRATIONS", "TaskReport", "forged", "remember"]
+__all__ = ["COMPONENT", "MIGRATIONS", "TaskReport", "forged", "proof_task", "remember"]

@@ -132,7 +132,7 @@ async def _round_failed(tx: Executor, e: RoundFailed, ts: float) -> None:
 
 async def _round_evaluated(tx: Executor, e: RoundEvaluated, ts: float) -> None:
     if e.found:
-        await store.round_evaluated(tx, e.job_id, e.round, e.attempt, e.metrics, e.error)
+        await store.round_evaluated(tx, e.job_id, e.round, e.attempt, e.metrics, e.error, e.shards)
 
 
 async def _report_forged(tx: Executor, e: ReportForged, ts: float) -> None:

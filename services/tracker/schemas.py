@@ -104,6 +104,10 @@ class RoundView(BaseModel):
     secure_aggregation: SecAggSummary | None = Field(
         default=None, description="what secure aggregation did in the round (the stage reached, who took part at "
                                   "each stage, the threshold); null for a round aggregated in the clear")
+    evaluation_shards: dict[int, dict[str, float]] | None = Field(
+        default=None, description="a personal-layers job: each shard's personalised model (the global model with "
+                                  "its personal layers) scored on its own held-out data; `evaluation` is their "
+                                  "num_samples-weighted mean")
 
 
 class ShardProgress(BaseModel):

@@ -38,6 +38,8 @@ MIGRATIONS = [
       evaluation TEXT, evaluation_error TEXT,
       -- What secure aggregation did in the round (JSON of contracts.SecAggSummary; NULL: a round in the clear).
       secure_aggregation TEXT,
+      -- A personal-layers job's evaluation, shard by shard (its `evaluation` is their mean).
+      evaluation_shards TEXT,
       PRIMARY KEY (job_id, round, attempt));
     CREATE TABLE IF NOT EXISTS shard_views (
       job_id TEXT NOT NULL, round BIGINT NOT NULL, attempt BIGINT NOT NULL, shard BIGINT NOT NULL,
@@ -347,13 +349,15 @@ async def mark_silent_offline(db: Executor, seen_before: float) -> int:
 
 
 async def round_evaluated(tx: Executor, job_id: str, round_index: int, attempt: int, metrics: dict[str, float],
-                          error: str | None) -> None:
-    """A round's evaluation: its metrics, or why it failed; the first report counts (a redelivery changes
-    nothing). Round 0's (a built-in job's starting model) gets its own row, as no round started it."""
+                          error: str | None, shards: dict[int, dict[str, float]] | None = None) -> None:
+    """A round's evaluation: its metrics (and a personal-layers job's, shard by shard), or why it failed; the first
+    report counts (a redelivery changes nothing). Round 0's (a built-in job's starting model) gets its own row, as
+    no round started it."""
     if round_index == 0:
         await tx.execute("INSERT INTO round_views (job_id, round, attempt, status) VALUES ($1, 0, $2, 'initial')"
                          " ON CONFLICT DO NOTHING", job_id, attempt)
     await tx.execute(
-        "UPDATE round_views SET evaluation = $4, evaluation_error = $5 WHERE job_id = $1 AND round = $2"
-        " AND attempt = $3 AND evaluation IS NULL AND evaluation_error IS NULL",
-        job_id, round_index, attempt, None if error else to_json(metrics), error)
+        "UPDATE round_views SET evaluation = $4, evaluation_error = $5, evaluation_shards = $6 WHERE job_id = $1"
+        " AND round = $2 AND attempt = $3 AND evaluation IS NULL AND evaluation_error IS NULL",
+        job_id, round_index, attempt, None if error else to_json(metrics), error,
+        to_json({str(k): v for k, v in shards.items()}) if shards and not error else None)

@@ -70,10 +70,13 @@ async def job_view(db: Executor, job_id: str) -> dict[str, Any] | None:
     job["code"] = from_json(job["code"])
     rounds = await db.fetch(
         "SELECT round, attempt, status, metrics, reason, started_at, ended_at, evaluation, evaluation_error,"
-        " secure_aggregation FROM round_views WHERE job_id = $1 ORDER BY round, attempt", job_id,
+        " secure_aggregation, evaluation_shards FROM round_views WHERE job_id = $1 ORDER BY round, attempt", job_id,
     )
     job["rounds"] = [{**r, "metrics": from_json(r["metrics"], {}), "evaluation": from_json(r["evaluation"]),
-                      "secure_aggregation": from_json(r["secure_aggregation"])} for r in rounds]
+                      "secure_aggregation": from_json(r["secure_aggregation"]),
+                      "evaluation_shards": {int(k): v for k, v in (from_json(r["evaluation_shards"]) or {}).items()}
+                      or None}
+                     for r in rounds]
     job["asynchronous"] = await async_views.summary(db, job_id)
     # An async job's rounds are versions: its shards are each one's latest training task, whichever version.
     shards = await async_views.latest_tasks(db, job_id) if job["asynchronous"] else await db.fetch(

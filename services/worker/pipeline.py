@@ -145,9 +145,15 @@ class AssignmentRun:
         await TaskRun(self.worker, self.a, self.space, call).run()
 
     async def _task_inputs(self) -> Path | None:
-        """A built-in job's task inputs: its base model (from this worker's cache) and, for an evaluation, the
-        held-out records the assignment names in its shard's fields (their folder; None where it names none)."""
+        """A task's inputs: for one shard's evaluation its data and state (the shard's folder); for a built-in job
+        its base model (from this worker's cache) and, for an evaluation, the held-out records the assignment names
+        in its shard's fields (their folder; None where it names none)."""
         a = self.a
+        if a.scores_shard:
+            # A personal-layers job scores each shard's personalised model where the shard is: its data and state.
+            data_root, _ = await transfers.fetch_shard(a, self.space.job_dir)
+            await transfers.fetch_states(a, self.space.work)
+            return data_root
         if a.base_model is not None:
             self.model_path, _ = await self.worker.models.fetch(a.base_model, deadline=a.deadline)
         return await transfers.fetch_records(a, self.space.job_dir) if a.shard_url else None

@@ -88,7 +88,8 @@ class TaskRun:
 
     async def _evaluate(self) -> WorkerEvaluated:
         a = self.a
-        done = WorkerEvaluated(job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=self.worker.worker_id)
+        done = WorkerEvaluated(job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=self.worker.worker_id,
+                               shard=a.shard if a.scores_shard else None)
         try:
             await transfers.fetch_weights(a, self.space.weights)
         except transfers.FETCH_ERRORS as e:
@@ -141,7 +142,7 @@ async def task_failed(worker: Host, a: Assignment, error: str) -> None:
                                error=error)
     else:
         report = WorkerEvaluated(job_id=a.job_id, round=a.round, attempt=a.attempt, worker_id=worker.worker_id,
-                                 error=error)
+                                 error=error, shard=a.shard if a.scores_shard else None)
     await publish_report(worker, a, report)
 
 

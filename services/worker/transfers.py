@@ -123,8 +123,8 @@ async def fetch_states(a: Assignment, work: Path) -> int:
 
 def state_call(a: Assignment, work: Path, weights: Path) -> dict[str, Any]:
     """The TrainCall fields of the assignment's shard state: its files, its bound and the personal layers."""
-    if not a.state_upload_url:
-        return {"personal_layers": list(a.personal_layers)}
+    if not a.state_upload_url:  # no training: at most a shard's state to read (one shard's evaluation)
+        return {"personal_layers": list(a.personal_layers), "state_path": str(work / STATE_IN) if a.state_url else None}
     size = weights.stat().st_size if weights.is_file() else 0
     return {"state_path": str(work / STATE_IN) if a.state_url else None,
             "server_state_path": str(work / SERVER_STATE_IN) if a.server_state_url else None,

@@ -364,6 +364,12 @@ class Assignment(RoundEvent):
     """The task belongs to a job in mode async: its report goes out as `worker.done.async` or
     `worker.failed.async` (the scheduler hands out the next task on it); else as `worker.done` / `worker.failed`."""
 
+    @property
+    def scores_shard(self) -> bool:
+        """Whether this is an evaluate assignment of one shard's personalised model (a personal-layers job), which
+        names the shard, its data and its state, rather than of the global model alone."""
+        return self.task == EVALUATE and self.num_shards > 0
+
 
 class WorkerProgress(RoundEvent):
     """`worker.progress`: a worker's live metrics while it trains a shard."""
@@ -698,6 +704,12 @@ class RoundEvaluated(RoundEvent):
     """False: the job's module defines no `fl_evaluate_model`, and its rounds are not evaluated."""
     error: str | None = None
     """Why the evaluation failed, in one line (the round still counts); None on success."""
+    shard: int | None = None
+    """`worker.evaluated` of a personal-layers job: the shard whose personalised model (the round's global model
+    with the shard's personal layers) it scored on the shard's own held-out data; None: the global model."""
+    shards: dict[int, dict[str, float]] = Field(default_factory=dict)
+    """`round.evaluated` of a personal-layers job: each evaluated shard's metrics (its personalised model on its own
+    held-out data); `metrics` is then their mean, weighted by each shard's `num_samples`. Empty otherwise."""
 
 
 class WorkerEvaluated(RoundEvaluated):

@@ -7,6 +7,8 @@ from typing import Any, Protocol
 
 import torch
 
+from apiary.shard_state import SCAFFOLD_STATE
+
 
 class MetricsLogger(Protocol):
     """The `logger` a training function receives."""
@@ -61,8 +63,6 @@ def proximal_term(model: torch.nn.Module, global_weights: Mapping[str, torch.Ten
     return mu / 2 * total
 
 
-# SCAFFOLD's control variate of the shard, in its state (payload["state"] / result["state"]): `scaffold.c_i.<name>`.
-SCAFFOLD_STATE = "scaffold.c_i."
 # The server control variate c in payload["server_state"] (apiary.strategies.scaffold.CONTROL).
 SCAFFOLD_SERVER = "control."
 
@@ -127,18 +127,15 @@ class Scaffold:
 
     @torch.no_grad()
     def finish(self, result: dict[str, Any]) -> dict[str, Any]:
-        """The training function's result with the shard's new control variate in its `state` and the change
-        `Δc_i` in `control_delta` (what the server folds); the result unchanged when SCAFFOLD is off."""
+        """The training function's result with the shard's new control variate in its `state` (the aggregator
+        derives the change `Δc_i` it folds from this and the shard's previous state); the result unchanged when
+        SCAFFOLD is off."""
         if not self.active:
             return result
         state = dict(result.get("state") or {})
-        delta: dict[str, torch.Tensor] = {}
         for name, param in self._params.items():
-            c_i = self._c_i[name]
-            new = self._new_control(name, param.detach(), c_i)
-            state[SCAFFOLD_STATE + name] = new.to("cpu")
-            delta[name] = (new - c_i).to("cpu")
-        return {**result, "state": state, "control_delta": delta}
+            state[SCAFFOLD_STATE + name] = self._new_control(name, param.detach(), self._c_i[name]).to("cpu")
+        return {**result, "state": state}
 
     def _new_control(self, name: str, current: torch.Tensor, c_i: torch.Tensor) -> torch.Tensor:
         if self.steps == 0:

@@ -22,8 +22,11 @@ if TYPE_CHECKING:  # the worker's process reads the bound and must not import to
 # A shard's personal layers in its state: `personal.<tensor name>` (distributed.personal_layers).
 PERSONAL = "personal."
 # A contribution's tensors beside its weights that the strategy folds too (SCAFFOLD's control-variate delta):
-# `control_delta.<tensor name>`, in the same uploaded file as the weights.
+# `control_delta.<tensor name>`, which the aggregator derives from the shard's new and previous state (nothing
+# uploads them: the worker's upload is its weights, and its new state).
 CONTROL_DELTA = "control_delta."
+# SCAFFOLD's control variate of the shard, in its state (payload["state"] / result["state"]): `scaffold.c_i.<name>`.
+SCAFFOLD_STATE = "scaffold.c_i."
 # A state may take this many times the round's global weights (plus STATE_SLACK_BYTES): SCAFFOLD's control
 # variate is one model, personal layers at most one, a personal model with its optimiser's moments three.
 STATE_MODEL_FACTOR = 4

@@ -12,6 +12,7 @@ import torch
 
 from apiary.strategies.base import Contribution, create
 from apiary.strategies.format import UpdateFormat
+from apiary.strategies.scaffold import control_deltas
 from apiary.weights import loads as load_weights
 from apiary.weights import spec_of_tensors
 from tests.faults.support import (
@@ -159,7 +160,6 @@ def test_aggregator_killed_mid_fedadam_job_ends_with_the_weights_of_an_undisturb
             f" moments stored each round; final weights equal to an undisturbed run's", double)
 
 
-@pytest.mark.queue_types
 def test_aggregator_killed_mid_scaffold_job_ends_as_an_undisturbed_fold_of_the_same_contributions(
         faults: Faults, toy_data: Data, outcome: Record) -> None:
     cluster = faults.cluster
@@ -183,8 +183,11 @@ def test_aggregator_killed_mid_scaffold_job_ends_as_an_undisturbed_fold_of_the_s
     assert 0 not in recorded, "the kill came mid-round 2 (shard 0 trains slowly)"
     rows = [r for r in faults.contributions(job_id) if r["status"] == "accepted"]
     assert sorted((r["round"], r["shard"]) for r in rows) == [(r, s) for r in (1, 2, 3) for s in (0, 1, 2)]
-    # Replayed: each round's stored contributions (weights and control deltas) through a fresh strategy.
-    weights, state = faults.global_weights(job_id, 0), {}
+    # Replayed: each round's stored contributions through a fresh strategy, with their control deltas derived from
+    # each shard's stored states (keep_contributions keeps every round's), as the aggregator derives them.
+    kept = {(r["round"], r["shard"]): load_weights(faults.object(r["state_key"])) for r in faults.query(
+        "SELECT round, shard, state_key FROM contribution_states WHERE job_id = $1", job_id)}
+    weights, state, shard_states = faults.global_weights(job_id, 0), {}, {}
     for round_index in (1, 2, 3):
         strategy = create("scaffold")
         strategy.population(3)
@@ -192,7 +195,11 @@ def test_aggregator_killed_mid_scaffold_job_ends_as_an_undisturbed_fold_of_the_s
         strategy.begin(spec_of_tensors(weights), UpdateFormat.FULL)
         for row in rows:
             if row["round"] == round_index:
-                strategy.accept(Contribution(load_weights(faults.object(row["result_key"])), row["samples"]))
+                new = kept[(round_index, row["shard"])]
+                deltas = control_deltas(new, shard_states.get(row["shard"], {}))
+                shard_states[row["shard"]] = new
+                strategy.accept(Contribution({**load_weights(faults.object(row["result_key"])), **deltas},
+                                             row["samples"]))
         weights, state = strategy.finish(weights).weights, strategy.state()
     final = faults.final_weights(job_id)
     stored_c = load_weights(faults.object(faults.aggregations(job_id)[-1]["state_key"]))
@@ -205,6 +212,43 @@ def test_aggregator_killed_mid_scaffold_job_ends_as_an_undisturbed_fold_of_the_s
             "restarted aggregator reloads round 1's control variate and re-folds round 2; final weights and c as "
             "an undisturbed fold", f"{job['status']}; shards {recorded} of round 2 recorded before the kill; final "
             "weights and stored control variate equal to a replay of the stored contributions", double)
+
+
+def test_aggregator_killed_mid_scaffold_job_finds_the_shard_states_it_needs_while_superseded_ones_go(
+        faults: Faults, toy_data: Data, outcome: Record) -> None:
+    cluster = faults.cluster
+    cluster.start(workers=3)
+    job_id = new_id("kill-aggregator-scaffold-pruned")
+    request = toy_job(job_id, toy_data(15), rounds=3, min_workers=3, max_workers=3,
+                      config={"mode": "slow", "slow_seconds": 4, "fail_shards": [0]})
+    request["entrypoint"] = "tests.toyjobs.scaffoldtoy:fl_train_model"
+    request["distributed"]["strategy"] = "scaffold"  # superseded shard states are deleted as rounds aggregate
+    cluster.publish_job(request)
+    cluster.wait_for(lambda: faults.accepted(job_id).get((2, 1)), 120, "a contribution of round 2 to be recorded")
+
+    cluster.kill("aggregator", signal.SIGKILL)
+    cluster.start_service("aggregator")
+    job = cluster.wait_job(job_id)
+
+    assert job["status"] == "completed", job["reason"]
+    rows = [r for r in faults.contributions(job_id) if r["status"] == "accepted"]
+    assert sorted((r["round"], r["shard"]) for r in rows) == [(r, s) for r in (1, 2, 3) for s in (0, 1, 2)]
+    # Every shard took part in every round, so c telescopes to the mean of the shards' final c_i: the restarted
+    # aggregator derived each re-folded Δc_i from the states it needed (round 1's, still current then).
+    finals = [load_weights(faults.object(f"jobs/{job_id}/final/shards/shard-{s:04d}.safetensors")) for s in range(3)]
+    stored_c = load_weights(faults.object(faults.aggregations(job_id)[-1]["state_key"]))
+    for name, c in stored_c.items():
+        mean = sum(f["scaffold.c_i." + name.removeprefix("control.")] for f in finals) / 3
+        assert torch.allclose(c, mean, rtol=0, atol=1e-6), name
+    # What stays of the shards' states is each one's current copy.
+    current = {r["state_key"] for r in faults.query("SELECT state_key FROM shard_states WHERE job_id = $1", job_id)}
+    listed = faults.s3.list_objects_v2(Bucket=faults.bucket, Prefix=f"{faults.prefix}/jobs/{job_id}/shard-state/")
+    assert {o["Key"].removeprefix(f"{faults.prefix}/") for o in listed.get("Contents", [])} == current
+    double = faults.double_counted(job_id)
+    assert double == 0
+    outcome("aggregator kill -9 mid-job of a SCAFFOLD job, superseded shard states deleted",
+            "restarted aggregator re-derives round 2's control deltas from the shards' current states",
+            f"{job['status']}; c equal to the mean of the shards' final c_i; only the current states stored", double)
 
 
 def test_scheduler_killed_between_rounds_and_mid_round_resumes_the_job(

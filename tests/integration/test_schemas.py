@@ -10,6 +10,7 @@ from services.aggregator import buffers as aggregator_async
 from services.aggregator import shard_states as aggregator_shard_states
 from services.aggregator import store as aggregator_store
 from services.scheduler import async_rounds as scheduler_async
+from services.scheduler import shard_evaluations as scheduler_shard_evaluations
 from services.scheduler import shard_states as scheduler_shard_states
 from services.scheduler import store as scheduler_store
 from services.scheduler import task_proofs
@@ -28,6 +29,7 @@ SCHEMAS = {
     token_store.COMPONENT: token_store.MIGRATIONS,
     aggregator_shard_states.COMPONENT: aggregator_shard_states.MIGRATIONS,
     scheduler_shard_states.COMPONENT: scheduler_shard_states.MIGRATIONS,
+    scheduler_shard_evaluations.COMPONENT: scheduler_shard_evaluations.MIGRATIONS,
     aggregator_async.COMPONENT: aggregator_async.MIGRATIONS,
     scheduler_async.COMPONENT: scheduler_async.MIGRATIONS,
     tracker_async.COMPONENT: tracker_async.MIGRATIONS,

@@ -13,7 +13,7 @@ from apiary.sdk import Scaffold, get_weights
 from apiary.shard_state import CONTROL_DELTA
 from apiary.strategies.base import Contribution, create
 from apiary.strategies.format import UpdateFormat
-from apiary.strategies.scaffold import control_of
+from apiary.strategies.scaffold import control_deltas, control_of
 from apiary.strategies.validation import InvalidContribution
 
 N, K, LR = 4, 5, 0.05  # clients (shards), local steps, local step size
@@ -91,9 +91,11 @@ def with_apiary(x0: Mapping[str, torch.Tensor], data: list, option: str, eta_g: 
                 scaffold.correct()
                 optimizer.step()
             result = scaffold.finish({"weights": get_weights(model), "samples": 16})
-            states[i] = w.dumps(result["state"])
-            upload = {**result["weights"], **{CONTROL_DELTA + n: t for n, t in result["control_delta"].items()}}
-            contributions.append(Contribution(w.loads(w.dumps(upload)), result["samples"]))
+            previous, states[i] = w.loads(states[i]) if i in states else {}, w.dumps(result["state"])
+            # The worker uploads its weights and its new state; the aggregator derives Δc_i from the states.
+            assert "control_delta" not in result
+            deltas = control_deltas(w.loads(states[i]), previous)
+            contributions.append(Contribution({**w.loads(w.dumps(result["weights"])), **deltas}, result["samples"]))
         strategy = create("scaffold", {"server_learning_rate": eta_g, "control_variate_update": option})
         strategy.population(N)
         strategy.load_state(w.loads(server_state) if server_state else {})

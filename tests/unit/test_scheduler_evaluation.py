@@ -17,6 +17,7 @@ from services.scheduler.evaluation import (
     final_metrics,
     history,
     judged_by_evaluation,
+    may_be_kept,
     may_end,
     task_worker,
 )
@@ -121,6 +122,20 @@ def test_keep_best_picks_the_best_round_at_the_end_too() -> None:
     end = ending(spec, 3, True, rounds, evaluations)
     assert end == Ending(3, 2)
     assert final_metrics(2, rounds, evaluations) == {"loss": 0.5, "acc": 0.8}
+
+
+def test_the_rounds_a_job_may_still_keep_are_its_latest_its_unjudged_and_its_best() -> None:
+    rounds = {r: {"loss": 1.0} for r in (1, 2, 3, 4, 5)}
+    evaluations = [Evaluation(1, DONE, {"acc": 0.5}), Evaluation(2, DONE, {"acc": 0.8}),
+                   Evaluation(3, DONE, {"acc": 0.7}), Evaluation(4, PENDING, {})]
+    # No rule: only the latest round's model can be the final one.
+    assert may_be_kept(_spec(), True, rounds, evaluations) == {5}
+    # keep_best: the best judged round (2), and every round not judged yet (4 waits for its evaluation, 5 for its).
+    best = _spec(early_stopping={"metric": "acc", "mode": "max", "patience": 5})
+    assert may_be_kept(best, True, rounds, evaluations) == {2, 4, 5}
+    # Without keep_best a stop keeps the round it judged last: only rounds not judged yet may still be kept.
+    last = _spec(early_stopping={"metric": "acc", "mode": "max", "patience": 5, "keep_best": False})
+    assert may_be_kept(last, True, rounds, evaluations) == {4, 5}
 
 
 def test_tasks_get_at_least_ten_minutes_whatever_the_rounds_timeout() -> None:

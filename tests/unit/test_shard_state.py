@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from apiary import weights as w
-from apiary.shard_state import CONTROL_DELTA, PERSONAL, personal_layers_error, state_error, state_limit
+from apiary.shard_state import (
+    CONTROL_DELTA,
+    PERSONAL,
+    SCAFFOLD_STATE,
+    personal_layers_error,
+    state_error,
+    state_limit,
+)
+from apiary.strategies.scaffold import control_deltas
 from apiary.trainers import TrainCall
 from apiary.trainers.shard_state import Carried, ShardStateError
 from services.app.render import shard_state_text
@@ -43,7 +51,7 @@ def _call(tmp_path: Path, personal: list[str]) -> TrainCall:
                      state_limit=10_000, personal_layers=personal)
 
 
-def test_the_worker_keeps_personal_layers_and_control_deltas_apart_and_writes_the_state(tmp_path: Path) -> None:
+def test_the_worker_keeps_personal_layers_out_of_its_upload_and_writes_the_state(tmp_path: Path) -> None:
     # Prepare: the shard's previous state holds its own head
     carried = Carried(_call(tmp_path, ["fc.*"]), state={PERSONAL + "fc.w": torch.full((2,), 7.0),
                                                         "mine": torch.zeros(1)})
@@ -52,14 +60,26 @@ def test_the_worker_keeps_personal_layers_and_control_deltas_apart_and_writes_th
     # Execute
     upload, out = carried.split("fl_train_model", {
         "weights": {"conv.w": torch.ones(2), "fc.w": torch.full((2,), 8.0)}, "samples": 1,
-        "state": {"mine": torch.ones(1)}, "control_delta": {"conv.w": torch.ones(2)}})
+        "state": {"mine": torch.ones(1)}})
 
     # Assert
     assert torch.equal(initial["fc.w"], torch.full((2,), 7.0)) and carried.user_state().keys() == {"mine"}
-    assert set(upload) == {"conv.w", CONTROL_DELTA + "conv.w"}
+    assert set(upload) == {"conv.w"}
     kept = w.loads((tmp_path / "state.safetensors").read_bytes())
     assert set(kept) == {"mine", PERSONAL + "fc.w"} and torch.equal(kept[PERSONAL + "fc.w"], torch.full((2,), 8.0))
     assert out["state_size"] == (tmp_path / "state.safetensors").stat().st_size
+
+
+def test_scaffolds_control_deltas_are_derived_from_the_shards_new_and_previous_state() -> None:
+    new = {SCAFFOLD_STATE + "w": torch.tensor([3.0, 5.0]), SCAFFOLD_STATE + "b": torch.ones(1), "mine": torch.ones(1)}
+    previous = {SCAFFOLD_STATE + "w": torch.tensor([1.0, 1.0])}
+
+    deltas = control_deltas(new, previous)
+
+    # Δc_i = c_i⁺ - c_i; c_i is zero where the shard had none (its first round, as its worker took it).
+    assert set(deltas) == {CONTROL_DELTA + "w", CONTROL_DELTA + "b"}
+    assert torch.equal(deltas[CONTROL_DELTA + "w"], torch.tensor([2.0, 4.0]))
+    assert torch.equal(deltas[CONTROL_DELTA + "b"], torch.ones(1))
 
 
 def test_a_state_over_the_bound_or_not_tensors_fails_the_shard_in_one_line(tmp_path: Path) -> None:

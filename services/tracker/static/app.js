@@ -188,7 +188,13 @@ const EVALUATION_COLORS = ["#1a9e5b", "#b5367a", "#7a5af8", "#d9480f"];
 
 function evaluationText(r) {
   if (r.evaluation_error) return r.evaluation_error;
-  return Object.entries(r.evaluation || {}).map(([k, v]) => `${k} ${num(v)}`).join(" · ") || "—";
+  const text = Object.entries(r.evaluation || {}).map(([k, v]) => `${k} ${num(v)}`).join(" · ") || "—";
+  /* A personal-layers job: the mean of each shard's personalised model, then the shards by the first score. */
+  const shards = Object.entries(r.evaluation_shards || {});
+  const first = Object.keys(r.evaluation || {}).find((k) => k !== "num_samples");
+  if (!shards.length || !first) return text;
+  const each = shards.filter(([, m]) => first in m).map(([s, m]) => `${s}: ${num(m[first])}`).join(", ");
+  return `${text} (mean of ${shards.length} shards; ${first} by shard ${each})`;
 }
 
 /* ---------- workers table (both pages) ---------- */

@@ -2,8 +2,9 @@
 
 Each worker trains from the global weights x with every gradient corrected to `g - c_i + c`
 (apiary.sdk.Scaffold), where c_i, the shard's control variate, is its shard state (apiary.shard_state) and c, the
-server's, is this strategy's server state, handed to every worker with the round. A contribution carries its
-weights y_i and, in the same upload, its control variate's change `Δc_i = c_i⁺ - c_i` as `control_delta.<name>`
+server's, is this strategy's server state, handed to every worker with the round. A worker uploads its weights y_i
+and its shard's new state c_i⁺; the aggregator derives the control variate's change `Δc_i = c_i⁺ - c_i` from that
+and the shard's previous state (`control_deltas`) and hands it in with the weights as `control_delta.<name>`
 tensors. The server takes unweighted means over the round's |S| contributions, as the paper does:
 
     x <- x + eta_g * mean(y_i - x)        c <- c + |S| / N * mean(Δc_i)        (N: the shards a round trains)
@@ -20,7 +21,7 @@ from typing import Literal, cast
 import torch
 from pydantic import BaseModel, Field
 
-from apiary.shard_state import CONTROL_DELTA
+from apiary.shard_state import CONTROL_DELTA, SCAFFOLD_STATE
 from apiary.strategies.base import Contribution, Strategy, StrategyParams, register
 from apiary.strategies.validation import InvalidContribution, all_finite
 from apiary.strategies.weighted_sum import WeightedSum, as_dtype, fits_wide, step_dtype
@@ -146,6 +147,20 @@ class Scaffold(Strategy):
                 raise ValueError(f"strategy {self.name!r} keeps only control.<name> entries, got {key!r}")
             control[key.removeprefix(CONTROL)] = tensor
         self.control = control
+
+
+def control_deltas(new: Mapping[str, torch.Tensor], previous: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A contribution's control-variate change `Δc_i = c_i⁺ - c_i` as `control_delta.<name>` tensors, from its
+    shard's new state and the state it trained from (c_i zero where that has none, as the worker took it)."""
+    deltas = {}
+    for key, new_c in new.items():
+        if not key.startswith(SCAFFOLD_STATE):
+            continue
+        old = previous.get(key)
+        usable = old is not None and old.shape == new_c.shape and old.dtype == new_c.dtype
+        deltas[CONTROL_DELTA + key.removeprefix(SCAFFOLD_STATE)] = new_c - old if old is not None and usable \
+            else new_c.clone()
+    return deltas
 
 
 def control_of(server_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -196,7 +196,16 @@ def _run_evaluate(call: TrainCall) -> dict[str, Any]:
     fn = _resolve(call.module, EVALUATE_FUNCTION, optional=True)
     if fn is None:
         return {"found": False, "metrics": {}}
-    metrics = fn(w.loads(Path(call.weights_path).read_bytes()), dict(call.env))
+    weights, env = w.loads(Path(call.weights_path).read_bytes()), dict(call.env)
+    if call.dataset:
+        # One shard's personalised model (a personal-layers job): the global weights with the shard's personal
+        # layers in place, scored where the shard's data is (SHARD_DATA: its folder); its held-out part is the
+        # function's to choose, as the training function's is.
+        from apiary.trainers import shard_state
+
+        weights = shard_state.load(call).personalise(weights)
+        env.update(SHARD_DATA=call.dataset["data_root"], SHARD_INDEX=int(call.dataset["shard_index"]))
+    metrics = fn(weights, env)
     if metrics is not None and not hasattr(metrics, "items"):
         raise UserCodeError(f"{EVALUATE_FUNCTION} must return a dict of metrics, got {type(metrics).__name__}")
     return {"found": True, "metrics": {k: float(v) for k, v in dict(metrics or {}).items() if _is_number(v)}}

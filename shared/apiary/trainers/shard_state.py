@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from apiary import weights as w
-from apiary.shard_state import CONTROL_DELTA, PERSONAL, personal_names, state_error
+from apiary.shard_state import PERSONAL, personal_names, state_error
 from apiary.trainers.base import TrainCall, TrainerError
 
 
@@ -42,20 +42,18 @@ class Carried:
         return {k: v for k, v in self.state.items() if not k.startswith(PERSONAL)}
 
     def split(self, function: str, result: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The tensors to upload (the weights without personal layers, with `control_delta` under CONTROL_DELTA),
-        and the result's fields of the shard's new state (`state_size`, `state_sha256`; none if it returned none)."""
+        """The tensors to upload (the weights without personal layers), and the result's fields of the shard's new
+        state (`state_size`, `state_sha256`; none if it returned none). SCAFFOLD's control-variate change is not
+        uploaded: the aggregator derives it from the new state and the previous one."""
         weights = result["weights"]
         if not hasattr(weights, "items"):
             return weights, {}  # save_result says why
         returned = result.get("state") or {}
-        delta = result.get("control_delta") or {}
-        for what, value in (("state", returned), ("control_delta", delta)):
-            if not hasattr(value, "items") or not all(isinstance(t, torch.Tensor) for t in value.values()):
-                raise ShardStateError(f"{function} returned '{what}' that is not a name -> tensor mapping")
+        if not hasattr(returned, "items") or not all(isinstance(t, torch.Tensor) for t in returned.values()):
+            raise ShardStateError(f"{function} returned 'state' that is not a name -> tensor mapping")
         personal = personal_names(weights, self.call.personal_layers)
         new_state = {**returned, **{PERSONAL + name: weights[name] for name in sorted(personal)}}
         upload = {name: t for name, t in weights.items() if name not in personal}
-        upload.update({CONTROL_DELTA + name: t for name, t in delta.items()})
         return upload, self._write(new_state)
 
     def _write(self, new_state: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from apiary.contracts import DecodeError, decode_body
 from apiary.dataset import DatasetError, DatasetSource, Manifest, extract_shard
 from apiary.jobspec import JobSpec, policy_errors
 from apiary.policy import LIMITS, Limits, Policy, Refused, check_zip, entrypoint_error, job_errors, path_error
-from apiary.weights import WeightsError, read_header
+from apiary.safetensors_header import WeightsError, read_header
 
 
 def test_an_entrypoint_runs_only_if_a_pattern_allows_it_and_never_from_the_standard_library() -> None:
@@ -101,7 +101,7 @@ def test_a_dataset_zip_bomb_is_refused_before_anything_is_unpacked(tmp_path: Pat
 
 def test_manifests_headers_and_messages_past_their_bounds_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("apiary.dataset.LIMITS", Limits(manifest_entries=2))
-    monkeypatch.setattr("apiary.weights.LIMITS", Limits(tensors=1))
+    monkeypatch.setattr("apiary.safetensors_header.LIMITS", Limits(tensors=1))
     header = b'{"a": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]},' \
              b' "b": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}}'
 

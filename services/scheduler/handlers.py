@@ -260,6 +260,9 @@ class SchedulerHandlers:
             if evaluation_due(spec, event.round, job.evaluates):
                 await self._queue_evaluation(tx, event.job_id, spec, event.round, event.attempt, event.weights,
                                              job.shards)
+        # The next round's assignments go out now: the clean-up below costs S3 requests (a list and a delete per
+        # contribution) that the round's workers must not wait for.
+        await self._outbox.flush()
         # The round's result is durable: what no round needs any more goes (distributed.transfer.keep_contributions).
         # Not in mode async: there an attempt numbers a task, and tasks of a version still train or wait in the
         # open version's buffer (an aggregator that restarts folds them again), so every contribution stays.

@@ -137,10 +137,9 @@ async def prune(storage: Storage, db: Executor, job_id: str, round_index: int, m
     superseded = {r["state_key"] for r in rows} - needed
     deleted = 0
     try:
-        for key in await storage.list(prefix):
-            if key in superseded or _upload_round(key) <= round_index:
-                await storage.delete(key)
-                deleted += 1
+        gone = [key for key in await storage.list(prefix) if key in superseded or _upload_round(key) <= round_index]
+        await storage.delete_many(gone)
+        deleted = len(gone)
     except (DependencyUnavailable, OSError) as e:
         log.warning("job %s: superseded shard states are left in storage for now: %s", job_id, e)
     return deleted

@@ -118,6 +118,19 @@ async def test_delete_removes_an_object_and_ignores_a_missing_one(storage: Stora
     assert await storage.list("jobs/") == []
 
 
+async def test_delete_many_removes_every_object_named_and_ignores_a_missing_one(storage: Storage) -> None:
+    # Prepare
+    for name in ("a", "b", "c", "keep"):
+        await storage.put_bytes(f"jobs/j1/{name}", name.encode())
+
+    # Execute
+    await storage.delete_many(["jobs/j1/a", "jobs/j1/b", "jobs/j1/never-there", "jobs/j1/c"])
+    await storage.delete_many([])
+
+    # Assert
+    assert await storage.list("jobs/") == ["jobs/j1/keep"]
+
+
 async def test_an_overwrite_replaces_the_object(storage: Storage) -> None:
     # Execute
     await storage.put_bytes("jobs/j1/status", b"running")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from pathlib import Path
 
 from apiary.contracts import MultipartUpload, ObjectRef
@@ -67,6 +68,11 @@ class Storage(ABC):
     @abstractmethod
     async def delete(self, key: str) -> None:
         """Remove an object; no error if absent."""
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        """Remove these objects (as few requests as the store allows); no error for one absent."""
+        for key in keys:
+            await self.delete(key)
 
     @abstractmethod
     def presign_get(self, key: str, expires: int) -> str:

@@ -4,6 +4,7 @@ aggregator into the same FedAvg the fp32 job computes (within the quantisation b
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -93,19 +94,10 @@ async def test_large_contributions_fold_straight_from_storage(embedded: StackFac
 
     monkeypatch.setattr(streamed_weights.StreamedWeights, "chunks", counted)
     request = toy_request(toy_dataset, num_rounds=2)
-    request["entrypoint"] = "tests.toyjobs.big:fl_train_model"
     request["config"] = {"big_mib": 10}  # over PREFETCH_MAX_BYTES: not prefetched whole
-    async with embedded(workers=3) as stack:
-        job_id = await stack.submit(request)
-        view = await stack.wait(job_id, timeout=180)
-        initial = loads(await stack.ports.storage.get_bytes(keys.global_weights(job_id, 0)))
-        final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
+    await _two_plain_steps(embedded, request)
 
-    assert view["status"] == "completed", view.get("reason")
     assert len(streamed) == 6  # every contribution of both rounds
-    step = (5 * 1 + 4 * 2 + 4 * 3) / 13 / 8
-    torch.testing.assert_close(final["big.weight"], initial["big.weight"] + 2 * step, rtol=0, atol=1e-5)
-    assert int(final["steps"]) == 2
 
 
 async def test_large_int8_delta_contributions_are_decoded_as_they_fold_from_storage(
@@ -122,8 +114,16 @@ async def test_large_int8_delta_contributions_are_decoded_as_they_fold_from_stor
 
     monkeypatch.setattr(streamed_update.StreamedUpdate, "chunks", counted)
     request = toy_request(toy_dataset, num_rounds=2, transfer={"upload": "int8_blockwise", "delta": True})
-    request["entrypoint"] = "tests.toyjobs.big:fl_train_model"
     request["config"] = {"big_mib": 10}  # 2.5 MiB in int8: over the (lowered) streaming threshold
+    await _two_plain_steps(embedded, request)  # the deltas are constant (1/8, 2/8, 3/8 per round): exact in int8
+
+    assert len(decoded) == 6  # every contribution of both rounds
+
+
+async def _two_plain_steps(embedded: StackFactory, request: dict[str, Any]) -> None:
+    """Run the big toy job (2 rounds, shards of 5, 4 and 4 samples adding 1/8, 2/8 and 3/8) and check it completed
+    with the two FedAvg steps exactly."""
+    request["entrypoint"] = "tests.toyjobs.big:fl_train_model"
     async with embedded(workers=3) as stack:
         job_id = await stack.submit(request)
         view = await stack.wait(job_id, timeout=180)
@@ -131,8 +131,6 @@ async def test_large_int8_delta_contributions_are_decoded_as_they_fold_from_stor
         final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
 
     assert view["status"] == "completed", view.get("reason")
-    assert len(decoded) == 6  # every contribution of both rounds
-    # The deltas are constant (1/8, 2/8, 3/8 per round): exact in int8.
     step = (5 * 1 + 4 * 2 + 4 * 3) / 13 / 8
     torch.testing.assert_close(final["big.weight"], initial["big.weight"] + 2 * step, rtol=0, atol=1e-5)
     assert int(final["steps"]) == 2

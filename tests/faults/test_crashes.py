@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -162,22 +163,9 @@ def test_aggregator_killed_mid_fedadam_job_ends_with_the_weights_of_an_undisturb
 
 def test_aggregator_killed_mid_scaffold_job_ends_as_an_undisturbed_fold_of_the_same_contributions(
         faults: Faults, toy_data: Data, outcome: Record) -> None:
-    cluster = faults.cluster
-    cluster.start(workers=3)
-    job_id = new_id("kill-aggregator-scaffold")
-    request = toy_job(job_id, toy_data(15), rounds=3, min_workers=3, max_workers=3,
-                      config={"mode": "slow", "slow_seconds": 4, "fail_shards": [0]})
-    request["entrypoint"] = "tests.toyjobs.scaffoldtoy:fl_train_model"
-    request["distributed"]["strategy"] = "scaffold"
     # Every round's contributions kept (finished rounds' are deleted otherwise): the replay reads them all.
-    request["distributed"]["transfer"] = {"keep_contributions": True}
-    cluster.publish_job(request)
-    cluster.wait_for(lambda: faults.accepted(job_id).get((2, 1)), 120, "a contribution of round 2 to be recorded")
-
-    cluster.kill("aggregator", signal.SIGKILL)
-    recorded = sorted(faults.accepted(job_id)[(2, 1)])
-    cluster.start_service("aggregator")
-    job = cluster.wait_job(job_id)
+    job_id, job, recorded = _scaffold_job_with_the_aggregator_killed_in_round_2(faults, toy_data, "kill-aggregator-"
+                                                                              "scaffold", keep_contributions=True)
 
     assert job["status"] == "completed", job["reason"]
     assert 0 not in recorded, "the kill came mid-round 2 (shard 0 trains slowly)"
@@ -216,19 +204,9 @@ def test_aggregator_killed_mid_scaffold_job_ends_as_an_undisturbed_fold_of_the_s
 
 def test_aggregator_killed_mid_scaffold_job_finds_the_shard_states_it_needs_while_superseded_ones_go(
         faults: Faults, toy_data: Data, outcome: Record) -> None:
-    cluster = faults.cluster
-    cluster.start(workers=3)
-    job_id = new_id("kill-aggregator-scaffold-pruned")
-    request = toy_job(job_id, toy_data(15), rounds=3, min_workers=3, max_workers=3,
-                      config={"mode": "slow", "slow_seconds": 4, "fail_shards": [0]})
-    request["entrypoint"] = "tests.toyjobs.scaffoldtoy:fl_train_model"
-    request["distributed"]["strategy"] = "scaffold"  # superseded shard states are deleted as rounds aggregate
-    cluster.publish_job(request)
-    cluster.wait_for(lambda: faults.accepted(job_id).get((2, 1)), 120, "a contribution of round 2 to be recorded")
-
-    cluster.kill("aggregator", signal.SIGKILL)
-    cluster.start_service("aggregator")
-    job = cluster.wait_job(job_id)
+    # Superseded shard states are deleted as rounds aggregate.
+    job_id, job, _ = _scaffold_job_with_the_aggregator_killed_in_round_2(faults, toy_data, "kill-aggregator-scaffold-"
+                                                                       "pruned", keep_contributions=False)
 
     assert job["status"] == "completed", job["reason"]
     rows = [r for r in faults.contributions(job_id) if r["status"] == "accepted"]
@@ -249,6 +227,29 @@ def test_aggregator_killed_mid_scaffold_job_finds_the_shard_states_it_needs_whil
     outcome("aggregator kill -9 mid-job of a SCAFFOLD job, superseded shard states deleted",
             "restarted aggregator re-derives round 2's control deltas from the shards' current states",
             f"{job['status']}; c equal to the mean of the shards' final c_i; only the current states stored", double)
+
+
+def _scaffold_job_with_the_aggregator_killed_in_round_2(faults: Faults, toy_data: Data, name: str, *,
+                                                        keep_contributions: bool) -> tuple[str, dict[str, Any],
+                                                                                           list[int]]:
+    """A 3-round SCAFFOLD job on 3 workers (shard 0 slow) whose aggregator is killed with SIGKILL once a round-2
+    contribution is recorded, then restarted: the job id, the job as it ended, and the shards recorded at the kill."""
+    cluster = faults.cluster
+    cluster.start(workers=3)
+    job_id = new_id(name)
+    request = toy_job(job_id, toy_data(15), rounds=3, min_workers=3, max_workers=3,
+                      config={"mode": "slow", "slow_seconds": 4, "fail_shards": [0]})
+    request["entrypoint"] = "tests.toyjobs.scaffoldtoy:fl_train_model"
+    request["distributed"]["strategy"] = "scaffold"
+    if keep_contributions:
+        request["distributed"]["transfer"] = {"keep_contributions": True}
+    cluster.publish_job(request)
+    cluster.wait_for(lambda: faults.accepted(job_id).get((2, 1)), 120, "a contribution of round 2 to be recorded")
+
+    cluster.kill("aggregator", signal.SIGKILL)
+    recorded = sorted(faults.accepted(job_id)[(2, 1)])
+    cluster.start_service("aggregator")
+    return job_id, cluster.wait_job(job_id), recorded
 
 
 def test_scheduler_killed_between_rounds_and_mid_round_resumes_the_job(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import struct
+from typing import Any
 
 from apiary.policy import LIMITS
 
@@ -19,10 +20,8 @@ class WeightsError(ValueError):
     """Bytes that are not a well-formed safetensors file."""
 
 
-def read_header(data: bytes | bytearray | memoryview, total: int | None = None) -> tuple[dict[str, dict], int]:
-    """Parse and check a safetensors header; return (entries, offset of the data section). `total`: the whole
-    object's size where `data` is only its start (the header read first, the tensors streamed after)."""
-    view = memoryview(data)
+def _parsed(view: memoryview) -> tuple[dict[str, Any], int]:
+    """The header's JSON map and its length in bytes, its bounds checked (WeightsError if it has none)."""
     if len(view) < 8:
         raise WeightsError("weights file is too short to be safetensors")
     (header_len,) = struct.unpack("<Q", view[:8])
@@ -34,6 +33,22 @@ def read_header(data: bytes | bytearray | memoryview, total: int | None = None) 
         raise WeightsError(f"safetensors header is not JSON: {e}") from e
     if not isinstance(header, dict):
         raise WeightsError("safetensors header is not a map")
+    return header, header_len
+
+
+def metadata(data: bytes | bytearray | memoryview) -> dict[str, str]:
+    """The `__metadata__` of safetensors bytes (empty if none)."""
+    found = _parsed(memoryview(data))[0].get("__metadata__") or {}
+    if not isinstance(found, dict):
+        raise WeightsError("safetensors __metadata__ is not a map")
+    return found
+
+
+def read_header(data: bytes | bytearray | memoryview, total: int | None = None) -> tuple[dict[str, dict], int]:
+    """Parse and check a safetensors header; return (entries, offset of the data section). `total`: the whole
+    object's size where `data` is only its start (the header read first, the tensors streamed after)."""
+    view = memoryview(data)
+    header, header_len = _parsed(view)
     header.pop("__metadata__", None)
     if len(header) > LIMITS.tensors:
         raise WeightsError(f"safetensors header lists {len(header)} tensors, over the limit of {LIMITS.tensors}")

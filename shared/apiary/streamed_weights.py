@@ -23,6 +23,7 @@ from urllib.parse import unquote, urlparse
 
 import torch
 
+from apiary.safetensors_header import metadata
 from apiary.storage.local import recorded_sha256
 from apiary.transfer import _check, _http, _Transient, _with_retries
 from apiary.weights import DTYPES, TensorSpec, WeightsError, WeightSpec, read_header
@@ -100,7 +101,7 @@ class StreamedWeights(Mapping[str, torch.Tensor]):
             head += source.read(len(head), min(size, 8 + length) - len(head))
         self._head = head[: 8 + length]
         entries, base = read_header(self._head, total=size)
-        self.metadata = _metadata(self._head)
+        self.metadata = metadata(self._head)
         self._base = base
         self._spans = sorted((e["data_offsets"][0], e["data_offsets"][1], name) for name, e in entries.items())
         self._entries = entries
@@ -233,9 +234,3 @@ class StreamedWeights(Mapping[str, torch.Tensor]):
                 data = bytearray(b"".join([*parts, piece]))
                 parts = []
             yield name, self._tensor(name, data)
-
-
-def _metadata(head: bytes) -> dict[str, str]:
-    from apiary.wire_codec import metadata
-
-    return metadata(head)

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from safetensors.torch import save as _save
 
+from apiary.safetensors_header import metadata
 from apiary.weights import DTYPE_NAMES, DTYPES, MAX_HEADER, WeightsError, loads
 
 UPDATE_KEY = "apiary.update"  # metadata of an encoded upload
@@ -31,23 +32,6 @@ DOWNLOAD_KEY = "apiary.download"  # metadata of global weights halved for downlo
 SCALES = ".__absmax__"  # suffix of a quantised tensor's per-block scales
 HALVES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LEVELS = 127  # int8 values -127..127 (symmetric: -128 is never used)
-
-
-def metadata(data: bytes | bytearray | memoryview) -> dict[str, str]:
-    """The `__metadata__` of safetensors bytes (empty if none)."""
-    view = memoryview(data)
-    if len(view) < 8:
-        raise WeightsError("weights file is too short to be safetensors")
-    (length,) = struct.unpack("<Q", view[:8])
-    if length > MAX_HEADER or 8 + length > len(view):
-        raise WeightsError(f"safetensors header length {length} is out of bounds")
-    try:
-        found = json.loads(bytes(view[8 : 8 + length])).get("__metadata__") or {}
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, RecursionError) as e:
-        raise WeightsError(f"safetensors header is not a JSON map: {e}") from e
-    if not isinstance(found, dict):
-        raise WeightsError("safetensors __metadata__ is not a map")
-    return found
 
 
 def _json_field(meta: Mapping[str, str], key: str) -> dict[str, Any] | None:

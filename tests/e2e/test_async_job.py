@@ -12,6 +12,7 @@ import torch
 from rich.console import Console
 
 from apiary import keys
+from apiary.contracts import decode_body
 from apiary.jobspec_async import AsyncConfig
 from apiary.strategies.buffered import staleness_weight
 from apiary.weights import loads
@@ -130,8 +131,6 @@ async def test_a_task_whose_report_never_comes_loses_its_slot_at_its_deadline_an
     # its way (its worker stays alive and heartbeating, as a worker that hangs after training would): with no
     # deadline of its own, the task would hold its slot, and shard 3 would never train again. Tasks from version 3
     # on wait for their gates, so the job is still running when the lost task's deadline passes.
-    from apiary.contracts import decode_body
-
     gate = tmp_path / "gate-{round}"
     for index in (1, 2):
         Path(str(gate).replace("{round}", str(index))).touch()

@@ -7,9 +7,10 @@ from pathlib import Path
 
 from apiary import assignments
 from apiary.bus import make_bus
-from apiary.bus.base import Reroute
+from apiary.bus.base import Reroute, topic_matches
 from apiary.bus.layout import SERVICE_QUEUES
 from apiary.bus.memory import MemoryBus
+from apiary.contracts import Assignment, ObjectRef, WorkerDone, WorkerFailed, report_key
 from apiary.db.sqlite import SqliteDatabase
 from apiary.settings import Settings
 from apiary.storage.local import LocalStorage
@@ -74,9 +75,6 @@ async def test_a_process_bus_declares_the_layout_before_anything_is_published() 
 
 def test_a_synchronous_rounds_reports_reach_the_aggregator_alone_and_mode_asyncs_the_scheduler_too() -> None:
     # Prepare: a round's assignment and a mode-async task's, and the reports of each.
-    from apiary.bus.base import topic_matches
-    from apiary.contracts import Assignment, ObjectRef, WorkerDone, WorkerFailed, report_key
-
     sync = Assignment(job_id="j", round=1, job_name="n", num_rounds=2, env={}, deadline=0.0)
     task = sync.model_copy(update={"asynchronous": True})
     done = WorkerDone(job_id="j", round=1, worker_id="w", shard=0, result=ObjectRef(key="k", size=1, sha256="0" * 64),

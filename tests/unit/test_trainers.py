@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from apiary.strategies.format import UpdateFormat
@@ -14,6 +18,7 @@ from apiary.trainers import (
     make_trainer,
     trainer_name,
 )
+from tests.conftest import REPO
 
 
 def test_a_job_with_an_entrypoint_gets_the_user_function_and_one_without_the_built_in() -> None:
@@ -44,3 +49,12 @@ def test_the_user_function_returns_adapters_for_a_peft_job(env: dict[str, object
 @pytest.mark.parametrize(("samples", "usable"), [(3, True), (0, False), (-1, False), (True, False), (2.5, False)])
 def test_only_a_positive_int_weights_the_average(samples: object, usable: bool) -> None:
     assert TrainResult(samples=samples, size=1, sha256="0" * 64).has_samples() is usable
+
+
+def test_a_training_child_does_not_import_its_parents_main_module_again(tmp_path: Path) -> None:
+    # multiprocessing's spawn imports the parent's __main__ in the child (as __mp_main__) unless told not to;
+    # for the `apiary` command that was the whole CLI, a second of CPU in every child.
+    imports = tmp_path / "imports"
+    subprocess.run([sys.executable, "-m", "tests.toyjobs.main_probe", str(imports)], cwd=REPO, check=True,
+                   timeout=120)
+    assert imports.read_text().split() == ["__main__"]

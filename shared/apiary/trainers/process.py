@@ -4,11 +4,15 @@ log lines while it runs), and kill it when it hangs, dies or is no longer wanted
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
 import signal
+import sys
+import threading
 import time
+from collections.abc import Iterator
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from typing import Any
@@ -21,6 +25,25 @@ log = logging.getLogger("apiary.usercode")
 
 _FINAL = ("result", "error")
 STOP_GRACE = 5.0  # seconds an idle child has to exit on its own when its trainer stops
+_MAIN = threading.Lock()  # children are started from several threads (one per worker, embedded)
+
+
+@contextlib.contextmanager
+def _main_left_alone() -> Iterator[None]:
+    """While a child is started: hide the parent's `__main__` from multiprocessing's spawn, which would
+    otherwise import it again in the child (as `__mp_main__`, in case the target is defined there). Here
+    `__main__` is the `apiary` command, so every training child imported the whole CLI (typer, FastAPI, the
+    contracts): about a second of CPU per child, before the user's own imports. The child's target lives in
+    `apiary.trainers.child`, which the child imports by name."""
+    main = sys.modules["__main__"]
+    with _MAIN:
+        hidden = {name: main.__dict__.pop(name) for name in ("__spec__", "__file__") if name in main.__dict__}
+        main.__spec__ = None
+        try:
+            yield
+        finally:
+            del main.__spec__
+            main.__dict__.update(hidden)
 
 
 class _Replies:
@@ -106,7 +129,8 @@ class ChildProcess:
         resource_tracker.ensure_running()
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, PARENTS_SIGNALS)
         try:
-            proc.start()
+            with _main_left_alone():
+                proc.start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()

@@ -25,3 +25,11 @@ def test_the_header_reader_knows_every_dtype_the_tensor_reader_does() -> None:
     from apiary.weights import DTYPES
 
     assert {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()} == ITEMSIZES
+
+
+def test_a_training_child_imports_no_trainer_it_does_not_run() -> None:
+    # Every training child imports apiary.trainers; the causal-LM trainer (its config models) is loaded where a
+    # job asks for it, not in each child of a user-function job.
+    code = "import sys; import apiary.trainers.child; print(sorted(m for m in sys.modules if 'causal_lm' in m))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

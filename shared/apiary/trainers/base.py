@@ -3,6 +3,7 @@ that picks a trainer for a job (the user's function when the job names an entryp
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -124,6 +125,9 @@ class TrainerSetup:
 
 TrainerFactory = Callable[[TrainerSetup], Trainer]
 _factories: dict[str, TrainerFactory] = {}
+# Trainers whose module registers them when first asked for (not imported by every process that imports this
+# package).
+_REGISTERED_ON_USE = {BUILT_IN: "apiary.trainers.causal_lm"}
 
 
 def register_trainer(name: str, factory: TrainerFactory) -> None:
@@ -138,7 +142,10 @@ def trainer_name(entrypoint: str | None) -> str:
 
 def make_trainer(name: str, setup: TrainerSetup) -> Trainer:
     """A new trainer of this name; ValueError naming the known ones if there is none."""
+    if name not in _factories and name in _REGISTERED_ON_USE:
+        importlib.import_module(_REGISTERED_ON_USE[name])
     factory = _factories.get(name)
     if factory is None:
-        raise ValueError(f"no trainer {name!r} on this worker: expected one of {sorted(_factories)}")
+        known = sorted({*_factories, *_REGISTERED_ON_USE})
+        raise ValueError(f"no trainer {name!r} on this worker: expected one of {known}")
     return factory(setup)

@@ -15,10 +15,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from apiary.db import Database
 from services.tracker import token_store
+from services.tracker.api_path import IN_PROCESS_SCOPE_KEY
 from services.tracker.tables import LazyTables
 from services.tracker.token_store import Principal, Role
 
-IN_PROCESS_SCOPE_KEY = "apiary.in_process"  # set only by services.tracker.inprocess, never by a server
 IN_PROCESS = Principal("in-process", "admin")
 HOW = "send 'Authorization: Bearer TOKEN'; an operator makes one with `apiary token create --name NAME`"
 _bearer = HTTPBearer(auto_error=False, description="A token from `apiary token create` (role viewer, submitter "

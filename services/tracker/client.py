@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from services.tracker.schemas import PREFIX
+from services.tracker.api_path import PREFIX
 
 # How often a follower asks again for a job the tracker has not recorded yet (its request is on the bus).
 UNKNOWN_JOB_RETRY = 0.25

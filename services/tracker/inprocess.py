@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from services.tracker.auth import IN_PROCESS_SCOPE_KEY
+from services.tracker.api_path import IN_PROCESS_SCOPE_KEY
 from services.tracker.client import TrackerClient
 
 if TYPE_CHECKING:

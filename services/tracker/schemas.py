@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from apiary.contracts import JOB_ID_PATTERN, SecAggSummary
 from apiary.jobspec import FieldError
+from services.tracker.api_path import PREFIX
 
 
 class Problem(BaseModel):
@@ -18,7 +19,6 @@ class Problem(BaseModel):
     errors: list[FieldError] = Field(default_factory=list)
 
 
-PREFIX = "/api/v1"
 Responses = dict[int | str, dict[str, Any]]
 NOT_FOUND: Responses = {404: {"model": Problem, "description": "no such job"}}
 # Every API route answers 401 without a valid token and 422 to a bad parameter; a route that changes anything

@@ -27,6 +27,15 @@ def test_the_header_reader_knows_every_dtype_the_tensor_reader_does() -> None:
     assert {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()} == ITEMSIZES
 
 
+@pytest.mark.parametrize("module", ["services.app.cli", "services.worker.service"])
+def test_the_command_and_a_worker_do_not_import_fastapi(module: str) -> None:
+    # Only the tracker serves the API; a client of it (every command, the worker's tracker calls) shares its base
+    # path through services.tracker.api_path, not its FastAPI schemas (a fifth of a second in every process).
+    code = f"import sys; import {module}; print('fastapi' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
 def test_a_training_child_imports_no_trainer_it_does_not_run() -> None:
     # Every training child imports apiary.trainers; the causal-LM trainer (its config models) is loaded where a
     # job asks for it, not in each child of a user-function job.

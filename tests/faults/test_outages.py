@@ -122,10 +122,11 @@ def restart_postgres(fronts: Fronts) -> None:
 
 
 def postgres_unreachable(fronts: Fronts) -> None:
-    """30 s of refused connections (open ones cut) between the deployment and PostgreSQL."""
+    """15 s of refused connections (open ones cut) between the deployment and PostgreSQL: long enough for the
+    services' reconnect waits to grow to their cap (0.25 s doubling to 8 s)."""
     fronts.database.down()
     try:
-        time.sleep(30)  # the outage itself, not a wait for anything
+        time.sleep(15)  # the outage itself, not a wait for anything
     finally:
         fronts.database.up()
 
@@ -141,19 +142,19 @@ def restart_rabbitmq(fronts: Fronts) -> None:
 
 
 def s3_unanswering(fronts: Fronts) -> None:
-    """10 s of S3 accepting requests and answering none (they are answered when it thaws)."""
+    """5 s of S3 accepting requests and answering none (they are answered when it thaws)."""
     fronts.storage.hold()
     try:
-        time.sleep(10)
+        time.sleep(5)
     finally:
         fronts.storage.resume()
 
 
 def s3_slow_down(fronts: Fronts) -> None:
-    """10 s of S3 answering 503 SlowDown to every request."""
+    """5 s of S3 answering 503 SlowDown to every request."""
     fronts.storage.slow_down()
     try:
-        time.sleep(10)
+        time.sleep(5)
     finally:
         fronts.storage.resume()
 
@@ -171,10 +172,10 @@ def restored() -> Iterator[None]:
 
 OUTAGES = {
     "postgres restarted": restart_postgres,
-    "postgres unreachable 30 s": postgres_unreachable,
+    "postgres unreachable 15 s": postgres_unreachable,
     "rabbitmq restarted": restart_rabbitmq,
-    "s3 unanswering 10 s": s3_unanswering,
-    "s3 answering 503 for 10 s": s3_slow_down,
+    "s3 unanswering 5 s": s3_unanswering,
+    "s3 answering 503 for 5 s": s3_slow_down,
 }
 
 

@@ -37,7 +37,8 @@ def _main_left_alone() -> Iterator[None]:
     `apiary.trainers.child`, which the child imports by name."""
     main = sys.modules["__main__"]
     with _MAIN:
-        hidden = {name: main.__dict__.pop(name) for name in ("__spec__", "__file__") if name in main.__dict__}
+        hidden: dict[str, Any] = {name: main.__dict__.pop(name) for name in ("__spec__", "__file__")
+                                  if name in main.__dict__}
         main.__spec__ = None
         try:
             yield

@@ -17,15 +17,16 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 from apiary.backoff import while_unavailable
 from apiary.bus import publish_event
 from apiary.contracts import Assignment, SecAggCheck, SecAggKeys, SecAggReveal, SecAggShares, SecAggStage
+from apiary.safetensors_header import WeightsError
 from apiary.secagg import crypto
 from apiary.secagg.messages import advertisement, node, revealed, share, shares_of, unmask_nodes
 from apiary.secagg.protocol import Participant, SecAggError, UnmaskRequest
-from apiary.secagg.updates import MASKED, to_wire, update_vector
+from apiary.secagg.updates import MASKED, read_tensors, to_wire, update_vector
 from apiary.trainers import TrainResult
 from services.worker.host import Host
 from services.worker.secagg_inbox import SecAggInbox, StageKey
@@ -70,10 +71,10 @@ class SecureShard:
                                          secret=a.secret or ""))
         forwarded = await self._stage("forward")
         try:
-            trained, start = await asyncio.to_thread(load_file, result_path), await asyncio.to_thread(load_file,
-                                                                                                       weights_path)
-        except (TypeError, ValueError, OSError) as e:  # bfloat16 has no numpy dtype
-            raise SecAggError(f"the trained weights cannot be read as numpy for masking: {e}") from None
+            trained = await asyncio.to_thread(lambda: read_tensors(result_path.read_bytes()))
+            start = await asyncio.to_thread(lambda: read_tensors(weights_path.read_bytes()))
+        except (WeightsError, OSError) as e:
+            raise SecAggError(f"the trained weights cannot be read for masking: {e}") from None
         vector = update_vector(trained, start)
         masked, clipped = self.participant.masked_input([share(s) for s in forwarded.shares], vector, result.samples)
         if clipped:

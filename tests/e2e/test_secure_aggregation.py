@@ -73,6 +73,27 @@ async def test_a_secure_job_gives_the_weighted_mean_and_stores_only_masked_vecto
         assert masked.std() > 2**32 / 4  # spread over the ring (uniform: 2**32 / sqrt(12))
 
 
+async def test_a_bfloat16_model_is_masked_and_its_mean_stored_in_bfloat16(embedded: StackFactory,
+                                                                          toy_dataset: Path) -> None:
+    async with embedded(workers=3) as stack:
+        body = toy_request(toy_dataset, secure_aggregation=SECAGG, num_rounds=1)
+        body["config"] = {"mode": "ok", "dtype": "bfloat16"}
+        job_id = await stack.submit(body)
+        view = await stack.wait(job_id, timeout=120)
+        final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
+
+    assert view["status"] == "completed", view.get("reason")
+    assert {name: t.dtype for name, t in final.items()} == {
+        "layer.weight": torch.bfloat16, "layer.bias": torch.bfloat16, "steps": torch.int64}
+    # Shards of 5, 4 and 4 samples add 1, 2 and 3: the mean adds 25/13 to zeros and to [0, 1], each result then
+    # rounded to bfloat16 (8 significant bits).
+    bound = SecureAggregation(**SECAGG).resolved(3).error_bound(3, 13)
+    for name, start in (("layer.weight", torch.zeros(2, 3)), ("layer.bias", torch.arange(2.0))):
+        expected = start.double() + 25 / 13
+        assert (final[name].double() - expected).abs().max().item() <= bound + expected.abs().max().item() * 2**-8
+    assert int(final["steps"]) == 1
+
+
 async def test_a_worker_silent_after_masking_is_recovered_from_shares(embedded: StackFactory, toy_dataset: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     reveal = SecureShard.reveal

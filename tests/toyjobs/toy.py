@@ -39,6 +39,9 @@ def fl_init_weights(env: dict[str, Any]) -> dict[str, torch.Tensor]:
                "steps": torch.tensor(0, dtype=torch.int64)}
     if env.get("WIDTH"):  # a wider tensor, for tests that look at the statistics of an update
         weights["wide.weight"] = torch.zeros(int(env["WIDTH"]))
+    if env.get("DTYPE"):  # the float tensors in another dtype, e.g. bfloat16
+        dtype = getattr(torch, str(env["DTYPE"]))
+        weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
     return weights
 
 

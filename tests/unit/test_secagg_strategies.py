@@ -8,13 +8,14 @@ from collections.abc import Mapping
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save
 
 from apiary.privacy import DifferentialPrivacy
 from apiary.secagg import crypto
 from apiary.secagg.aggregate import contribution_of_mean
 from apiary.secagg.protocol import Collector, Participant
 from apiary.secagg.settings import SecureAggregation
-from apiary.secagg.updates import update_vector
+from apiary.secagg.updates import read_tensors, update_vector
 from apiary.strategies import base
 from apiary.strategies.base import Contribution, Strategy
 from apiary.strategies.clipping import clip_for_upload
@@ -123,3 +124,18 @@ def test_differential_privacy_clipped_on_workers_composes_with_the_masked_sum() 
 def test_a_vector_of_the_wrong_length_is_refused() -> None:
     with pytest.raises(ValueError, match="fewer than the round's tensors"):
         contribution_of_mean(np.zeros(3), model(0), 10)
+
+
+def test_the_worker_reads_every_safetensors_dtype_for_masking_bfloat16_widened_exactly() -> None:
+    # The worker masks without torch; safetensors' own numpy reader refuses bfloat16, which failed the shard.
+    tensors = {"bf16": torch.randn(3, 5).to(torch.bfloat16), "f16": torch.randn(4).to(torch.float16),
+               "f32": torch.randn(2, 2), "f64": torch.randn(3, dtype=torch.float64),
+               "i64": torch.arange(6).reshape(2, 3), "u8": torch.arange(4, dtype=torch.uint8),
+               "flag": torch.tensor([True, False])}
+    read = read_tensors(save(tensors))
+    assert read.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        expected = tensor.float() if tensor.dtype == torch.bfloat16 else tensor
+        assert read[name].shape == tuple(tensor.shape)
+        assert np.array_equal(read[name], expected.numpy()), name
+    assert read["bf16"].dtype == np.float32

@@ -11,8 +11,30 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from apiary.safetensors_header import read_header
+
 MASKED = "secagg.masked"  # the one tensor of a masked contribution
-FLOATS = ("float16", "float32", "float64")
+# safetensors dtypes as numpy reads them (little-endian, as the format stores them); BF16 has no numpy dtype and is
+# widened to float32 by `read_tensors`, exactly (a bfloat16 is the top half of a float32).
+_NUMPY = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1",
+          "BOOL": "?"}
+
+
+def read_tensors(data: bytes | bytearray | memoryview) -> dict[str, np.ndarray]:
+    """The tensors of safetensors bytes as numpy arrays, bfloat16 ones widened exactly to float32 (safetensors'
+    own numpy reader refuses them); WeightsError (one line) for bytes that are not a well-formed file."""
+    view = memoryview(data)
+    header, base = read_header(view)
+    tensors: dict[str, np.ndarray] = {}
+    for name, entry in header.items():
+        start, end = entry["data_offsets"]
+        raw = view[base + start:base + end]
+        if entry["dtype"] == "BF16":
+            values = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
+        else:  # read_header admits no dtype that is neither
+            values = np.frombuffer(raw, dtype=_NUMPY[entry["dtype"]])
+        tensors[name] = values.reshape(entry["shape"])
+    return tensors
 
 
 def update_vector(weights: Mapping[str, np.ndarray], global_weights: Mapping[str, np.ndarray]) -> np.ndarray:

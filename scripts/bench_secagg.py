@@ -6,8 +6,8 @@ The round runs in this process, party by party, on one model of `--params` float
 (advertise, share keys, quantise and mask, reveal) and the aggregator's (relay, ring sum, unmask, dequantise, then
 FedAvg on the one unmasked contribution), one worker dropping after masking (recovered from shares). The round time
 reported is its critical path, `max(worker stage time) + aggregator time`, as workers run in parallel; the plain
-round's is FedAvg folding the K contributions. The bus's extra round trips (three more stages than a plain round)
-are not in it: the services do not run the stages yet (docs/security.md). Bytes are the payloads a worker
+round's is FedAvg folding the K contributions. The bus's extra round trips (the stages a plain round does not have)
+are not in it: `--services` measures whole rounds with them. Bytes are the payloads a worker
 publishes or uploads: safetensors for the contribution, raw keys, ciphertexts and shares for the key agreement
 (each bus message adds its envelope, about 200 bytes, not counted).
 

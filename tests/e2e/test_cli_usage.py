@@ -69,9 +69,10 @@ def _until(what: str, check: Any, run: subprocess.Popen[str], within: float = 12
 
 
 def _spawning(run: subprocess.Popen[str]) -> bool:
-    """Whether one of the run's training children is being spawned (multiprocessing's bootstrap)."""
+    """Whether the run is starting its training children: its fork server, or a child of it, is up."""
     children = psutil.Process(run.pid).children()
-    return any("spawn_main" in " ".join(child.cmdline()) for child in children if child.is_running())
+    return any("multiprocessing.forkserver" in " ".join(child.cmdline()) or "spawn_main" in " ".join(child.cmdline())
+               for child in children if child.is_running())
 
 
 def _assert_cancelled_quietly(run: subprocess.Popen[str], home: Path, out: str, err: str) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tests.fixtures.cluster import SERVICES, Cluster
+from tests.fixtures.processes import parent
 from tests.toyjobs.toy import make_dataset
 
 pytestmark = pytest.mark.slow  # each case starts a deployment of processes or trains in a child
@@ -44,7 +45,8 @@ def test_a_whole_job_runs_its_code_only_in_workers_training_children(cluster: Cl
     assert job["status"] == "completed", job["reason"]
     assert {r["event"] for r in records} == {"import", "init", "train", "evaluate"}, records
     assert not [r for r in records if r["pid"] in services or r["ppid"] in services], records
-    assert all(r["ppid"] in workers and r["process"].startswith("apiary-worker-") for r in records), records
+    # A training child's parent is its worker's fork server (apiary.trainers.process), whose parent is the worker.
+    assert all(parent(r["ppid"]) in workers and r["process"].startswith("apiary-worker-") for r in records), records
     assert all("worker" in r["argv"] and "serve" not in r["argv"] for r in records), records
     # The tracker may record the last evaluation just after the scheduler completed the job.
     evaluated = cluster.wait_for(lambda: (rows := cluster.query(

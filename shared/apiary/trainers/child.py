@@ -212,15 +212,29 @@ def _run_evaluate(call: TrainCall) -> dict[str, Any]:
 
 
 def _exit_with_parent(parent: int) -> None:
-    """End this child soon after the process that started it is gone (killed with SIGKILL, say, where
-    nothing could stop the child): an orphan would train on for nobody, holding its GPU's memory."""
+    """End this child soon after the process that started it (`parent`) is gone (killed with SIGKILL, say, where
+    nothing could stop the child): an orphan would train on for nobody, holding its GPU's memory. The child's own
+    parent is `parent` or the fork server `parent` started, which exits with it; either way the child is orphaned
+    when `parent` goes."""
 
     def watch() -> None:
-        while os.getppid() == parent:
+        immediate = os.getppid()
+        while os.getppid() == immediate and _running(parent):
             time.sleep(PARENT_CHECK_INTERVAL)
         os._exit(1)
 
     threading.Thread(target=watch, name="apiary-parent-watch", daemon=True).start()
+
+
+def _running(pid: int) -> bool:
+    """Whether a process with this pid exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 # Built-in trainers' calls (`module:function`), imported in the child when first made (their libraries are heavy).

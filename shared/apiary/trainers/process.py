@@ -25,24 +25,37 @@ log = logging.getLogger("apiary.usercode")
 
 _FINAL = ("result", "error")
 STOP_GRACE = 5.0  # seconds an idle child has to exit on its own when its trainer stops
-_MAIN = threading.Lock()  # children are started from several threads (one per worker, embedded)
+# Children are forked from a server process that imported torch and the child's module once (multiprocessing's
+# forkserver, one per process that starts children, started with the first child): a child starts in tens of
+# milliseconds instead of importing torch again (1-2 s of CPU). Where there is no forkserver (Windows), each child is
+# spawned.
+START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+PRELOAD = ["torch", "apiary.trainers.child"]
+_STARTING = threading.Lock()  # children are started from several threads (one per worker, embedded)
 
 
 @contextlib.contextmanager
-def _main_left_alone() -> Iterator[None]:
-    """While a child is started: hide the parent's `__main__` from multiprocessing's spawn, which would
-    otherwise import it again in the child (as `__mp_main__`, in case the target is defined there). Here
-    `__main__` is the `apiary` command, so every training child imported the whole CLI (typer, FastAPI, the
-    contracts): about a second of CPU per child, before the user's own imports. The child's target lives in
-    `apiary.trainers.child`, which the child imports by name."""
+def _starting() -> Iterator[None]:
+    """While a child (and with the first one, the fork server) is started:
+    - the parent's `__main__` is hidden from multiprocessing, which would otherwise import it again in the child (as
+      `__mp_main__`, in case the target is defined there). Here `__main__` is the `apiary` command, so every
+      training child imported the whole CLI (typer, FastAPI, the contracts): about a second of CPU per child. The
+      child's target lives in `apiary.trainers.child`, which the child imports by name;
+    - the process environment is the user's (`environment.user_environment`, e.g. OMP_WAIT_POLICY as the user
+      set it), so that the fork server loads torch and OpenMP, which read it once when they load, as the user's
+      own process would. The parent's is put back afterwards."""
     main = sys.modules["__main__"]
-    with _MAIN:
+    with _STARTING:
         hidden: dict[str, Any] = {name: main.__dict__.pop(name) for name in ("__spec__", "__file__")
                                   if name in main.__dict__}
         main.__spec__ = None
+        users = environment.user_environment()
+        parents = {name: os.environ.get(name) for name in users}
+        environment.apply(users)
         try:
             yield
         finally:
+            environment.apply(parents)
             del main.__spec__
             main.__dict__.update(hidden)
 
@@ -111,12 +124,14 @@ class ChildProcess:
         return None
 
     def ensure(self) -> Connection:
-        """The pipe to a running child, starting one if needed (blocks while it spawns)."""
+        """The pipe to a running child, starting one if needed (blocks while it starts)."""
         conn = self._live()
         if conn is not None:
             return conn
         self.kill()
-        ctx = multiprocessing.get_context("spawn")
+        ctx = multiprocessing.get_context(START_METHOD)
+        if START_METHOD == "forkserver":
+            ctx.set_forkserver_preload(PRELOAD)
         parent, child = ctx.Pipe(duplex=True)
         variables = {**environment.user_environment(), **self._variables, **environment.code_path(self._bundle)}
         paths = [self._bundle, *self._code_paths] if self._bundle else self._code_paths
@@ -130,7 +145,7 @@ class ChildProcess:
         resource_tracker.ensure_running()
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, PARENTS_SIGNALS)
         try:
-            with _main_left_alone():
+            with _starting():
                 proc.start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
@@ -170,7 +185,7 @@ class ChildProcess:
     async def call(self, kind: str, args: Any, timeout: float | None,
                    on_metrics: MetricsCallback | None = None) -> Any:
         """Send one call and return its result; UserCodeError if it fails, dies or overruns `timeout`."""
-        # Starting a child blocks (spawn); a live one is used as it is.
+        # Starting a child blocks (the fork server's first start most); a live one is used as it is.
         live = self._live()
         conn = live if live is not None else await asyncio.to_thread(self.ensure)
         replies = _Replies(conn)

@@ -34,6 +34,14 @@ PRELOAD = ["torch", "apiary.trainers.child"]
 _STARTING = threading.Lock()  # children are started from several threads (one per worker, embedded)
 
 
+def _context() -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
+    if START_METHOD == "forkserver":
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
 @contextlib.contextmanager
 def _starting() -> Iterator[None]:
     """While a child (and with the first one, the fork server) is started:
@@ -129,9 +137,7 @@ class ChildProcess:
         if conn is not None:
             return conn
         self.kill()
-        ctx = multiprocessing.get_context(START_METHOD)
-        if START_METHOD == "forkserver":
-            ctx.set_forkserver_preload(PRELOAD)
+        ctx = _context()
         parent, child = ctx.Pipe(duplex=True)
         variables = {**environment.user_environment(), **self._variables, **environment.code_path(self._bundle)}
         paths = [self._bundle, *self._code_paths] if self._bundle else self._code_paths

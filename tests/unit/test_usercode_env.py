@@ -56,3 +56,30 @@ async def test_a_policy_the_user_set_is_kept_everywhere(probe_module: Path, monk
 
     assert os.environ[OPENMP_WAIT] == "ACTIVE"
     assert await _child_sees(probe_module) == {"unset": 0.0, "active": 1.0}
+
+
+ENV_PROBE = '''
+import os
+
+def fl_evaluate_model(weights, env):
+    return {"set": float(os.environ.get("APIARY_TEST_PROBE") == "late"),
+            "gone": float("APIARY_TEST_GONE" not in os.environ)}
+'''
+
+
+async def test_a_child_runs_with_its_parents_environment_as_it_is_when_the_child_starts(
+    probe_module: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Children are forked from a server started with the first one (apiary.trainers.process): each still gets the
+    # environment of the moment it starts, as a spawned process would.
+    (probe_module / "env_probe.py").write_text(ENV_PROBE)
+    monkeypatch.setenv("APIARY_TEST_GONE", "early")
+    await _child_sees(probe_module)  # a first child: the fork server runs from here on, with APIARY_TEST_GONE set
+    monkeypatch.setenv("APIARY_TEST_PROBE", "late")
+    monkeypatch.delenv("APIARY_TEST_GONE")
+    runner = UserCodeRunner([str(probe_module)])
+    try:
+        seen = await runner.evaluate("env_probe", {}, probe_module / "w.safetensors", timeout=60)
+    finally:
+        await runner.stop()
+    assert seen == {"set": 1.0, "gone": 1.0}

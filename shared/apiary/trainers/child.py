@@ -258,7 +258,7 @@ def _run(kind: str, args: Any, conn: Connection) -> dict[str, Any]:
     raise UserCodeError(f"unknown call {kind!r}")
 
 
-def child_main(conn: Connection, code_paths: list[str], variables: dict[str, str | None],
+def child_main(conn: Connection, code_paths: list[str], environ: dict[str, str],
                parent: int | None = None) -> None:
     """The child process: serve calls from the parent until the pipe closes."""
     # Its parent decides when this process ends (it kills it). A Ctrl-C or SIGTERM sent to the whole
@@ -271,7 +271,7 @@ def child_main(conn: Connection, code_paths: list[str], variables: dict[str, str
     signal.pthread_sigmask(signal.SIG_UNBLOCK, PARENTS_SIGNALS)
     if parent is not None:
         _exit_with_parent(parent)
-    environment.apply(variables)  # before user code imports torch
+    environment.adopt(environ)  # the parent's environment as it was when it asked for this child
     for path in reversed(code_paths):
         if path not in sys.path:
             sys.path.insert(0, path)

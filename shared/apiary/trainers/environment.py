@@ -35,6 +35,26 @@ def apply(environment: dict[str, str | None]) -> None:
             os.environ[name] = value
 
 
+def child_environment(variables: dict[str, str | None]) -> dict[str, str]:
+    """The whole environment a child runs with: this process's as it is now, `variables` over it (None: unset). A
+    child forked from the fork server starts with the server's environment, taken when it started; it adopts this
+    one (`adopt`) before any user code runs."""
+    environ = dict(os.environ)
+    for name, value in variables.items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
+    return environ
+
+
+def adopt(environ: dict[str, str]) -> None:
+    """Make this process's environment exactly `environ`."""
+    for name in set(os.environ) - environ.keys():
+        del os.environ[name]
+    os.environ.update(environ)
+
+
 def code_path(bundle: str | None) -> dict[str, str | None]:
     """PYTHONPATH for a child running a job's code bundle: the bundle first, so that processes the user's
     code starts itself (a script run with sys.executable) import from it too. Nothing without a bundle."""

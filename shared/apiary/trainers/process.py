@@ -139,9 +139,10 @@ class ChildProcess:
         self.kill()
         ctx = _context()
         parent, child = ctx.Pipe(duplex=True)
-        variables = {**environment.user_environment(), **self._variables, **environment.code_path(self._bundle)}
+        environ = environment.child_environment(
+            {**environment.user_environment(), **self._variables, **environment.code_path(self._bundle)})
         paths = [self._bundle, *self._code_paths] if self._bundle else self._code_paths
-        proc = ctx.Process(target=child_main, args=(child, paths, variables, os.getpid()),
+        proc = ctx.Process(target=child_main, args=(child, paths, environ, os.getpid()),
                            name=self._name, daemon=True)
         # The child starts with these signals blocked (a signal mask survives fork and exec) and ignores
         # them from child_main on: a Ctrl-C to the whole process group while it is still starting up would

@@ -145,6 +145,8 @@ def median(values: list[float | None]) -> float | None:
 
 def page(results: dict[str, dict[str, list[Run]]], args: argparse.Namespace) -> str:
     """docs/benchmarks/async.md."""
+    warm = statistics.median([r.warm_s for modes in results.values() for runs in modes.values() for r in runs
+                              if r.warm_s] or [0.0])
     lines = [
         "# Asynchronous buffered aggregation (FedBuff) against synchronous FedAvg",
         "",
@@ -155,7 +157,8 @@ def page(results: dict[str, dict[str, list[Run]]], args: argparse.Namespace) -> 
         f"updates: sync {args.rounds} rounds x {WORKERS}, async {args.rounds * WORKERS // args.buffer} versions "
         f"x K={args.buffer} (polynomial staleness weight, server learning rate 1). Time to {args.target:.0%} held-out "
         f"accuracy from round 1's start, and after warm-up: from the moment every worker had reported its first task "
-        f"(its training process started; ~20 s here, the same in both modes). Median of {args.runs} runs each, in the "
+        f"(its training process started: {warm:.1f} s here, median of every run, including the slow worker's first "
+        f"task where there is one). Median of {args.runs} runs each, in the "
         "same session, one run at a time, sync and async alternating.",
         "",
         f"| fleet and split | sync FedAvg: s to {args.target:.0%} | async FedBuff: s to {args.target:.0%} | "

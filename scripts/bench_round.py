@@ -48,6 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.fixtures import s3server  # noqa: E402
 from tests.fixtures.cluster import Cluster  # noqa: E402
+from tests.fixtures.processes import children  # noqa: E402
 from tests.toyjobs.toy import make_dataset  # noqa: E402
 
 from bench_record import add_json_argument, record  # noqa: E402
@@ -73,20 +74,8 @@ def admin(sql: str) -> None:
     asyncio.run(run())
 
 
-def _children(pid: int) -> list[int]:
-    """The live children of a process, whichever of its threads started them (a worker starts its training
-    child from a thread)."""
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found += [int(p) for p in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return found
-
-
-def _cpu_seconds(pid: int, children: bool = True) -> float:
-    """User + system CPU of a process and (unless `children` is False) of its live descendants (Linux /proc)."""
+def _cpu_seconds(pid: int, descendants: bool = True) -> float:
+    """User + system CPU of a process and (unless `descendants` is False) of its live descendants (Linux /proc)."""
     tick = os.sysconf("SC_CLK_TCK")
     pids, total = [pid], 0.0
     while pids:
@@ -96,8 +85,8 @@ def _cpu_seconds(pid: int, children: bool = True) -> float:
         except OSError:
             continue
         total += (int(fields[11]) + int(fields[12])) / tick
-        if children:
-            pids += _children(p)
+        if descendants:
+            pids += children(p)
     return total
 
 
@@ -130,7 +119,7 @@ def cpu_snapshot(processes: dict[str, subprocess.Popen[bytes]]) -> dict[str, dic
     for name, process in processes.items():
         if name.startswith("worker"):
             # The worker's process alone, and its training child (the user's code, fed over a pipe) apart.
-            alone = _cpu_seconds(process.pid, children=False)
+            alone = _cpu_seconds(process.pid, descendants=False)
             cpu.setdefault("worker", {})[process.pid] = alone
             cpu.setdefault("trainer", {})[process.pid] = _cpu_seconds(process.pid) - alone
         else:
@@ -320,7 +309,7 @@ def run_other(tree: Path, k: int, rounds: int, storage: str) -> tuple[float, dic
     accounting = "\n\n".join([
         "from __future__ import annotations",
         f"CPU, CPU_LINE, LAST_CPU = True, {CPU_LINE!r}, {{}}",
-        *(inspect.getsource(f) for f in (_children, _cpu_seconds, cpu_snapshot, _wait_row, run)),
+        *(inspect.getsource(f) for f in (children, _cpu_seconds, cpu_snapshot, _wait_row, run)),
         "def storage_floor(*args, **kwargs):\n    return 1.0, 0.0\n"])
     out = subprocess.run([sys.executable, "-c", _OTHER, str(tree / "scripts" / "bench_round.py"), accounting,
                           "--k", str(k), "--rounds", str(rounds), "--storage", storage], cwd=tree, env=env,

@@ -4,6 +4,7 @@ training child gets the environment the user set."""
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 
 # OpenMP, torch's CPU thread pool, keeps its threads spinning for a while after every parallel
 # region. A service runs a few small tensor operations per message on a machine it shares with other
@@ -26,13 +27,13 @@ def user_environment() -> dict[str, str | None]:
     return {OPENMP_WAIT: _user_openmp_wait[0]} if _user_openmp_wait else {}
 
 
-def apply(environment: dict[str, str | None]) -> None:
-    """Set (or, for None, unset) these variables in this process."""
+def apply(environment: dict[str, str | None], target: MutableMapping[str, str] = os.environ) -> None:
+    """Set (or, for None, unset) these variables in this process (or in `target`)."""
     for name, value in environment.items():
         if value is None:
-            os.environ.pop(name, None)
+            target.pop(name, None)
         else:
-            os.environ[name] = value
+            target[name] = value
 
 
 def child_environment(variables: dict[str, str | None]) -> dict[str, str]:
@@ -40,11 +41,7 @@ def child_environment(variables: dict[str, str | None]) -> dict[str, str]:
     child forked from the fork server starts with the server's environment, taken when it started; it adopts this
     one (`adopt`) before any user code runs."""
     environ = dict(os.environ)
-    for name, value in variables.items():
-        if value is None:
-            environ.pop(name, None)
-        else:
-            environ[name] = value
+    apply(variables, environ)
     return environ
 
 

@@ -66,7 +66,7 @@ from services.scheduler.finishing import JobFinisher
 from services.scheduler.initial_and_final import checked_initial_weights, initial_weights, no_initial_weights
 from services.scheduler.job_machine import Next, after_aggregated, after_failed, is_current, too_many_failures
 from services.scheduler.presence import FleetPace, PaceReminders, PresenceFilter
-from services.scheduler.pruning import abort_uploads, prune_after
+from services.scheduler.pruning import AggregatedRound, abort_uploads, prune_after
 from services.scheduler.round_plan import (
     NO_WEIGHTS,
     RoundTarget,
@@ -267,8 +267,10 @@ class SchedulerHandlers:
         # Not in mode async: there an attempt numbers a task, and tasks of a version still train or wait in the
         # open version's buffer (an aggregator that restarts folds them again), so every contribution stays.
         if spec.distributed.mode != "async":
-            await prune_after(self._storage, event.job_id, event.round, event.attempt, event.weights.sha256,
-                              keep_contributions=spec.distributed.transfer.keep_contributions)
+            done = AggregatedRound(event.job_id, event.round, event.attempt,
+                                   await store.attempts(self._db, event.job_id, event.round - 1),
+                                   [s.index for s in job.shards], trained_from=job.weights, weights=event.weights)
+            await prune_after(self._storage, done, spec.distributed.transfer)
             if event.shard_states and not spec.distributed.transfer.keep_contributions:
                 await self._prune_shard_states(job, event.round)
         if may_end(spec, decision.next is Next.FINISH):
@@ -446,7 +448,7 @@ class SchedulerHandlers:
                 await self._start_round(tx, _target(job, decision.round, decision.attempt))
         # The attempt's assignments have ended: what their uploads left incomplete will never be completed (in mode
         # async an attempt numbers one task, and the version's other tasks may still be uploading).
-        if job.spec.distributed.mode != "async":
+        if job.spec.distributed.mode != "async" and job.spec.distributed.transfer.in_parts(job.weights.size):
             await abort_uploads(self._storage, event.job_id, event.round, event.attempt)
 
     async def _on_current(self, event: Outcome, act: Callable[[Job, Outcome], Awaitable[None]]) -> None:

@@ -60,9 +60,10 @@ class AssignmentRouter:
                         expected: int) -> MultipartUpload | None:
         """A multipart upload for the shard's result (`expected` bytes, about), where it takes more than one part
         and the store takes parts (S3): presigned for `ttl` seconds, with room for a result a little larger."""
-        part_size = target.spec.distributed.transfer.part_size_mib * 2**20
-        if expected <= part_size:
+        transfer = target.spec.distributed.transfer
+        if not transfer.in_parts(expected):
             return None
+        part_size = transfer.part_size_mib * 2**20
         key = keys.contribution(target.job_id, target.round, target.attempt, shard.index)
         return await self._storage.start_multipart(key, planned_parts(expected, part_size), part_size, ttl)
 

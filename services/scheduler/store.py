@@ -340,6 +340,12 @@ async def evaluations(db: Executor, job_id: str) -> list[dict[str, Any]]:
     return [{**r, "metrics": from_json(r["metrics"], {})} for r in rows]
 
 
+async def attempts(db: Executor, job_id: str, round_index: int) -> int:
+    """How many attempts round `round_index` of the job has had (0 for a round that never started)."""
+    return int(await db.fetchval("SELECT COALESCE(MAX(attempt), 0) FROM rounds WHERE job_id = $1 AND round = $2",
+                                 job_id, round_index))
+
+
 async def aggregated_rounds(db: Executor, job_id: str) -> dict[int, dict[str, Any]]:
     """Each aggregated round's global weights' key and its metrics, by round."""
     rows = await db.fetch("SELECT round, weights_key, metrics FROM rounds WHERE job_id = $1 AND status = 'aggregated'",

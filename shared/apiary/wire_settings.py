@@ -41,6 +41,10 @@ class TransferSettings(BaseModel):
                              f"got {self.block_size}")
         return self
 
+    def in_parts(self, size: int) -> bool:
+        """Whether a result of about `size` bytes goes up in parts (a multipart upload), not in one request."""
+        return size > self.part_size_mib * 2**20
+
     @property
     def encodes_upload(self) -> bool:
         """Whether a worker rewrites its result before upload (anything but fp32 weights)."""

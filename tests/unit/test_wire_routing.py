@@ -10,12 +10,12 @@ from typing import Any
 import torch
 
 from apiary import keys
-from apiary.contracts import ShardInfo
+from apiary.contracts import ObjectRef, ShardInfo
 from apiary.jobspec import JobSpec
 from apiary.storage.local import LocalStorage
 from apiary.weights import dumps, loads
 from apiary.wire_codec import load_downloaded
-from services.scheduler.pruning import stale_contributions
+from services.scheduler.pruning import AggregatedRound, spent_contributions
 from services.scheduler.round_plan import RoundTarget, plan_round
 from services.scheduler.routing import AssignmentRouter
 
@@ -59,13 +59,22 @@ async def test_a_default_job_downloads_the_fp32_weights_and_carries_no_transfer(
     assert all(a.transfer is None for a in assignments)
 
 
-def test_pruning_spares_the_aggregated_attempt_and_run_files() -> None:
-    listed = [keys.contribution("j", 1, 1, 0), keys.run_files("j", 1, 1, 0), keys.contribution("j", 2, 1, 0),
-              keys.contribution("j", 2, 2, 0), keys.contribution("j", 2, 2, 1), keys.global_weights("j", 1)]
+def test_pruning_names_every_spent_contribution_and_spares_the_aggregated_attempt() -> None:
+    weights = ObjectRef(key=keys.global_weights("j", 2), size=10, sha256="0" * 64)
+    done = AggregatedRound("j", round=3, attempt=2, previous_attempts=2, shards=[0, 1], trained_from=weights,
+                           weights=weights)
 
-    stale = stale_contributions(listed, round_index=2, attempt=2)
+    spent = spent_contributions(done)
 
-    assert stale == [keys.contribution("j", 1, 1, 0), keys.contribution("j", 2, 1, 0)]
+    # Round 2's two attempts (a late upload to its failed one too) and round 3's failed first attempt; never
+    # round 3's aggregated attempt 2, whose contributions an aggregator that recovers reads again.
+    assert sorted(spent) == sorted(keys.contribution("j", r, a, s) for r, a in ((2, 1), (2, 2), (3, 1)) for s in (0, 1))
+
+
+def test_round_one_has_no_round_before_it_to_prune() -> None:
+    weights = ObjectRef(key=keys.global_weights("j", 1), size=10, sha256="0" * 64)
+
+    assert spent_contributions(AggregatedRound("j", 1, 1, 0, [0, 1, 2], weights, weights)) == []
 
 
 class _PartsStore(LocalStorage):

@@ -20,6 +20,9 @@ CLOCK_SKEW = 300.0
 # marker still missing this long after the worker started listening means the job had not ended then,
 # so the job's later assignments are not probed.
 MARKER_SETTLE = 30.0
+# A marker found missing before then is read again for the job's later assignments, but not more often than this:
+# a job's rounds follow each other in milliseconds, and a read per assignment cost a request per contribution.
+REREAD = 5.0
 
 
 class JobEnds:
@@ -28,6 +31,7 @@ class JobEnds:
     def __init__(self) -> None:
         self._ended: OrderedDict[str, str] = OrderedDict()  # job id -> why it ended
         self._alive: OrderedDict[str, None] = OrderedDict()  # jobs known not to have ended unheard
+        self._read: OrderedDict[str, float] = OrderedDict()  # job -> when its marker was last read, found missing
         self.listening_since = float("inf")  # when job ends started to reach this worker
 
     def __contains__(self, job_id: object) -> bool:
@@ -44,9 +48,11 @@ class JobEnds:
     def probe(self, a: Assignment) -> asyncio.Task[bool] | None:
         """Whether the assignment's job ended before this worker listened for job ends, read from the
         job's end marker (in the background, beside the downloads), for assignments issued about
-        then or earlier; None where no reading is needed (most: nothing to pay)."""
+        then or earlier; None where no reading is needed (most: nothing to pay), or where the marker was found
+        missing less than REREAD seconds ago."""
         if (a.ended_url is None or a.issued_at is None or a.job_id in self._alive
-                or a.issued_at > self.listening_since + CLOCK_SKEW):
+                or a.issued_at > self.listening_since + CLOCK_SKEW
+                or time.time() - self._read.get(a.job_id, -REREAD) < REREAD):
             return None
         return asyncio.create_task(self._ended_unheard(a.job_id, a.ended_url), name=f"ended?:{a.job_id}")
 
@@ -56,6 +62,8 @@ class JobEnds:
         if marker is None:
             if asked > self.listening_since + MARKER_SETTLE:
                 _remember(self._alive, job_id, None)
+            else:
+                _remember(self._read, job_id, asked)
             return False
         try:
             reason = str(json.loads(marker).get("reason") or "ended")

@@ -8,11 +8,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from apiary.bus.memory import MemoryBus
 from apiary.contracts import Assignment
 from apiary.settings import Settings
 from services.worker import Worker
-from services.worker.job_ends import CLOCK_SKEW, MARKER_SETTLE
+from services.worker.job_ends import CLOCK_SKEW, MARKER_SETTLE, REREAD
 
 
 def _assignment(job_id: str, marker: Path, issued_at: float) -> Assignment:
@@ -44,12 +46,21 @@ async def test_assignments_issued_well_after_listening_started_are_not_probed(tm
     assert worker.ended.probe(_assignment("j", tmp_path / "ended.json", time.time())) is None
 
 
-async def test_a_marker_missing_soon_after_listening_started_is_read_again_next_time(tmp_path: Path) -> None:
-    # The aggregator may not have stored it yet: the next assignment of the job is probed too.
+async def test_a_marker_missing_soon_after_listening_started_is_read_again_but_not_for_every_assignment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The aggregator may not have stored it yet: the job's marker is read again, REREAD seconds later at the soonest
+    # (its rounds follow each other in milliseconds: a read per assignment would cost a request per contribution).
     worker = _worker(tmp_path, listening_for=1)
-    for _ in range(2):
-        probe = worker.ended.probe(_assignment("j", tmp_path / "ended.json", time.time() - 5))
-        assert probe is not None and not await probe
+    marker = tmp_path / "ended.json"
+    probe = worker.ended.probe(_assignment("j", marker, time.time() - 5))
+    assert probe is not None and not await probe
+    assert worker.ended.probe(_assignment("j", marker, time.time() - 5)) is None
+    later = time.time() + REREAD
+    monkeypatch.setattr(time, "time", lambda: later)
+    marker.write_text('{"reason": "cancelled by user"}')
+    probe = worker.ended.probe(_assignment("j", marker, later - 5))
+    assert probe is not None and await probe
+    assert worker.ended.reason("j") == "cancelled by user"
 
 
 async def test_a_marker_missing_well_after_listening_started_is_not_read_again(tmp_path: Path) -> None:

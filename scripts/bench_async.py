@@ -80,7 +80,8 @@ def request(row: Row, mode: str, args: argparse.Namespace) -> dict[str, Any]:
                                    "evaluate_every": 0, "num_rounds": args.rounds}
     if mode == "async":
         distributed.update(mode="async", num_rounds=args.rounds * WORKERS // args.buffer,
-                           **{"async": {"buffer_size": args.buffer, "staleness_weight": "polynomial"}})
+                           **{"async": {"buffer_size": args.buffer, "staleness_weight": "polynomial",
+                                        "staleness_exponent": args.staleness_exponent}})
     job["distributed"] = distributed
     job["split"] = ({"strategy": "random", "seed": 0} if row.split == "iid"
                     else {"strategy": "label_skew", "alpha": float(row.split), "seed": 0})
@@ -190,6 +191,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=8, help="sync rounds (async: the same number of updates)")
     parser.add_argument("--buffer", type=int, default=2, help="async buffer size K")
+    parser.add_argument("--staleness-exponent", type=float, default=0.5,
+                        help="async: the exponent a of the polynomial staleness weight (1+s)^-a")
     parser.add_argument("--pace", type=float, default=1.0, help="seconds a training task takes at least")
     parser.add_argument("--factor", type=float, default=5.0, help="how much slower the slow worker is")
     parser.add_argument("--target", type=float, default=0.95, help="held-out accuracy to reach")

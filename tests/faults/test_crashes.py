@@ -18,6 +18,7 @@ from apiary.weights import loads as load_weights
 from apiary.weights import spec_of_tensors
 from tests.faults.support import (
     Faults,
+    Gates,
     assert_weights,
     expected_weights,
     new_id,
@@ -128,12 +129,13 @@ def test_aggregator_killed_after_contributions_were_recorded_resumes_without_dou
 
 
 def test_aggregator_killed_mid_fedadam_job_ends_with_the_weights_of_an_undisturbed_run(
-        faults: Faults, toy_data: Data, outcome: Record) -> None:
+        faults: Faults, toy_data: Data, outcome: Record, tmp_path: Path) -> None:
     cluster = faults.cluster
     cluster.start(workers=3)
     job_id = new_id("kill-aggregator-fedadam")
+    gates = Gates(tmp_path, opened=1)  # shard 0 held in round 2 until the aggregator is back
     request = toy_job(job_id, toy_data(15), rounds=4, min_workers=3, max_workers=3,
-                      config={"mode": "slow", "slow_seconds": 4, "fail_shards": [0]})
+                      config={"mode": "gated", "gate": gates.path, "fail_shards": [0]})
     request["distributed"]["strategy"] = "fedadam"
     cluster.publish_job(request)
     sizes = faults.shard_sizes(job_id)
@@ -143,10 +145,11 @@ def test_aggregator_killed_mid_fedadam_job_ends_with_the_weights_of_an_undisturb
     recorded = sorted(faults.accepted(job_id)[(2, 1)])
     at_kill = faults.aggregations(job_id)[1]["status"]
     cluster.start_service("aggregator")
+    gates.open_through(4)
     job = cluster.wait_job(job_id)
 
     assert job["status"] == "completed", job["reason"]
-    assert at_kill == "open" and 0 not in recorded, "the kill came mid-round 2 (shard 0 trains slowly)"
+    assert at_kill == "open" and 0 not in recorded, "the kill came mid-round 2 (shard 0 held at its gate)"
     assert faults.accepted(job_id) == {(r, 1): sizes for r in (1, 2, 3, 4)}
     states = [a["state_key"] for a in faults.aggregations(job_id)]
     assert all(states), "every round stored FedAdam's moments"
@@ -162,13 +165,14 @@ def test_aggregator_killed_mid_fedadam_job_ends_with_the_weights_of_an_undisturb
 
 
 def test_aggregator_killed_mid_scaffold_job_ends_as_an_undisturbed_fold_of_the_same_contributions(
-        faults: Faults, toy_data: Data, outcome: Record) -> None:
+        faults: Faults, toy_data: Data, outcome: Record, tmp_path: Path) -> None:
     # Every round's contributions kept (finished rounds' are deleted otherwise): the replay reads them all.
-    job_id, job, recorded = _scaffold_job_with_the_aggregator_killed_in_round_2(faults, toy_data, "kill-aggregator-"
-                                                                              "scaffold", keep_contributions=True)
+    job_id, job, recorded = _scaffold_job_with_the_aggregator_killed_in_round_2(faults, toy_data, tmp_path,
+                                                                              "kill-aggregator-scaffold",
+                                                                              keep_contributions=True)
 
     assert job["status"] == "completed", job["reason"]
-    assert 0 not in recorded, "the kill came mid-round 2 (shard 0 trains slowly)"
+    assert 0 not in recorded, "the kill came mid-round 2 (shard 0 held at its gate)"
     rows = [r for r in faults.contributions(job_id) if r["status"] == "accepted"]
     assert sorted((r["round"], r["shard"]) for r in rows) == [(r, s) for r in (1, 2, 3) for s in (0, 1, 2)]
     # Replayed: each round's stored contributions through a fresh strategy, with their control deltas derived from
@@ -203,10 +207,11 @@ def test_aggregator_killed_mid_scaffold_job_ends_as_an_undisturbed_fold_of_the_s
 
 
 def test_aggregator_killed_mid_scaffold_job_finds_the_shard_states_it_needs_while_superseded_ones_go(
-        faults: Faults, toy_data: Data, outcome: Record) -> None:
+        faults: Faults, toy_data: Data, outcome: Record, tmp_path: Path) -> None:
     # Superseded shard states are deleted as rounds aggregate.
-    job_id, job, _ = _scaffold_job_with_the_aggregator_killed_in_round_2(faults, toy_data, "kill-aggregator-scaffold-"
-                                                                       "pruned", keep_contributions=False)
+    job_id, job, _ = _scaffold_job_with_the_aggregator_killed_in_round_2(faults, toy_data, tmp_path,
+                                                                       "kill-aggregator-scaffold-pruned",
+                                                                       keep_contributions=False)
 
     assert job["status"] == "completed", job["reason"]
     rows = [r for r in faults.contributions(job_id) if r["status"] == "accepted"]
@@ -229,16 +234,18 @@ def test_aggregator_killed_mid_scaffold_job_finds_the_shard_states_it_needs_whil
             f"{job['status']}; c equal to the mean of the shards' final c_i; only the current states stored", double)
 
 
-def _scaffold_job_with_the_aggregator_killed_in_round_2(faults: Faults, toy_data: Data, name: str, *,
-                                                        keep_contributions: bool) -> tuple[str, dict[str, Any],
-                                                                                           list[int]]:
-    """A 3-round SCAFFOLD job on 3 workers (shard 0 slow) whose aggregator is killed with SIGKILL once a round-2
-    contribution is recorded, then restarted: the job id, the job as it ended, and the shards recorded at the kill."""
+def _scaffold_job_with_the_aggregator_killed_in_round_2(faults: Faults, toy_data: Data, tmp_path: Path, name: str,
+                                                        *, keep_contributions: bool) -> tuple[str, dict[str, Any],
+                                                                                              list[int]]:
+    """A 3-round SCAFFOLD job on 3 workers (shard 0 held in round 2 until the aggregator is back) whose aggregator is
+    killed with SIGKILL once a round-2 contribution is recorded, then restarted: the job id, the job as it ended, and
+    the shards recorded at the kill."""
     cluster = faults.cluster
     cluster.start(workers=3)
     job_id = new_id(name)
+    gates = Gates(tmp_path, opened=1)
     request = toy_job(job_id, toy_data(15), rounds=3, min_workers=3, max_workers=3,
-                      config={"mode": "slow", "slow_seconds": 4, "fail_shards": [0]})
+                      config={"mode": "gated", "gate": gates.path, "fail_shards": [0]})
     request["entrypoint"] = "tests.toyjobs.scaffoldtoy:fl_train_model"
     request["distributed"]["strategy"] = "scaffold"
     if keep_contributions:
@@ -249,6 +256,7 @@ def _scaffold_job_with_the_aggregator_killed_in_round_2(faults: Faults, toy_data
     cluster.kill("aggregator", signal.SIGKILL)
     recorded = sorted(faults.accepted(job_id)[(2, 1)])
     cluster.start_service("aggregator")
+    gates.open_through(3)
     return job_id, cluster.wait_job(job_id), recorded
 
 

@@ -1,7 +1,8 @@
 """A toy `fl_train_model` for SCAFFOLD (issue 41): the toy's weights as a small linear layer trained by plain SGD on
 shard-dependent data, its gradients corrected by apiary.sdk.Scaffold, so every round moves the control variates.
 
-env MODE slow with FAIL_SHARDS (a list) makes those shards sleep SLOW_SECONDS first (a test kills a process meanwhile).
+env MODE slow with FAIL_SHARDS (a list) makes those shards sleep SLOW_SECONDS first; MODE gated holds them at the
+toy's gate (env GATE) instead, until the test opens it (a test kills a process meanwhile).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from apiary.sdk import Scaffold, get_weights
-from tests.toyjobs.toy import fl_init_weights
+from tests.toyjobs.toy import fl_init_weights, hold_at_gate
 
 __all__ = ["fl_init_weights", "fl_train_model"]
 LR, STEPS = 0.05, 3
@@ -32,8 +33,11 @@ class ToyModel(torch.nn.Module):
 def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) -> dict[str, Any]:
     """Three SGD steps towards a target that differs by shard, each corrected by SCAFFOLD."""
     env, shard = payload["env"], int(payload["dataset"]["shard_index"])
-    if env.get("MODE") == "slow" and shard in (env.get("FAIL_SHARDS") or []):
-        time.sleep(float(env.get("SLOW_SECONDS", 2.0)))
+    if shard in (env.get("FAIL_SHARDS") or []):
+        if env.get("MODE") == "slow":
+            time.sleep(float(env.get("SLOW_SECONDS", 2.0)))
+        elif env.get("MODE") == "gated":
+            hold_at_gate(payload)
     model = ToyModel()
     model.load_state_dict(payload["initial_weights"])
     scaffold = Scaffold(model, payload, lr=LR)

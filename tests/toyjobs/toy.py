@@ -1,8 +1,9 @@
 """A toy `fl_train_model` whose result is known exactly: shard s adds (s + 1) to every weight.
 
 env MODE picks a behaviour: ok (default), raise, exit, hang, nan, badshape, zero_samples, slow, gated (held until
-the file env GATE names exists, its "{round}" replaced by the round's index: the test decides when the shard
-reports in each round, waiting at most GATE_SECONDS, default 300).
+the file env GATE names exists, its "{round}" replaced by the round's index and "{attempt}" by the attempt's (in
+mode async, the task's number): the test decides when the shard reports in each round, or when each task does,
+waiting at most GATE_SECONDS, default 300).
 env FAIL_SHARDS (a list) limits a failure mode to those shards; the others behave normally.
 env EVAL_MODE raise or slow makes fl_evaluate_model fail or sleep (in the rounds EVAL_FAIL_ROUNDS lists, or all).
 """
@@ -50,6 +51,16 @@ def _count_samples(data_root: str) -> int:
     return len(manifest["samples"])
 
 
+def hold_at_gate(payload: dict[str, Any]) -> None:
+    """Wait until the file env GATE names exists ("{round}" and "{attempt}" in it replaced by the round's), at most
+    GATE_SECONDS."""
+    env, at = payload["env"], payload["round"]
+    gate = Path(env["GATE"].replace("{round}", str(at["index"])).replace("{attempt}", str(at.get("attempt", 1))))
+    deadline = time.monotonic() + float(env.get("GATE_SECONDS", 300))
+    while not gate.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) -> dict[str, Any]:
     """Add (shard + 1) to every float weight; fail as env MODE asks."""
     env = payload["env"]
@@ -65,10 +76,7 @@ def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) ->
     if mode == "slow":
         time.sleep(float(env.get("SLOW_SECONDS", 2.0)))
     if mode == "gated":
-        gate = Path(env["GATE"].replace("{round}", str(payload["round"]["index"])))
-        deadline = time.monotonic() + float(env.get("GATE_SECONDS", 300))
-        while not gate.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        hold_at_gate(payload)
     weights = {k: v.clone() for k, v in payload["initial_weights"].items()}
     for tensor in weights.values():
         if tensor.is_floating_point():

@@ -33,11 +33,12 @@ Data = Callable[[int], Path]
 
 @pytest.mark.queue_types
 def test_pool_assignment_of_a_killed_worker_is_trained_by_another(
-        faults: Faults, toy_data: Data, outcome: Record) -> None:
+        faults: Faults, toy_data: Data, outcome: Record, tmp_path: Path) -> None:
     cluster = faults.cluster
     cluster.start(workers=2)
     job_id = new_id("kill-pool")
-    cluster.publish_job(toy_job(job_id, toy_data(12), rounds=2, config={"mode": "slow", "slow_seconds": 3}))
+    gates = Gates(tmp_path)  # every shard held until worker-2 is gone
+    cluster.publish_job(toy_job(job_id, toy_data(12), rounds=2, config={"mode": "gated", "gate": gates.path}))
     sizes = faults.shard_sizes(job_id)
     shard = faults.wait_training("worker-2", job_id, 1)
     child = cluster.training_child("worker-2")
@@ -47,6 +48,7 @@ def test_pool_assignment_of_a_killed_worker_is_trained_by_another(
     # notice on its own and leave (an orphan would train on for nobody, holding its GPU's memory).
     cluster.kill("worker-2", signal.SIGKILL, group=False)
     cluster.wait_for(lambda: not process_alive(child), 10, f"the killed worker's training child {child} to exit")
+    gates.open_through(2)
     job = cluster.wait_job(job_id)
 
     assert job["status"] == "completed", job["reason"]
@@ -64,16 +66,18 @@ def test_pool_assignment_of_a_killed_worker_is_trained_by_another(
 
 @pytest.mark.queue_types
 def test_pinned_shard_waits_for_its_killed_worker_to_come_back(
-        faults: Faults, toy_data: Data, outcome: Record) -> None:
+        faults: Faults, toy_data: Data, outcome: Record, tmp_path: Path) -> None:
     cluster = faults.cluster
     cluster.start(workers=["site-a", "site-b"])
     job_id = new_id("kill-pinned")
+    gates = Gates(tmp_path)  # both shards held until site-b is gone
     cluster.publish_job(toy_job(job_id, toy_data(10), rounds=2, min_workers=2, pinned=["site-a", "site-b"],
-                                config={"mode": "slow", "slow_seconds": 3}))
+                                config={"mode": "gated", "gate": gates.path}))
     sizes = faults.shard_sizes(job_id)
     faults.wait_training("site-b", job_id, 1)
 
     cluster.kill("site-b", signal.SIGKILL)
+    gates.open_through(2)
     faults.wait_aggregation(job_id, 1, "open")
     cluster.wait_for(lambda: faults.query(
         "SELECT 1 FROM contributions WHERE job_id = $1 AND shard = 0 AND round = 1", job_id), 60,
@@ -100,18 +104,20 @@ def test_pinned_shard_waits_for_its_killed_worker_to_come_back(
 
 @pytest.mark.queue_types
 def test_aggregator_killed_after_contributions_were_recorded_resumes_without_double_counting(
-        faults: Faults, toy_data: Data, outcome: Record) -> None:
+        faults: Faults, toy_data: Data, outcome: Record, tmp_path: Path) -> None:
     cluster = faults.cluster
     cluster.start(workers=2)
     job_id = new_id("kill-aggregator")
+    gates = Gates(tmp_path)  # shard 0 held until the aggregator is down
     cluster.publish_job(toy_job(job_id, toy_data(15), rounds=2, max_workers=3,
-                                config={"mode": "slow", "slow_seconds": 5, "fail_shards": [0]}))
+                                config={"mode": "gated", "gate": gates.path, "fail_shards": [0]}))
     sizes = faults.shard_sizes(job_id)
     cluster.wait_for(lambda: len(faults.accepted(job_id).get((1, 1), {})) == 2, 60,
                      "two contributions of round 1 to be recorded")
 
     cluster.kill("aggregator", signal.SIGKILL)
     recorded = faults.accepted(job_id)[(1, 1)]
+    gates.open_through(2)
     cluster.wait_for(lambda: faults.query(
         "SELECT 1 FROM shard_views WHERE job_id = $1 AND round = 1 AND shard = 0 AND state = 'reported'", job_id),
         60, "the last shard of round 1 to report while the aggregator is down")
@@ -261,23 +267,26 @@ def _scaffold_job_with_the_aggregator_killed_in_round_2(faults: Faults, toy_data
 
 
 def test_scheduler_killed_between_rounds_and_mid_round_resumes_the_job(
-        faults: Faults, toy_data: Data, outcome: Record) -> None:
+        faults: Faults, toy_data: Data, outcome: Record, tmp_path: Path) -> None:
     cluster = faults.cluster
     cluster.start(workers=2)
     job_id = new_id("kill-scheduler")
-    # 4 s shards: the tracker shows a shard training from the worker's next beat (every second) and its batched
-    # write (every second), so a 2 s shard could end before the test saw round 2 training, under load.
-    cluster.publish_job(toy_job(job_id, toy_data(12), rounds=3, config={"mode": "slow", "slow_seconds": 4}))
+    # Each round's shards are held until the test has killed the scheduler in it (the tracker shows a shard
+    # training from the worker's next beat and its batched write, a second or two).
+    gates = Gates(tmp_path)
+    cluster.publish_job(toy_job(job_id, toy_data(12), rounds=3, config={"mode": "gated", "gate": gates.path}))
     sizes = faults.shard_sizes(job_id)
     faults.wait_training("worker-1", job_id, 1)
 
     cluster.kill("scheduler", signal.SIGKILL)
+    gates.open_through(1)
     faults.wait_aggregation(job_id, 1)
     between = [(r["round"], r["status"]) for r in faults.rounds(job_id)]
     cluster.start_service("scheduler")
     faults.wait_training("worker-1", job_id, 2)
     cluster.kill("scheduler", signal.SIGKILL)
     cluster.start_service("scheduler")
+    gates.open_through(3, first=2)
     job = cluster.wait_job(job_id)
 
     assert job["status"] == "completed", job["reason"]
@@ -292,19 +301,21 @@ def test_scheduler_killed_between_rounds_and_mid_round_resumes_the_job(
 
 
 def test_sharder_and_tracker_killed_and_restarted_lose_nothing(
-        faults: Faults, toy_data: Data, outcome: Record) -> None:
+        faults: Faults, toy_data: Data, outcome: Record, tmp_path: Path) -> None:
     cluster = faults.cluster
     cluster.start(workers=2)
     cluster.kill("sharder", signal.SIGKILL)
     job_id = new_id("kill-sharder-tracker")
 
-    # 3 s shards: the tracker must show round 1 training (from a beat every second) before it ends, under load too.
-    cluster.publish_job(toy_job(job_id, toy_data(12), rounds=2, config={"mode": "slow", "slow_seconds": 3}))
+    # The shards are held until the tracker has shown round 1 training and been killed.
+    gates = Gates(tmp_path)
+    cluster.publish_job(toy_job(job_id, toy_data(12), rounds=2, config={"mode": "gated", "gate": gates.path}))
     cluster.wait_for(lambda: (j := cluster.job(job_id)) and j["status"] == "sharding", 60, "the job to be accepted")
     cluster.start_service("sharder")
     sizes = faults.shard_sizes(job_id)
     faults.wait_training("worker-1", job_id, 1)
     cluster.kill("tracker", signal.SIGKILL)
+    gates.open_through(2)
     faults.wait_aggregation(job_id, 1)
     cluster.start_service("tracker")
     job = cluster.wait_job(job_id)

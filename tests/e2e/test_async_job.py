@@ -18,6 +18,7 @@ from apiary.strategies.buffered import staleness_weight
 from apiary.weights import loads
 from services.app.render import render_job
 from services.tracker.schemas import JobDetail
+from tests.faults.support import Gates
 from tests.fixtures.embedded import StackFactory, toy_request
 
 SLOW = 3  # the shard held back (its worker is "slow")
@@ -129,16 +130,15 @@ async def test_a_task_whose_report_never_comes_loses_its_slot_at_its_deadline_an
         embedded: StackFactory, tmp_path: Path, toy_dataset: Path) -> None:
     # Prepare: 4 workers, one shard each, every shard training at once; the first report of shard 3 is lost on
     # its way (its worker stays alive and heartbeating, as a worker that hangs after training would): with no
-    # deadline of its own, the task would hold its slot, and shard 3 would never train again. Tasks from version 2
-    # on wait for their gates, so the job is still running when the lost task's deadline passes. Version 2's gate
-    # opens half a timeout after the loss: the tasks from version 3 on, and version 3 itself, start then, so their
-    # deadlines come half a timeout after the lost task's (not a moment after it, which a loaded machine misses).
-    gate = tmp_path / "gate-{round}"
-    Path(str(gate).replace("{round}", "1")).touch()
-    timeout = 30
+    # deadline of its own, the task would hold its slot, and shard 3 would never train again. Each task waits at a
+    # gate named by its number: the first four (version 1's, shard 3's among them) go; the rest wait until the lost
+    # task's deadline has passed, so the job is still running then. The open version holds an update (one of the
+    # first four lands in version 2) and is made from it at its timeout; the next one's timeout comes a whole
+    # timeout after the lost task's deadline, long after the gates open.
+    gates = Gates(tmp_path, opened=4, by="attempt")
     request = toy_request(toy_dataset, num_rounds=6, min_workers=4, max_workers=4, mode="async", evaluate_every=0,
-                          aggregation_timeout=timeout, **{"async": {"buffer_size": 2}})
-    request["config"] = {"mode": "gated", "gate": str(gate)}
+                          aggregation_timeout=30, **{"async": {"buffer_size": 2}})
+    request["config"] = {"mode": "gated", "gate": gates.path}
     async with embedded(workers=4) as stack:
         db = stack.ports.db
         lost: list[int] = []
@@ -157,21 +157,12 @@ async def test_a_task_whose_report_never_comes_loses_its_slot_at_its_deadline_an
             worker.bus.publish = losing(worker.bus.publish)  # type: ignore[method-assign]
         job_id = await stack.submit(request)
 
-        # Execute: open version 2's gate half a timeout after the loss; wait for the lost task's deadline to free
-        # its slot, then let every task go on.
-        async def report_lost() -> bool:
-            return bool(lost)
-
-        await _wait_for(report_lost, timeout)
-        await asyncio.sleep(timeout / 2)
-        Path(str(gate).replace("{round}", "2")).touch()
-
+        # Execute: wait for the lost task's deadline to free its slot, then let every task go on.
         async def slot_lost() -> bool:
             return bool(lost) and await db.fetchval("SELECT status FROM async_slots WHERE job_id = $1 AND attempt"
                                                     " = $2", job_id, lost[0]) == "lost"
         await _wait_for(slot_lost, 90)
-        for index in range(3, 12):
-            Path(str(gate).replace("{round}", str(index))).touch()
+        gates.open_through(200, first=5)
         view = await stack.wait(job_id, timeout=120)
         slots = await db.fetch("SELECT attempt, shard, status FROM async_slots WHERE job_id = $1 ORDER BY attempt",
                                job_id)

@@ -35,10 +35,10 @@ async def test_fast_workers_never_wait_for_the_slow_one(embedded: StackFactory, 
                                                         toy_dataset: Path) -> None:
     # Prepare: 4 workers, one shard each; shard 3 is held until the test opens its gate, so it is as slow as the
     # test wants: three versions must be made without it.
-    gate = tmp_path / "gate-{round}"
+    gates = Gates(tmp_path)
     request = toy_request(toy_dataset, num_rounds=6, min_workers=4, max_workers=4, mode="async", evaluate_every=0,
                           **{"async": {"buffer_size": 2, "staleness_weight": "polynomial"}})
-    request["config"] = {"mode": "gated", "fail_shards": [SLOW], "gate": str(gate)}
+    request["config"] = {"mode": "gated", "fail_shards": [SLOW], "gate": gates.path}
     async with embedded(workers=4) as stack:
         db = stack.ports.db
         job_id = await stack.submit(request)
@@ -53,8 +53,7 @@ async def test_fast_workers_never_wait_for_the_slow_one(embedded: StackFactory, 
         await _wait_for(three, 120)
         slow_reports_before = await db.fetchval("SELECT COUNT(*) FROM contributions WHERE job_id = $1 AND shard = $2",
                                                 job_id, SLOW)
-        for index in range(1, 8):
-            Path(str(gate).replace("{round}", str(index))).touch()
+        gates.open_through(7)
         view = await stack.wait(job_id, timeout=120)
         folds = await db.fetch("SELECT * FROM async_folds WHERE job_id = $1 ORDER BY seq", job_id)
         tasks = {(r["round"], r["attempt"], r["shard"]): r for r in await db.fetch(

@@ -290,7 +290,8 @@ def checkout(ref: str, folder: Path) -> Path:
 
 # Runs another checkout's bench_round.py with this one's CPU accounting (its training child counted, and apart).
 _OTHER = """
-import importlib.util, sys
+import importlib.util, os, sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[1])))  # its own helpers (bench_record)
 spec = importlib.util.spec_from_file_location("bench_round_other", sys.argv[1])
 other = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(other)
@@ -321,7 +322,9 @@ def run_other(tree: Path, k: int, rounds: int, storage: str) -> tuple[float, dic
         if line.startswith(CPU_LINE):
             items = (item.rsplit(" ", 1) for item in line.split(":", 1)[1].split(", "))
             cpu = {kind.strip(): float(v) for kind, v in items}
-    return float(json.loads(out.stdout.strip().splitlines()[-1])[str(k)]["median_s"]), cpu
+    # Its figures are its last JSON line ("figures written to ..." may follow it).
+    figures = [line for line in out.stdout.splitlines() if line.startswith("{")][-1]
+    return float(json.loads(figures)[str(k)]["median_s"]), cpu
 
 
 def paired(args: argparse.Namespace, endpoint: str, tmp: Path) -> dict[int, dict[str, Any]]:

@@ -66,7 +66,7 @@ from services.scheduler.finishing import JobFinisher
 from services.scheduler.initial_and_final import checked_initial_weights, initial_weights, no_initial_weights
 from services.scheduler.job_machine import Next, after_aggregated, after_failed, is_current, too_many_failures
 from services.scheduler.presence import FleetPace, PaceReminders, PresenceFilter
-from services.scheduler.pruning import AggregatedRound, abort_uploads, prune_after
+from services.scheduler.pruning import AggregatedRound, PruneSchedule, abort_uploads, prune_after
 from services.scheduler.round_plan import (
     NO_WEIGHTS,
     RoundTarget,
@@ -101,6 +101,7 @@ class SchedulerHandlers:
         self._reminders = PaceReminders()
         self._finisher = JobFinisher(db, storage, outbox, tasks=self._tasks, offline_after=self._pace.offline_after)
         self._locks = KeyedLocks()
+        self._pruning = PruneSchedule()  # when each job's spent contributions go
         self._presence = PresenceFilter(settings.worker_offline_after)
         self._bus = bus
         # Mode async (FedBuff): versions, and training tasks handed out as workers report.
@@ -267,10 +268,13 @@ class SchedulerHandlers:
         # Not in mode async: there an attempt numbers a task, and tasks of a version still train or wait in the
         # open version's buffer (an aggregator that restarts folds them again), so every contribution stays.
         if spec.distributed.mode != "async":
-            done = AggregatedRound(event.job_id, event.round, event.attempt,
-                                   await store.attempts(self._db, event.job_id, event.round - 1),
-                                   [s.index for s in job.shards], trained_from=job.weights, weights=event.weights)
-            await prune_after(self._storage, done, spec.distributed.transfer)
+            earlier = self._pruning.due(event.job_id, event.round, time.time(), last=decision.next is Next.FINISH)
+            if earlier is not None:
+                done = AggregatedRound(event.job_id, event.round, event.attempt,
+                                       await store.attempts(self._db, event.job_id, earlier),
+                                       [s.index for s in job.shards], trained_from=job.weights, weights=event.weights,
+                                       aggregated_since=range(earlier.start + 1, event.round + 1))
+                await prune_after(self._storage, done, spec.distributed.transfer)
             if event.shard_states and not spec.distributed.transfer.keep_contributions:
                 await self._prune_shard_states(job, event.round)
         if may_end(spec, decision.next is Next.FINISH):

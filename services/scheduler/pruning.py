@@ -3,14 +3,17 @@ deleted (those of the round before it, and of the round's failed attempts), unle
 (`distributed.transfer.keep_contributions`); the last round's stay, for an aggregator that recovers it. Halved
 copies of global weights (distributed.transfer.download) other than the latest go too. Run files stay.
 
-The contributions' keys are named, not listed: a round costs one delete request (and a list of the halved copies
-where the job halves its downloads, an abort-list where its results go up in parts), not four lists."""
+The contributions' keys are named, not listed: a pruning costs one delete request (and a list of the halved copies
+where the job halves its downloads, an abort-list per round where its results go up in parts), not four lists. A job
+whose rounds come faster than one every PRUNE_EVERY seconds is pruned once per PRUNE_EVERY (and at its last round),
+for every round aggregated since (`PruneSchedule`): a delete request per round would cost its scheduler and storage
+more than a sub-second round does."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from apiary import keys
 from apiary.contracts import ObjectRef
@@ -20,6 +23,9 @@ from apiary.wire_settings import TransferSettings
 
 log = logging.getLogger("apiary.scheduler")
 
+PRUNE_EVERY = 2.0  # seconds: a job is pruned at most this often, and at its last round
+MOST_ROUNDS_DEFERRED = 32  # rounds: ... and at least every this many rounds
+
 
 @dataclass(frozen=True)
 class AggregatedRound:
@@ -28,18 +34,42 @@ class AggregatedRound:
     job_id: str
     round: int
     attempt: int  # the attempt it aggregated in
-    previous_attempts: int  # how many attempts the round before it took (0 for round 1)
+    earlier_attempts: Mapping[int, int]  # round -> how many attempts it took, for the earlier rounds to prune
     shards: Sequence[int]
     trained_from: ObjectRef  # the global weights its assignments started from
     weights: ObjectRef  # its result
+    aggregated_since: Sequence[int] = ()  # the rounds aggregated since the last pruning (this one included)
 
 
 def spent_contributions(done: AggregatedRound) -> list[str]:
-    """The contribution keys no round needs once `done` aggregated: every attempt's of the round before (a late
-    upload to a failed attempt included) and the round's own earlier attempts'."""
-    spent = [(done.round - 1, a) for a in range(1, done.previous_attempts + 1)]
+    """The contribution keys no round needs once `done` aggregated: every attempt's of the earlier rounds named (a
+    late upload to a failed attempt included) and the round's own earlier attempts'."""
+    spent = [(r, a) for r, n in sorted(done.earlier_attempts.items()) if r < done.round for a in range(1, n + 1)]
     spent += [(done.round, a) for a in range(1, done.attempt)]
     return [keys.contribution(done.job_id, r, a, s) for r, a in spent if r >= 1 for s in done.shards]
+
+
+@dataclass
+class PruneSchedule:
+    """When each job is pruned, and the earlier rounds a pruning covers (all in memory: a scheduler that restarts,
+    or a replica that did not prune the job last, covers MOST_ROUNDS_DEFERRED rounds more than it may need to, and
+    deleting what is gone already costs nothing more)."""
+
+    every: float = PRUNE_EVERY
+    most_rounds: int = MOST_ROUNDS_DEFERRED
+    _last: dict[str, tuple[int, float]] = field(default_factory=dict)  # job -> (round pruned at, when)
+
+    def due(self, job_id: str, round_index: int, now: float, *, last: bool) -> range | None:
+        """None if round `round_index`'s pruning may wait; else the earlier rounds whose every contribution is
+        spent now and may still be stored (it counts as done: the next pruning starts after it)."""
+        pruned, when = self._last.get(job_id, (max(0, round_index - 2 * self.most_rounds), float("-inf")))
+        if not last and now - when < self.every and round_index - pruned < self.most_rounds:
+            return None
+        if last:
+            self._last.pop(job_id, None)
+        else:
+            self._last[job_id] = (round_index, now)
+        return range(pruned, round_index)
 
 
 async def prune_after(storage: Storage, done: AggregatedRound, transfer: TransferSettings) -> int:
@@ -48,8 +78,9 @@ async def prune_after(storage: Storage, done: AggregatedRound, transfer: Transfe
     deleted = 0
     try:
         if transfer.in_parts(done.trained_from.size):
-            # The round's assignments have ended: uploads they left incomplete hold parts nobody will complete.
-            deleted += await storage.abort_multipart(f"{keys.job_prefix(done.job_id)}rounds/{done.round:04d}/")
+            # The rounds' assignments have ended: uploads they left incomplete hold parts nobody will complete.
+            for aggregated in done.aggregated_since or (done.round,):
+                deleted += await storage.abort_multipart(f"{keys.job_prefix(done.job_id)}rounds/{aggregated:04d}/")
         stale = [] if transfer.keep_contributions else spent_contributions(done)
         if transfer.download != "fp32":
             halved = await storage.list(f"{keys.job_prefix(done.job_id)}wire/")

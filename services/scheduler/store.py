@@ -340,10 +340,11 @@ async def evaluations(db: Executor, job_id: str) -> list[dict[str, Any]]:
     return [{**r, "metrics": from_json(r["metrics"], {})} for r in rows]
 
 
-async def attempts(db: Executor, job_id: str, round_index: int) -> int:
-    """How many attempts round `round_index` of the job has had (0 for a round that never started)."""
-    return int(await db.fetchval("SELECT COALESCE(MAX(attempt), 0) FROM rounds WHERE job_id = $1 AND round = $2",
-                                 job_id, round_index))
+async def attempts(db: Executor, job_id: str, rounds: range) -> dict[int, int]:
+    """How many attempts each of `rounds` of the job has had (a round that never started is left out)."""
+    rows = await db.fetch("SELECT round, MAX(attempt) AS attempts FROM rounds WHERE job_id = $1 AND round >= $2"
+                          " AND round < $3 GROUP BY round", job_id, rounds.start, rounds.stop)
+    return {int(r["round"]): int(r["attempts"]) for r in rows}
 
 
 async def aggregated_rounds(db: Executor, job_id: str) -> dict[int, dict[str, Any]]:

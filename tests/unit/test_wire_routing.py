@@ -15,7 +15,7 @@ from apiary.jobspec import JobSpec
 from apiary.storage.local import LocalStorage
 from apiary.weights import dumps, loads
 from apiary.wire_codec import load_downloaded
-from services.scheduler.pruning import AggregatedRound, spent_contributions
+from services.scheduler.pruning import AggregatedRound, PruneSchedule, spent_contributions
 from services.scheduler.round_plan import RoundTarget, plan_round
 from services.scheduler.routing import AssignmentRouter
 
@@ -61,7 +61,7 @@ async def test_a_default_job_downloads_the_fp32_weights_and_carries_no_transfer(
 
 def test_pruning_names_every_spent_contribution_and_spares_the_aggregated_attempt() -> None:
     weights = ObjectRef(key=keys.global_weights("j", 2), size=10, sha256="0" * 64)
-    done = AggregatedRound("j", round=3, attempt=2, previous_attempts=2, shards=[0, 1], trained_from=weights,
+    done = AggregatedRound("j", round=3, attempt=2, earlier_attempts={2: 2}, shards=[0, 1], trained_from=weights,
                            weights=weights)
 
     spent = spent_contributions(done)
@@ -74,7 +74,35 @@ def test_pruning_names_every_spent_contribution_and_spares_the_aggregated_attemp
 def test_round_one_has_no_round_before_it_to_prune() -> None:
     weights = ObjectRef(key=keys.global_weights("j", 1), size=10, sha256="0" * 64)
 
-    assert spent_contributions(AggregatedRound("j", 1, 1, 0, [0, 1, 2], weights, weights)) == []
+    assert spent_contributions(AggregatedRound("j", 1, 1, {}, [0, 1, 2], weights, weights)) == []
+
+
+def test_a_pruning_deferred_over_rounds_names_every_attempt_of_each_of_them() -> None:
+    weights = ObjectRef(key=keys.global_weights("j", 5), size=10, sha256="0" * 64)
+    done = AggregatedRound("j", round=5, attempt=1, earlier_attempts={2: 1, 3: 2, 4: 1}, shards=[0],
+                           trained_from=weights, weights=weights)
+
+    assert sorted(spent_contributions(done)) == sorted(keys.contribution("j", r, a, 0)
+                                                       for r, a in ((2, 1), (3, 1), (3, 2), (4, 1)))
+
+
+def test_a_job_is_pruned_once_per_interval_over_every_round_since_and_always_at_its_last_round() -> None:
+    schedule = PruneSchedule(every=2.0, most_rounds=4)
+
+    assert schedule.due("j", 1, now=100.0, last=False) == range(0, 1)  # a job's first pruning: nothing before
+    assert schedule.due("j", 2, now=100.5, last=False) is None  # within the interval: it waits
+    assert schedule.due("j", 3, now=101.0, last=False) is None
+    assert schedule.due("j", 4, now=102.0, last=False) == range(1, 4)  # rounds 1..3 spent, round 4's kept
+    assert schedule.due("j", 5, now=102.1, last=True) == range(4, 5)  # the last round never waits
+    assert schedule.due("k", 1, now=0.0, last=False) == range(0, 1)
+    assert [schedule.due("k", r, now=0.1, last=False) for r in (2, 3, 4)] == [None, None, None]
+    assert schedule.due("k", 5, now=0.2, last=False) == range(1, 5)  # at most `most_rounds` rounds wait
+
+
+def test_a_scheduler_that_does_not_know_a_jobs_last_pruning_covers_every_round_one_may_have_deferred() -> None:
+    # A restarted scheduler (or a replica that did not prune the job last): the rounds deferred before it took
+    # over are at most `most_rounds`, all covered; deleting what is gone already is harmless.
+    assert PruneSchedule(every=2.0, most_rounds=4).due("j", 20, now=0.0, last=False) == range(12, 20)
 
 
 class _PartsStore(LocalStorage):

@@ -4,8 +4,10 @@ the round's deadline, and the fields of the messages that start it."""
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from apiary import keys, proof
 from apiary.contracts import Assignment, ModelRef, MultipartUpload, ObjectRef, RoundStart, ShardInfo
@@ -175,8 +177,8 @@ def assignment(target: RoundTarget, plan: RoundPlan, shard: ShardInfo, urls: Ass
         base_model=urls.base_model, env=spec.env(target.round),
         deadline=plan.deadline, pinned_worker=pinned[shard.index] if pinned else None,
         issued_at=plan.started_at, ended_url=urls.ended, secret=plan.secrets.get(shard.index),
-        clipping_norm=worker_clipping_norm(spec), secure_aggregation=spec.distributed.secure_aggregation,
-        secagg_verify_keys=secagg_verify_keys(target, plan),
+        clipping_norm=worker_clipping_norm(spec), **worker_noise(spec, target.round, target.attempt, shard.index),
+        secure_aggregation=spec.distributed.secure_aggregation, secagg_verify_keys=secagg_verify_keys(target, plan),
         transfer=wire_transfer(spec), weights_size=target.weights.size, multipart=urls.multipart,
     )
 
@@ -192,6 +194,19 @@ def wire_transfer(spec: JobSpec) -> TransferSettings | None:
     """The job's `distributed.transfer` for its assignments, where it is not the default (None: plain fp32)."""
     settings = spec.distributed.transfer
     return settings if settings != TransferSettings() else None
+
+
+def worker_noise(spec: JobSpec, round_index: int, attempt: int, shard: int) -> dict[str, Any]:
+    """What a task carries for the noise its worker adds (differential privacy with noise_on worker): the std, and
+    the seed of this task's noise where the job sets the test-only `seed` (each task's its own)."""
+    settings = spec.distributed.differential_privacy
+    std = 0.0 if settings is None else settings.worker_noise_std
+    if settings is None or std <= 0:
+        return {}
+    if settings.seed is None:
+        return {"noise_std": std}
+    material = f"{settings.seed}/{round_index}/{attempt}/{shard}".encode()
+    return {"noise_std": std, "noise_seed": int.from_bytes(hashlib.sha256(material).digest()[:8], "big") >> 1}
 
 
 def worker_clipping_norm(spec: JobSpec) -> float | None:

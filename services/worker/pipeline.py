@@ -170,7 +170,7 @@ class AssignmentRun:
             job={"id": a.job_id, "name": a.job_name},
             model_path=str(self.model_path) if self.model_path is not None else None,
             code_path=str(self.code_path) if self.code_path is not None else None,
-            clipping_norm=a.clipping_norm,
+            clipping_norm=a.clipping_norm, noise_std=a.noise_std, noise_seed=a.noise_seed,
             transfer=a.transfer.model_dump() if a.transfer is not None and a.transfer.encodes_upload else None,
             **transfers.state_call(a, space.work, space.weights),
         )

@@ -337,6 +337,12 @@ class Assignment(RoundEvent):
     # Differential privacy with clip_on worker: the L2 norm the worker clips its update to before upload.
     clipping_norm: float | None = Field(default=None, gt=0)
     """The L2 norm the worker clips its update to before upload (DP `clip_on: worker`); else None."""
+    # Differential privacy with noise_on worker: the std of the Gaussian noise the worker adds to its clipped update.
+    noise_std: float | None = Field(default=None, gt=0)
+    """The std of the Gaussian noise the worker adds to its clipped update (DP `noise_on: worker`); else None."""
+    # The job's test-only DP seed, made the shard's own for this task (None: noise from the OS's entropy).
+    noise_seed: int | None = Field(default=None, ge=0)
+    """UNSAFE, tests only: the seed of the worker's noise, from the job's DP `seed`; None: the OS's entropy."""
     # Secure aggregation: the job's settings and every shard's verify key (hex), as round.start carries them.
     secure_aggregation: SecureAggregation | None = None
     """The job's secure aggregation settings (apiary.secagg); None: contributions are aggregated in the clear."""

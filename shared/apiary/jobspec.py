@@ -141,6 +141,12 @@ class DistributedConfig(BaseModel):
                               None if dp is None else dp.clip_on == "worker")
             if error:
                 raise ValueError(f"secure_aggregation: {error}")
+            noise_std = 0.0 if dp is None else dp.worker_noise_std
+            if 4 * noise_std > self.secure_aggregation.clipping_range:
+                raise ValueError(f"secure_aggregation: clipping_range {self.secure_aggregation.clipping_range:g} "
+                                 f"would clip the workers' noise (differential_privacy noise_on worker: std "
+                                 f"{noise_std:.4g} per value) before quantisation: raise clipping_range above "
+                                 f"{4 * noise_std:.4g} or noise on the server")
             if self.transfer.upload != "fp32" or self.transfer.delta:
                 raise ValueError("secure_aggregation: workers upload masked vectors of their own encoding; leave "
                                  "transfer.upload at fp32 and transfer.delta false")
@@ -504,6 +510,12 @@ def strategy_errors(spec: JobSpec) -> list[FieldError]:
         return [FieldError(field="distributed.differential_privacy",
                            message=f"strategy {distributed.strategy!r} hands its server state to every worker, which "
                                    "central differential privacy does not account for: use another strategy")]
+    dp = distributed.differential_privacy
+    if dp is not None and dp.noise_on == "worker" and not strategy.perturbs_mean:
+        return [FieldError(field="distributed.differential_privacy.noise_on",
+                           message=f"'worker' takes a strategy that averages the updates (the workers' noise adds "
+                                   f"up to the calibrated std only in a weighted mean); strategy "
+                                   f"{distributed.strategy!r} does not: use noise_on 'server'")]
     if (strategy.shares_state or distributed.personal_layers) and distributed.transfer.encodes_upload:
         what = f"strategy {distributed.strategy!r}" if strategy.shares_state else "personal_layers"
         return [FieldError(field="distributed.transfer",

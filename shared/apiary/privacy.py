@@ -33,6 +33,9 @@ class DifferentialPrivacy(BaseModel):
         "fixed", description="fixed: clip to clipping_norm; adaptive: the norm follows a quantile of update norms")
     clip_on: Literal["server", "worker"] = Field(
         "server", description="where updates are clipped: worker clips before upload, the aggregator verifies")
+    noise_on: Literal["server", "worker"] = Field(
+        "server", description="where the noise is added: server (to the aggregate) or worker (each adds its share "
+        "before upload, so not even the aggregator sees an un-noised sum); worker takes clip_on worker")
     noise_multiplier: float = Field(ge=0.0, allow_inf_nan=False,
                                     description="noise std relative to the clipping norm (>= 1 for strong privacy)")
     clipping_norm: float | None = Field(None, gt=0.0, allow_inf_nan=False, description="fixed clipping's L2 norm")
@@ -67,6 +70,8 @@ class DifferentialPrivacy(BaseModel):
             if self.clip_on == "worker":
                 raise ValueError("clip_on 'worker' takes clipping 'fixed' (adaptive clipping on workers is not "
                                  "supported yet)")
+        if self.noise_on == "worker" and self.clip_on != "worker":
+            raise ValueError("noise_on 'worker' takes clip_on 'worker' (a worker noises the update it clipped)")
         if self.max_epsilon is not None and self.noise_multiplier == 0:
             raise ValueError("max_epsilon needs a noise_multiplier above 0 (without noise ε is infinite)")
         return self
@@ -94,6 +99,14 @@ class DifferentialPrivacy(BaseModel):
     def clipping_start(self) -> float:
         """The clipping norm of the first round."""
         return self.initial_clipping_norm if self.clipping_norm is None else self.clipping_norm
+
+    @property
+    def worker_noise_std(self) -> float:
+        """noise_on worker: the std of the Gaussian noise each worker adds to its clipped update, `z * C / sqrt(m)`,
+        so that the mean of m updates carries the central std `z * C / m` (0 where the server adds the noise)."""
+        if self.noise_on != "worker" or self.clipping_norm is None:
+            return 0.0
+        return self.noise_multiplier * self.clipping_norm / math.sqrt(self.sampled)
 
     def adaptive_noise(self) -> tuple[float, float]:
         """(the count's noise std, the update's noise multiplier) for adaptive clipping, as Flower 1.42's

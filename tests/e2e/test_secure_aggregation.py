@@ -15,13 +15,16 @@ import torch
 from apiary import keys
 from apiary.bus import publish_event
 from apiary.contracts import SecAggStage, secagg_key
+from apiary.jobspec import JobSpec
 from apiary.secagg.messages import node
 from apiary.secagg.protocol import Collector
 from apiary.secagg.settings import SecureAggregation
 from apiary.secagg.updates import MASKED
+from apiary.strategies.private import seeded
 from apiary.weights import loads
 from services.aggregator.round_state import RoundKey
 from services.aggregator.secure_rounds import SecureRound, SecureRounds
+from services.scheduler.round_plan import worker_noise
 from services.worker.secure_rounds import SecureShard
 from tests.fixtures.embedded import StackFactory, toy_request
 from tests.toyjobs.toy import noise_update
@@ -211,3 +214,31 @@ async def test_an_aggregator_telling_workers_different_survivor_sets_gets_no_rev
     refusals = [r.getMessage() for r in caplog.records if "different survivor sets" in r.getMessage()]
     assert len(refusals) >= 2  # shards 0 and 1 each saw fewer than 2 valid signatures over the set it signed
     assert view["rounds"][0]["secure_aggregation"]["stage"] == "unmask"
+
+
+async def test_noise_added_by_the_workers_before_masking_is_all_the_unmasked_mean_carries(embedded: StackFactory,
+                                                                                      toy_dataset: Path) -> None:
+    # noise_on worker: each worker adds N(0, (z C / sqrt(m))^2) to its clipped update before masking, so not even the
+    # aggregator sees an un-noised sum, and adds none itself. Seeded (tests only): each task's noise is known here.
+    dp = {"noise_multiplier": 0.003, "clipping_norm": 400.0, "clip_on": "worker", "noise_on": "worker", "seed": 11}
+    body = request(toy_dataset, num_rounds=1, differential_privacy=dp)
+    async with embedded(workers=3) as stack:
+        job_id = await stack.submit(body)
+        view = await stack.wait(job_id, timeout=120)
+        start = loads(await stack.ports.storage.get_bytes(keys.global_weights(job_id, 0)))
+        final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
+
+    assert view["status"] == "completed", view.get("reason")
+    spec = JobSpec.model_validate(body)
+    sigma = 0.003 * 400.0 / 3 ** 0.5
+    bound = SecureAggregation(**SECAGG).resolved(3).error_bound(3, 13)
+    samples = {0: 5, 1: 4, 2: 4}
+    for name in ("layer.weight", "layer.bias", "wide.weight"):
+        shape = tuple(start[name].shape)
+        noised = {s: torch.from_numpy(plain_update(1, s, start)[name] + seeded(
+            worker_noise(spec, 1, 1, s)["noise_seed"], 0, name).normal(0.0, sigma, shape)) for s in samples}
+        expected = start[name].double() + sum(samples[s] * noised[s] for s in samples) / 13
+        assert (final[name].double() - expected).abs().max().item() <= bound + 1e-6, name
+    mean_std = sigma * (5 ** 2 + 4 ** 2 + 4 ** 2) ** 0.5 / 13
+    assert view["metrics"]["dp_noise_std"] == pytest.approx(mean_std)
+    assert view["metrics"].get("dp_epsilon") is not None

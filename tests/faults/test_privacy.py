@@ -15,13 +15,15 @@ from typing import Any
 
 import torch
 
+from apiary.jobspec import JobSpec
 from apiary.privacy import BUDGET_REACHED, DifferentialPrivacy, epsilon
 from apiary.strategies.base import Contribution, create
 from apiary.strategies.clipping import clip_for_upload, update_norm
 from apiary.strategies.format import UpdateFormat
-from apiary.strategies.private import EPSILON, NORM, DifferentiallyPrivate
+from apiary.strategies.private import EPSILON, NORM, DifferentiallyPrivate, seeded
 from apiary.weights import loads as load_weights
 from apiary.weights import spec_of_tensors
+from services.scheduler.round_plan import worker_noise
 from tests.faults.support import Faults, Gates, new_id, toy_job
 from tests.toyjobs.toy import fl_init_weights
 
@@ -147,3 +149,44 @@ def test_workers_clip_before_upload_and_the_aggregator_holds_no_unclipped_update
     outcome("clip_on worker, clipping norm 5 (the toy's updates: 2.83, 5.66, 8.49)",
             "every stored update within the norm; the average of the clipped updates",
             f"{job['status']}; stored update norms <= {max(norms):.6f}", 0)
+
+
+def test_workers_noise_their_clipped_updates_and_the_aggregator_adds_none(
+        faults: Faults, toy_data: Data, outcome: Record) -> None:
+    cluster = faults.cluster
+    cluster.start(workers=3)
+    job_id = new_id("privacy-worker-noise")
+    privacy = {"clip_on": "worker", "noise_on": "worker", "noise_multiplier": 1.0, "clipping_norm": 5.0, "seed": 5}
+    request = private_job(job_id, toy_data(15), privacy, rounds=2, max_workers=3)
+    request["distributed"]["transfer"] = {"keep_contributions": True}  # round 1's are read below
+    cluster.publish_job(request)
+    job = cluster.wait_job(job_id)
+
+    assert job["status"] == "completed", job["reason"]
+    spec = JobSpec.model_validate({k: v for k, v in request.items() if k != "job_id"})
+    sigma = 5.0 / 3 ** 0.5  # z C / sqrt(m)
+    starts = {1: fl_init_weights({}), 2: faults.global_weights(job_id, 1)}
+    rows = [r for r in faults.contributions(job_id) if r["status"] == "accepted"]
+    assert len(rows) == 6
+    for r in rows:
+        start = starts[r["round"]]
+        stored = load_weights(faults.object(r["result_key"]))
+        returned = {k: v.clone().add_(r["shard"] + 1 if v.is_floating_point() else 1) for k, v in start.items()}
+        clipped, _ = clip_for_upload(returned, start, 5.0)
+        seed = worker_noise(spec, r["round"], r["attempt"], r["shard"])["noise_seed"]
+        for name, tensor in stored.items():
+            if tensor.is_floating_point():  # the task's own seeded draws on its clipped update
+                noise = torch.from_numpy(seeded(seed, 0, name).normal(0.0, sigma, tuple(tensor.shape)))
+                torch.testing.assert_close(tensor.double(), clipped[name].double() + noise, rtol=0, atol=1e-5)
+    # The aggregator adds nothing: round 2's result is the sample-weighted mean of round 2's stored contributions.
+    final, total = faults.final_weights(job_id), sum(r["samples"] for r in rows if r["round"] == 2)
+    for name, tensor in final.items():
+        if tensor.is_floating_point():
+            mean = sum(r["samples"] * load_weights(faults.object(r["result_key"]))[name].double()
+                       for r in rows if r["round"] == 2) / total
+            torch.testing.assert_close(tensor.double(), mean, rtol=0, atol=1e-5)
+    metrics = round_metrics(faults, job_id)
+    assert [m[EPSILON] for m in metrics] == [epsilon(1.0, r, 1e-5) for r in (1, 2)]
+    outcome("noise_on worker, noise multiplier 1, clipping norm 5, seeded",
+            "each stored update is the worker's clipped update plus its own noise; the mean carries no more",
+            f"{job['status']}; ε {metrics[-1][EPSILON]:.3f} after round 2", 0)

@@ -14,7 +14,7 @@ from apiary import privacy
 from apiary.jobspec import JobSpec, field_errors, strategy_errors
 from apiary.privacy import BUDGET_REACHED, DifferentialPrivacy, epsilon, rounds_within_budget
 from services.scheduler.evaluation import budget_reason, ending, planned_rounds
-from services.scheduler.round_plan import worker_clipping_norm
+from services.scheduler.round_plan import worker_clipping_norm, worker_noise
 
 
 def request(privacy: dict[str, Any], **distributed: Any) -> dict[str, Any]:
@@ -74,6 +74,8 @@ def test_a_stored_spec_validates_again_as_it_was() -> None:
      "distributed: differential_privacy: noise_multiplier 1 needs clipped_count_stddev above 0.5 (it is 0.2"),
     ({"noise_multiplier": 0.1, "clipping": "adaptive", "clip_on": "worker"}, {},
      "distributed.differential_privacy: clip_on 'worker' takes clipping 'fixed'"),
+    ({"noise_multiplier": 1.0, "clipping_norm": 1.0, "noise_on": "worker"}, {},
+     "distributed.differential_privacy: noise_on 'worker' takes clip_on 'worker'"),
     ({"noise_multiplier": 1.0, "clipping_norm": 1.0, "num_sampled_clients": 5}, {},
      "distributed: differential_privacy: num_sampled_clients (5) must not exceed max_workers (4)"),
     ({"noise_multiplier": 0.0, "clipping_norm": 1.0, "max_epsilon": 3.0}, {},
@@ -145,6 +147,44 @@ def test_workers_get_the_clipping_norm_only_when_they_clip() -> None:
     assert worker_clipping_norm(on_server) is None
 
 
+def test_workers_that_noise_get_the_std_that_adds_up_to_the_central_one_and_a_seed_of_their_own() -> None:
+    dp = {"noise_multiplier": 1.5, "clipping_norm": 0.8, "clip_on": "worker", "noise_on": "worker"}
+    noised = JobSpec.model_validate(request(dp))  # max_workers 4: m = 4
+    seeded_spec = JobSpec.model_validate(request({**dp, "seed": 7}))
+    central = JobSpec.model_validate(request({**dp, "noise_on": "server"}))
+
+    assert worker_noise(noised, 2, 1, 0) == {"noise_std": 1.5 * 0.8 / 2}  # z C / sqrt(m): the mean of 4 has z C / 4
+    assert worker_noise(central, 2, 1, 0) == {}
+    tasks = ((2, 1, 0), (2, 1, 1), (2, 2, 0), (3, 1, 0))
+    seeds = {worker_noise(seeded_spec, r, a, s)["noise_seed"] for r, a, s in tasks}
+    assert len(seeds) == 4  # each task's noise its own
+    assert worker_noise(seeded_spec, 2, 1, 0) == worker_noise(seeded_spec, 2, 1, 0)
+
+
+def test_noise_on_workers_takes_a_strategy_that_averages() -> None:
+    dp = {"noise_multiplier": 1.0, "clipping_norm": 1.0, "clip_on": "worker", "noise_on": "worker"}
+    median = JobSpec.model_validate(request(dp, strategy="fedmedian"))
+    adam = JobSpec.model_validate(request(dp, strategy="fedadam"))
+
+    errors = strategy_errors(median)
+
+    assert [e.field for e in errors] == ["distributed.differential_privacy.noise_on"]
+    assert errors[0].message.startswith("'worker' takes a strategy that averages the updates")
+    assert strategy_errors(adam) == []
+
+
+def test_secure_aggregation_refuses_a_clipping_range_that_would_clip_the_workers_noise() -> None:
+    dp = {"noise_multiplier": 1.0, "clipping_norm": 8.0, "clip_on": "worker", "noise_on": "worker"}  # std 4
+
+    line = refusal(dp, secure_aggregation={"num_shares": 3, "reconstruction_threshold": 2})
+
+    assert line == ("distributed: secure_aggregation: clipping_range 8 would clip the workers' noise "
+                    "(differential_privacy noise_on worker: std 4 per value) before quantisation: raise clipping_range "
+                    "above 16 or noise on the server")
+    JobSpec.model_validate(request(dp, secure_aggregation={"num_shares": 3, "reconstruction_threshold": 2,
+                                                           "clipping_range": 16.5}))
+
+
 def test_settings_are_flowers_names() -> None:
     # The wrapper's parameters in Flower 1.42 (DifferentialPrivacyServerSide{Fixed,Adaptive}Clipping), plus
     # Apiary's own: where to clip, the accountant's δ and budget, and the test-only seed.
@@ -152,5 +192,5 @@ def test_settings_are_flowers_names() -> None:
     flowers = {"noise_multiplier", "clipping_norm", "num_sampled_clients", "initial_clipping_norm",
                "target_clipped_quantile", "clip_norm_lr", "clipped_count_stddev"}
     assert flowers <= ours
-    assert ours - flowers == {"clipping", "clip_on", "target_delta", "max_epsilon", "seed"}
+    assert ours - flowers == {"clipping", "clip_on", "noise_on", "target_delta", "max_epsilon", "seed"}
     assert privacy.DEFAULT_TARGET_DELTA == 1e-5

@@ -290,3 +290,45 @@ def test_adapter_rounds_clip_and_noise_the_adapter_tensors_only() -> None:
     for name in adapter:
         noise = torch.from_numpy(seeded(5, 0, name).normal(0.0, 2.0 / WORKERS, tuple(global_weights[name].shape)))
         assert torch.equal(result.weights[name], (mean[name] + noise).float())
+
+
+def test_noise_on_workers_is_not_added_again_and_the_mean_reports_the_std_it_carries() -> None:
+    global_weights = model(6)
+    dp = settings(noise_multiplier=1.5, clipping_norm=2.0, clip_on="worker", noise_on="worker", seed=3)
+    sigma = dp.worker_noise_std
+    uploaded = []
+    for i, c in enumerate(contributions(global_weights, seed=6)):
+        clipped_weights, _ = clip_for_upload(c.weights, global_weights, 2.0)
+        noised = {n: (t.double() + torch.from_numpy(seeded(i, 0, n).normal(0.0, sigma, tuple(t.shape)))).float()
+                  for n, t in clipped_weights.items()}
+        uploaded.append(Contribution(noised, c.samples))
+
+    result, _ = private_round("federated_averaging", {}, dp, global_weights, uploaded, {})
+    plain, _ = private_round("federated_averaging", {}, settings(noise_multiplier=0.0, clipping_norm=1e9),
+                             global_weights, uploaded, {})
+
+    assert sigma == pytest.approx(1.5 * 2.0 / math.sqrt(WORKERS), rel=1e-15)
+    for name, tensor in result.weights.items():
+        assert torch.equal(tensor, plain.weights[name]), name  # the workers' noise only: nothing added here
+    samples = [c.samples for c in uploaded]
+    assert result.metrics[NOISE_STD] == pytest.approx(sigma * math.sqrt(sum(n * n for n in samples)) / sum(samples))
+    assert result.metrics[EPSILON] > 0  # accounted as z, as central noise is
+
+
+def test_an_unclipped_update_is_refused_even_with_the_workers_noise() -> None:
+    global_weights = model(7)
+    dp = settings(noise_multiplier=0.1, clipping_norm=2.0, clip_on="worker", noise_on="worker")
+    strategy = DifferentiallyPrivate(create("federated_averaging"), dp)
+    strategy.begin(spec_of_tensors(global_weights), UpdateFormat.FULL, global_weights)
+    unclipped = contributions(global_weights, seed=1, spread=1.0)[2]
+    clipped_weights, _ = clip_for_upload(unclipped.weights, global_weights, 2.0)
+    gen = torch.Generator().manual_seed(0)
+    honest = {n: t + dp.worker_noise_std * torch.randn(t.shape, generator=gen) for n, t in clipped_weights.items()}
+
+    assert update_norm(unclipped.weights, global_weights) > 4 * 2.0
+    with pytest.raises(InvalidContribution, match=r"the most a clipped update .* with the workers' noise"):
+        strategy.accept(unclipped)
+    strategy.accept(Contribution(honest, unclipped.samples))  # clipped, then noised: within the bound
+
+    assert update_norm(honest, global_weights) > 2.0  # over the norm itself: the noise's share is allowed for
+    assert strategy.total_samples == unclipped.samples

@@ -5,12 +5,14 @@ weights fails in one line."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from apiary.strategies.clipping import update_norm
+from apiary.strategies.private import seeded
 from apiary.trainers.base import TrainCall
 from apiary.trainers.child import UserCodeError, save_trained
 from apiary.weights import dumps, loads
@@ -58,3 +60,25 @@ def test_a_result_that_does_not_fit_the_rounds_weights_fails_in_one_line(tmp_pat
     with pytest.raises(UserCodeError, match=r"^fl_train_model returned weights whose update cannot be clipped for "
                                             r"differential privacy: tensor 'a' is torch.float32 \(4,\)"):
         save_trained(call(tmp_path, 1.0), {"a": torch.ones(4)}, "fl_train_model")
+
+
+def test_a_worker_that_noises_adds_gaussian_noise_of_its_std_in_float64_after_clipping(tmp_path: Path) -> None:
+    start = {"a": torch.zeros(200, 500), "steps": torch.tensor(3)}
+    trained = {"a": torch.full((200, 500), 0.01), "steps": torch.tensor(4)}
+    (tmp_path / "global.safetensors").write_bytes(dumps(start))
+    noised = replace(call(tmp_path, 0.5), noise_std=0.2, noise_seed=99)
+
+    save_trained(noised, trained, "fl_train_model")
+    saved = loads((tmp_path / "result.safetensors").read_bytes())
+    save_trained(noised, trained, "fl_train_model")
+    again = loads((tmp_path / "result.safetensors").read_bytes())
+    save_trained(replace(noised, noise_seed=None), trained, "fl_train_model")
+    unseeded = loads((tmp_path / "result.safetensors").read_bytes())
+
+    clipped = torch.full((200, 500), 0.01) * (0.5 / update_norm(trained, start))  # clipped to 0.5 first
+    noise = torch.from_numpy(seeded(99, 0, "a").normal(0.0, 0.2, (200, 500)))
+    # The seed's draws on the clipped update (float32 rounding apart).
+    assert torch.allclose(saved["a"].double(), clipped.double() + noise, rtol=0, atol=1e-6)
+    assert float((saved["a"].double() - clipped.double()).std()) == pytest.approx(0.2, rel=0.01)
+    assert torch.equal(saved["a"], again["a"]) and not torch.equal(saved["a"], unseeded["a"])
+    assert torch.equal(saved["steps"], torch.tensor(4))  # an integer counter gets no noise

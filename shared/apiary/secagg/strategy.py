@@ -97,12 +97,17 @@ class MaskedSum(Wrapping):
             raise SecAggError(self._missing or "no key agreement is held for this round")
         mean, total, contributors = self.collector.finish(self.total, self.contributed)
         one = contribution_of_mean(mean, self._global, total, weighted_metrics(self._metrics))
-        if isinstance(self.inner, DifferentiallyPrivate):
+        if not isinstance(self.inner, DifferentiallyPrivate):
+            self.inner.accept(one)
+        elif self.inner.settings.noise_on == "worker":
+            # The mean carries the workers' noise (clipping it back would scale the noise down with it); the wrapper
+            # reports the std it leaves on the mean from the contributors' sample counts.
+            self.inner.accept(one, squared_samples=sum(samples ** 2 for samples, _ in self._metrics))
+        else:
             # The mean of updates clipped to C is within C; quantisation may move it a hair over, which the
             # privacy wrapper (clip_on worker) would refuse: clipped back, within the bound it verifies.
             weights, _ = clip_for_upload(one.weights, self._global, self.inner.clipping_norm)
-            one = Contribution(weights, one.samples, one.metrics)
-        self.inner.accept(one)
+            self.inner.accept(Contribution(weights, one.samples, one.metrics))
         result = self.inner.finish(self._global if self.inner.wants_global_weights() else None)
         metrics = {**result.metrics, CONTRIBUTORS: float(contributors),
                    ERROR_BOUND: self.collector.params.error_bound(contributors, total)}

@@ -9,6 +9,7 @@ contribution's dtype.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -70,3 +71,18 @@ def clip_for_upload(weights: Mapping[str, torch.Tensor], global_weights: Mapping
 def over_bound(norm: float, norm_bound: float) -> bool:
     """Whether an update a worker says it clipped measures over the bound at the aggregator."""
     return norm > norm_bound * (1 + VERIFY_TOLERANCE)
+
+
+def noised_bound(norm_bound: float, std: float, size: int) -> float:
+    """The most an update clipped to `norm_bound` and then noised (Gaussian, `std` per value, `size` values)
+    measures, but for odds below 1e-9: its squared norm is `|u|^2 + 2 u.e + |e|^2`, with `|e|^2` of mean
+    `std^2 size` and std `std^2 sqrt(2 size)`, and `2 u.e` of std at most `2 std norm_bound`; six of each std on
+    top. The noise hides a smaller excess: this catches an update left unclipped far over the norm, not every
+    dishonest worker."""
+    squared = (norm_bound ** 2 + std ** 2 * (size + 6 * math.sqrt(2 * size)) + 12 * std * norm_bound)
+    return math.sqrt(squared) * (1 + VERIFY_TOLERANCE)
+
+
+def float_size(weights: Mapping[str, torch.Tensor]) -> int:
+    """How many values the update of `weights` has (their float tensors')."""
+    return sum(t.numel() for t in weights.values() if t.is_floating_point())

@@ -8,7 +8,10 @@ clipped contributions, before a server optimiser steps from it (FedAvgM, FedAdam
 post-processing of a private release. Any other strategy gets it on its result, as Flower 1.42's wrapper does.
 
 `clip_on: worker`: workers clip before upload, so the aggregator never holds an unclipped update; it measures each
-update and refuses one over the norm as invalid.
+update and refuses one over the norm as invalid. `noise_on: worker` (with clip_on worker, for the strategies that
+average): each worker adds Gaussian noise of std `z * C / sqrt(m)` to its clipped update, so that the mean of m
+updates carries the central std `z * C / m` and no noise is added here; the aggregator then refuses an update
+over what a clipped one with that noise measures (apiary.strategies.clipping.noised_bound).
 
 Adaptive clipping follows Andrew et al. 2021 ("Differentially private learning with adaptive clipping"): with
 b_i = 1 when update i is NOT clipped (its norm <= C_t), the server releases
@@ -33,7 +36,7 @@ import torch
 
 from apiary.privacy import DifferentialPrivacy, spent
 from apiary.strategies.base import Contribution, RoundResult, StoredContributions, Strategy, Wrapping
-from apiary.strategies.clipping import clipped, over_bound, update_norm
+from apiary.strategies.clipping import clipped, float_size, noised_bound, over_bound, update_norm
 from apiary.strategies.format import UpdateFormat
 from apiary.strategies.validation import InvalidContribution, validate
 from apiary.weights import WeightSpec
@@ -57,6 +60,7 @@ class DifferentiallyPrivate(Wrapping):
         self.releases = 0
         self._global: Mapping[str, torch.Tensor] = {}
         self._unclipped = 0  # accepted updates within the norm this round (adaptive clipping's count)
+        self._squared_samples = 0  # the sum of the accepted updates' squared sample counts (noise_on worker)
 
     def begin(self, spec: WeightSpec, update_format: UpdateFormat,
               global_weights: Mapping[str, torch.Tensor] | None = None) -> None:
@@ -69,22 +73,34 @@ class DifferentiallyPrivate(Wrapping):
 
     def _begin(self) -> None:
         self._unclipped = 0
+        self._squared_samples = 0
 
-    def accept(self, contribution: Contribution) -> None:
+    def accept(self, contribution: Contribution, squared_samples: int | None = None) -> None:
         """Validate, measure and clip the update (or, clipped on the worker, refuse it over the norm), then let
-        the wrapped strategy take the clipped contribution."""
+        the wrapped strategy take the clipped contribution. `squared_samples`: where the contribution is a mean of
+        several (secure aggregation's), the sum of their squared sample counts (noise_on worker reports from it)."""
         weights = contribution.weights
         validate(self.spec, weights, contribution.samples, partial=self.format is UpdateFormat.ADAPTER,
                  expected_keys=self._keys)
         norm = update_norm(weights, self._global)
-        if self.settings.clip_on == "worker" and over_bound(norm, self.clipping_norm):
+        noise_std = self.settings.worker_noise_std
+        if noise_std > 0:  # noise_on worker: the update is clipped, then noised
+            bound = noised_bound(self.clipping_norm, noise_std, float_size(weights))
+            if norm > bound:
+                raise InvalidContribution(f"update norm {norm:.6g} is over {bound:.6g}, the most a clipped update "
+                                          f"(norm {self.clipping_norm:.6g}) with the workers' noise (std "
+                                          f"{noise_std:.6g}) measures: the worker did not clip it")
+        elif self.settings.clip_on == "worker" and over_bound(norm, self.clipping_norm):
             raise InvalidContribution(f"update norm {norm:.6g} is over the clipping norm {self.clipping_norm:.6g} "
                                       "(clip_on: worker): the worker did not clip it")
-        if self.streaming:  # a strategy that reads contributions back gets them clipped then (ClippedContributions)
+        # A strategy that reads contributions back gets them clipped then (ClippedContributions). Noised on the
+        # worker, an update is over the norm by its noise, which clipping here would scale down with it.
+        if self.streaming and self.settings.noise_on != "worker":
             weights = clipped(weights, self._global, self.clipping_norm, norm)
         self.inner.accept(Contribution(weights, contribution.samples, contribution.metrics))
         self._keys = frozenset(weights)
         self.total_samples += contribution.samples
+        self._squared_samples += contribution.samples ** 2 if squared_samples is None else squared_samples
         self._unclipped += norm <= self.clipping_norm
 
     def _fold(self, contribution: Contribution) -> None:  # accept() hands contributions to the wrapped strategy
@@ -105,11 +121,16 @@ class DifferentiallyPrivate(Wrapping):
         if settings.clipping == "fixed":
             z_update = settings.noise_multiplier
         std = z_update * norm / settings.sampled
-        noise = _Noise(settings.seed, self.releases, std)
+        if settings.noise_on == "worker":
+            # The workers added it: their noise's std on the sample-weighted mean is reported, none is added here.
+            std = _mean_std(settings.worker_noise_std, self.total_samples, self._squared_samples)
+            noise = _Noise(settings.seed, self.releases, 0.0)
+        else:
+            noise = _Noise(settings.seed, self.releases, std)
         inner = self.inner
         if inner.perturbs_mean:
             inner.perturb = noise
-        if stored is not None and not inner.streaming:
+        if stored is not None and not inner.streaming and settings.noise_on != "worker":
             stored = ClippedContributions(stored, self._global, norm, sorted(self._keys or ()))
         given = self._global if inner.wants_global_weights() else None
         result = inner.finish(given, stored=stored)
@@ -151,6 +172,11 @@ class DifferentiallyPrivate(Wrapping):
         if unknown:
             raise ValueError(f"differential privacy keeps {CLIPPING_NORM}, {RELEASES} and {INNER}*, got {unknown[0]!r}")
         self.inner.load_state({key.removeprefix(INNER): t for key, t in state.items() if key.startswith(INNER)})
+
+
+def _mean_std(std: float, total: int, squared: int) -> float:
+    """The std that independent noises of `std` on each update leave on their sample-weighted mean."""
+    return std * math.sqrt(squared) / total if total > 0 else 0.0
 
 
 def adapted_norm(norm: float, unclipped_fraction: float, target_quantile: float, lr: float) -> float:

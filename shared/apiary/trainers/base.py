@@ -42,6 +42,9 @@ class TrainCall:
     code_path: str | None = None
     # Differential privacy with clip_on worker: the result's update is clipped to this L2 norm before upload.
     clipping_norm: float | None = None
+    # ... and with noise_on worker, Gaussian noise of this std is added to the clipped update (seeded in tests only).
+    noise_std: float | None = None
+    noise_seed: int | None = None
     # The job's `distributed.transfer` (apiary.wire_settings.TransferSettings as a dict) where it encodes uploads.
     transfer: dict[str, Any] | None = None
     # The shard's state (apiary.shard_state): the file of its latest one (None: it has none yet), the server state

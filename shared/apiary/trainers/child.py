@@ -138,13 +138,15 @@ def save_result(result_path: str, weights: Any, function: str) -> tuple[int, str
 
 def save_trained(call: TrainCall, weights: Any, function: str) -> tuple[int, str]:
     """Write a training result (`save_result`), its update clipped to `call.clipping_norm` where the job's
-    differential privacy clips on workers: the aggregator never receives the unclipped update."""
+    differential privacy clips on workers (and noised, where it noises on workers): the aggregator never receives
+    the unclipped update."""
     size, sha256 = save_result(call.result_path, weights, function)
     if call.clipping_norm is not None:
         from apiary.trainers.clip_upload import clip_result
 
         try:
-            size, sha256 = clip_result(call.result_path, call.weights_path, call.clipping_norm)
+            size, sha256 = clip_result(call.result_path, call.weights_path, call.clipping_norm,
+                                       noise_std=call.noise_std or 0.0, noise_seed=call.noise_seed)
         except ValueError as e:
             raise UserCodeError(f"{function} returned weights whose update cannot be clipped for differential "
                                 f"privacy: {e}") from None

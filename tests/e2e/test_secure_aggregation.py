@@ -26,7 +26,7 @@ from services.aggregator.round_state import RoundKey
 from services.aggregator.secure_rounds import SecureRound, SecureRounds
 from services.scheduler.round_plan import worker_noise
 from services.worker.secure_rounds import SecureShard
-from tests.fixtures.embedded import StackFactory, toy_request
+from tests.fixtures.embedded import StackFactory, start_and_final, toy_request
 from tests.toyjobs.toy import noise_update
 
 WIDTH = 4000
@@ -159,8 +159,7 @@ async def test_differential_privacy_clipped_on_workers_noises_the_unmasked_mean(
     async with embedded(workers=3) as stack:
         job_id = await stack.submit(request(toy_dataset, num_rounds=1, differential_privacy=dp))
         view = await stack.wait(job_id, timeout=120)
-        start = loads(await stack.ports.storage.get_bytes(keys.global_weights(job_id, 0)))
-        final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
+        start, final = await start_and_final(stack, job_id)
 
     assert view["status"] == "completed", view.get("reason")
     std = 0.5 * 400.0 / 3
@@ -225,8 +224,7 @@ async def test_noise_added_by_the_workers_before_masking_is_all_the_unmasked_mea
     async with embedded(workers=3) as stack:
         job_id = await stack.submit(body)
         view = await stack.wait(job_id, timeout=120)
-        start = loads(await stack.ports.storage.get_bytes(keys.global_weights(job_id, 0)))
-        final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
+        start, final = await start_and_final(stack, job_id)
 
     assert view["status"] == "completed", view.get("reason")
     spec = JobSpec.model_validate(body)

@@ -12,6 +12,7 @@ more than a sub-second round does."""
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -57,7 +58,8 @@ class PruneSchedule:
 
     every: float = PRUNE_EVERY
     most_rounds: int = MOST_ROUNDS_DEFERRED
-    _last: dict[str, tuple[int, float]] = field(default_factory=dict)  # job -> (round pruned at, when)
+    jobs_held: int = 4096  # jobs remembered (a failed or cancelled job never has its last round): the oldest go
+    _last: OrderedDict[str, tuple[int, float]] = field(default_factory=OrderedDict)  # job -> (round pruned at, when)
 
     def due(self, job_id: str, round_index: int, now: float, *, last: bool) -> range | None:
         """None if round `round_index`'s pruning may wait; else the earlier rounds whose every contribution is
@@ -65,10 +67,11 @@ class PruneSchedule:
         pruned, when = self._last.get(job_id, (max(0, round_index - 2 * self.most_rounds), float("-inf")))
         if not last and now - when < self.every and round_index - pruned < self.most_rounds:
             return None
-        if last:
-            self._last.pop(job_id, None)
-        else:
+        self._last.pop(job_id, None)
+        if not last:
             self._last[job_id] = (round_index, now)
+            while len(self._last) > self.jobs_held:
+                self._last.popitem(last=False)
         return range(pruned, round_index)
 
 

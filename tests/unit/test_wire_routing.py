@@ -105,6 +105,15 @@ def test_a_scheduler_that_does_not_know_a_jobs_last_pruning_covers_every_round_o
     assert PruneSchedule(every=2.0, most_rounds=4).due("j", 20, now=0.0, last=False) == range(12, 20)
 
 
+def test_the_schedule_forgets_the_oldest_jobs_beyond_those_it_holds() -> None:
+    schedule = PruneSchedule(every=2.0, most_rounds=4, jobs_held=2)
+    for job in ("a", "b", "c"):  # jobs that never reach their last round (failed, cancelled)
+        schedule.due(job, 10, now=0.0, last=False)
+
+    assert schedule.due("a", 11, now=0.1, last=False) == range(3, 11)  # forgotten: covered as after a restart
+    assert schedule.due("c", 11, now=0.1, last=False) is None  # remembered: it waits
+
+
 class _PartsStore(LocalStorage):
     """A local store that says how many parts each multipart upload was opened with."""
 

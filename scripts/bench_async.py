@@ -11,7 +11,7 @@ the time to target is from round 1's start to the close of the first round (vers
 Rows: one slow worker on IID shards; no slow worker (async must not lose); one slow worker on label-skewed
 shards (Dirichlet alpha 0.5). Each cell is the median of --runs runs; runs go one at a time (timings).
 
-    python scripts/bench_async.py                       # every row, 3 runs each: ~15 minutes on 2 cores
+    python scripts/bench_async.py                       # every row, 3 runs each: 8-15 minutes on 2 cores
     python scripts/bench_async.py --runs 1 --only slow  # rows whose name contains 'slow'
 Writes docs/benchmarks/async.md and docs/benchmarks/async.json (with --write).
 """

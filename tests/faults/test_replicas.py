@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.support import Faults, new_id, toy_job
+from tests.faults.support import Faults, Gates, new_id, toy_job
 from tests.fixtures.cluster import SERVICES
 
 Record = Callable[[str, str, str, int], None]
@@ -65,19 +65,22 @@ def test_two_replicas_of_each_service_run_two_jobs_exactly_once(
 
 @pytest.mark.queue_types
 def test_one_replica_killed_mid_round_while_the_other_goes_on(
-        faults: Faults, toy_data: Data, outcome: Record) -> None:
+        faults: Faults, toy_data: Data, outcome: Record, tmp_path: Path) -> None:
     cluster = faults.cluster
     _start_with_replicas(faults, workers=2)
     job_id = new_id("replica-kill")
-    # 3 s shards, so the tracker shows round 2 training (beats every second) before it ends, under load too.
-    cluster.publish_job(toy_job(job_id, toy_data(12), rounds=3, config={"mode": "slow", "slow_seconds": 3}))
+    gates = Gates(tmp_path, opened=1)  # round 2's shards held until the replicas are killed
+    cluster.publish_job(toy_job(job_id, toy_data(12), rounds=3, config={"mode": "gated", "gate": gates.path}))
     faults.wait_training("worker-1", job_id, 2)
 
     cluster.kill("scheduler", signal.SIGKILL)
     cluster.kill("aggregator", signal.SIGKILL)
+    at_kill = [(a["round"], a["status"]) for a in faults.aggregations(job_id)]
+    gates.open_through(3, first=2)
     job = cluster.wait_job(job_id)
 
     assert job["status"] == "completed", job["reason"]
+    assert (2, "aggregated") not in at_kill, "the kill came mid-round 2 (its shards held at their gates)"
     sizes = _assert_once_each(faults, job_id, 3)
     weights, double = faults.check_exact(job_id, [sizes] * 3)
     outcome("kill -9 of one scheduler and one aggregator replica mid-round 2",

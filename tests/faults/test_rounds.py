@@ -10,7 +10,7 @@ from pathlib import Path
 
 from apiary import keys
 from apiary.contracts import WorkerDone
-from tests.faults.support import Faults, new_id, toy_job
+from tests.faults.support import Faults, Gates, new_id, toy_job
 
 Record = Callable[[str, str, str, int], None]
 Data = Callable[[int], Path]
@@ -114,14 +114,16 @@ def test_too_few_workers_by_the_timeout_fails_the_round_retries_then_fails_the_j
 
 
 def test_a_worker_that_leaves_mid_round_and_rejoins_gets_the_current_round_with_the_latest_weights(
-        faults: Faults, toy_data: Data, outcome: Record) -> None:
+        faults: Faults, toy_data: Data, outcome: Record, tmp_path: Path) -> None:
     cluster = faults.cluster
     cluster.start(workers=["site-a", "site-b"])
     job_id = new_id("rejoin")
+    gates = Gates(tmp_path)
+    gates.open_through(3, first=2)  # shard 1 held in round 1 until site-b is stopped (it never reports round 1)
     # Round 1 closes at its deadline (site-b is stopped); round 2's must leave the restarted site-b time to start
     # its training child and report on a busy machine.
     cluster.publish_job(toy_job(job_id, toy_data(10), rounds=3, pinned=["site-a", "site-b"], timeout=24,
-                                config={"mode": "slow", "slow_seconds": 2, "fail_shards": [1]}))
+                                config={"mode": "gated", "gate": gates.path, "fail_shards": [1]}))
     sizes = faults.shard_sizes(job_id)
     faults.wait_training("site-b", job_id, 1)
 

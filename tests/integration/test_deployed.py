@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from apiary.weights import loads
-from tests.faults.support import process_alive
+from tests.faults.support import Gates, process_alive
 from tests.fixtures.cluster import REPO, Cluster
 from tests.toyjobs.toy import make_dataset
 
@@ -60,9 +60,10 @@ def test_a_worker_added_mid_job_takes_pool_assignments(cluster: Cluster, tmp_pat
     dataset = make_dataset(tmp_path / "toy", 16)
     cluster.start(workers=2)
     job_id = f"scale-{uuid.uuid4().hex[:8]}"
+    gates = Gates(tmp_path, opened=1)  # from round 2 on, shards wait until the late worker trains one
     cluster.publish_job({
         "job_id": job_id, "name": "scale", "entrypoint": "tests.toyjobs.toy:fl_train_model",
-        "dataset": str(dataset), "config": {"mode": "slow", "slow_seconds": 1.0},
+        "dataset": str(dataset), "config": {"mode": "gated", "gate": gates.path},
         "distributed": {"num_rounds": 6, "min_workers": 2, "max_workers": 4, "aggregation_timeout": 600,
                         "evaluate_every": 0},
     })
@@ -70,8 +71,12 @@ def test_a_worker_added_mid_job_takes_pool_assignments(cluster: Cluster, tmp_pat
         "SELECT 1 FROM aggregations WHERE job_id = $1 AND round = 1 AND status = 'aggregated'", job_id),
         120, "round 1 to be aggregated")
 
+    # Round 2's first two shards hold the two workers at their gates; the other two wait in the pool.
     cluster.start_worker("worker-late")
-    cluster.wait_workers(["worker-late"])
+    cluster.wait_for(lambda: cluster.query(
+        "SELECT 1 FROM workers WHERE worker_id = 'worker-late' AND state = 'training' AND job_id = $1", job_id),
+        120, "the late worker to train a shard of the job")
+    gates.open_through(6)
     job = cluster.wait_job(job_id, timeout=180)
 
     assert job["status"] == "completed", job["reason"]

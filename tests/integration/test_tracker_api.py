@@ -33,6 +33,7 @@ from services.tracker import Tracker, token_store
 from services.tracker.client import watch_job
 from services.tracker.views import TERMINAL, job_view
 from services.worker.gpu import gpu_stats
+from tests.faults.support import Gates
 from tests.toyjobs.toy import make_dataset
 
 REPO = Path(__file__).resolve().parents[2]
@@ -230,9 +231,10 @@ async def test_the_client_watches_a_job_over_http(api: Api) -> None:
 # ---------------------------------------------------------------- workers and cancelling
 
 
-async def test_workers_report_presence_assignment_and_throughput(api: Api) -> None:
+async def test_workers_report_presence_assignment_and_throughput(api: Api, tmp_path: Path) -> None:
+    gates = Gates(tmp_path)  # the shards train until the test has seen a worker's assignment
     body = api.request(num_rounds=1)
-    body["config"] = {"mode": "slow", "slow_seconds": 1.5}
+    body["config"] = {"mode": "gated", "gate": gates.path}
     job_id = (await api.http.post(f"{API}/training-jobs", json=body)).json()["job_id"]
 
     async def busy() -> list[dict[str, Any]] | None:
@@ -240,6 +242,7 @@ async def test_workers_report_presence_assignment_and_throughput(api: Api) -> No
         return workers if any(w["assignment"] for w in workers) else None
 
     during = await api.until(busy)
+    gates.open_through(1)
     trained = set((await api.stack.wait(job_id, timeout=120))["reported"])
 
     async def measured() -> list[dict[str, Any]] | None:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from apiary.strategies.base import Contribution, StoredContributions, Strategy
 from apiary.strategies.weighted_sum import WeightedSum
 from apiary.weights import loads
 from services.worker import Worker
-from tests.faults.support import process_alive
+from tests.faults.support import Gates, process_alive
 from tests.fixtures.embedded import REPO, StackFactory, toy_request
 
 
@@ -157,18 +158,25 @@ def test_apiary_run_trains_digits_to_90_percent(tmp_path: Path) -> None:
 
 
 async def test_jobs_running_at_once_on_the_same_workers_keep_to_their_own_weights(
-    embedded: StackFactory, toy_dataset: Path
+    embedded: StackFactory, toy_dataset: Path, tmp_path: Path
 ) -> None:
-    # Prepare: two jobs with different rounds and shard counts, sharing two workers. The first one's shards take
-    # 0.5 s: with instant ones it could end (in 0.2 s) before the second's init task was back from a worker whose
-    # training process was still importing torch (seen under load), and nothing would have run at once.
+    # Prepare: two jobs with different rounds and shard counts, sharing two workers. The first one's shard 0 waits
+    # at a gate from round 2 on until the second job has started a round: left alone, the first could end (in 0.2 s)
+    # before the second's init task was back from a worker whose training process was still importing torch (seen
+    # under load), and nothing would have run at once. One worker stays free for the second job meanwhile.
+    gates = Gates(tmp_path, opened=1)
     three_rounds = {**toy_request(toy_dataset, num_rounds=3, max_workers=3),
-                    "config": {"mode": "slow", "slow_seconds": 0.5}}
+                    "config": {"mode": "gated", "gate": gates.path, "fail_shards": [0]}}
     two_rounds = {**toy_request(toy_dataset, num_rounds=2, min_workers=1, max_workers=2), "name": "toy-b"}
 
     async with embedded(workers=2) as stack:
         # Execute
         first, second = await stack.submit(three_rounds), await stack.submit(two_rounds)
+        deadline = time.monotonic() + 120
+        while not await stack.ports.db.fetch("SELECT 1 FROM rounds WHERE job_id = $1 AND round >= 1", second):
+            assert time.monotonic() < deadline, "the second job never started a round"
+            await asyncio.sleep(0.05)
+        gates.open_through(3)
         views = {job: await stack.wait(job, timeout=120) for job in (first, second)}
         finals, rounds = {}, {}
         for job in (first, second):

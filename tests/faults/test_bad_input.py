@@ -20,7 +20,7 @@ from apiary import keys
 from apiary.bus.identity import worker_user
 from apiary.contracts import JSON, ObjectRef, WorkerDone, WorkerFailed
 from apiary.weights import dumps as dump_weights
-from tests.faults.support import Faults, msgpack_of, new_id, toy_job
+from tests.faults.support import Faults, Gates, msgpack_of, new_id, toy_job
 from tests.fixtures.services import rabbitmqctl
 from tests.toyjobs.toy import fl_init_weights
 
@@ -200,12 +200,14 @@ def test_corrupt_contributions_are_rejected_with_their_reason(
             double)
 
 
-def test_forged_reports_never_take_the_genuine_reports_place(faults: Faults, toy_data: Data, outcome: Record) -> None:
+def test_forged_reports_never_take_the_genuine_reports_place(faults: Faults, toy_data: Data, outcome: Record,
+                                                             tmp_path: Path) -> None:
     cluster = faults.cluster
     cluster.start(workers=1)
     job_id = new_id("forged")
+    gates = Gates(tmp_path)  # shard 0 trains until the forged reports are recorded
     cluster.publish_job(toy_job(job_id, toy_data(8), rounds=1, max_workers=1,
-                                config={"mode": "slow", "slow_seconds": 8}))
+                                config={"mode": "gated", "gate": gates.path}))
     sizes = faults.shard_sizes(job_id)
     faults.wait_aggregation(job_id, 1, "open")
     skewed = {k: v + 1000 if v.is_floating_point() else v for k, v in fl_init_weights({}).items()}
@@ -227,6 +229,7 @@ def test_forged_reports_never_take_the_genuine_reports_place(faults: Faults, toy
     cluster.wait_for(lambda: len(faults.query(
         "SELECT 1 FROM contributions WHERE job_id = $1 AND status = 'forged'", job_id)) == 4, 60,
         "the four forged reports to be recorded")
+    gates.open_through(1)
     job = cluster.wait_job(job_id)
 
     # Assert: each forged one is recorded with why, never counted; the genuine one that follows is taken.

@@ -105,7 +105,9 @@ from tests.toyjobs.toy import fl_init_weights as toy_init, fl_train_model
 
 def fl_init_weights(env):
     Path(env["MARKER"]).write_text("computing")
-    time.sleep(3)  # long enough to be interrupted in
+    deadline = time.monotonic() + 600
+    while not Path(env["HOLD"]).exists() and time.monotonic() < deadline:  # until interrupted: the test never opens it
+        time.sleep(0.05)
     return toy_init(env)
 '''
 
@@ -117,7 +119,7 @@ def test_ctrl_c_while_initial_weights_are_computed_is_a_cancel_not_a_user_code_f
     folder.mkdir()
     (folder / "slowinit.py").write_text(SLOW_INIT)
     request = {**toy_request(toy_dataset, max_workers=2), "entrypoint": "slowinit:fl_train_model",
-               "config": {**SLOW, "marker": str(marker)}}
+               "config": {**SLOW, "marker": str(marker), "hold": str(tmp_path / "never-opened")}}
     home = tmp_path / ".apiary"
     run = _start(_job_file(folder, request), home)
     _until("fl_init_weights running", marker.exists, run)

@@ -18,8 +18,8 @@ from apiary.strategies.buffered import staleness_weight
 from apiary.weights import loads
 from services.app.render import render_job
 from services.tracker.schemas import JobDetail
-from tests.faults.support import Gates
 from tests.fixtures.embedded import StackFactory, toy_request
+from tests.toyjobs.toy import Gates
 
 SLOW = 3  # the shard held back (its worker is "slow")
 

@@ -21,8 +21,9 @@ from apiary.strategies.base import Contribution, StoredContributions, Strategy
 from apiary.strategies.weighted_sum import WeightedSum
 from apiary.weights import loads
 from services.worker import Worker
-from tests.faults.support import Gates, process_alive
+from tests.faults.support import process_alive
 from tests.fixtures.embedded import REPO, StackFactory, toy_request
+from tests.toyjobs.toy import Gates
 
 
 async def test_final_weights_are_the_fedavg_of_what_the_workers_returned(embedded: StackFactory,
@@ -326,7 +327,6 @@ async def test_a_worker_started_after_a_job_ended_skips_its_assignments_still_qu
     assert done["status"] == "completed", done.get("reason")
     assert late.slot.completed == 1
     assert events == []
-
 
 
 

@@ -62,22 +62,6 @@ def toy_job(
     return request
 
 
-class Gates:
-    """The toy's gates (its mode gated): a training call waits until the file for its round (or, with
-    `by="attempt"`, for its attempt: in mode async a task's number) exists, so a test decides when each reports
-    instead of racing a sleep."""
-
-    def __init__(self, folder: Path, *, opened: int = 0, by: str = "round") -> None:
-        self.path = str(folder / f"gate-{{{by}}}")
-        self._by = by
-        self.open_through(opened)
-
-    def open_through(self, last: int, first: int = 1) -> None:
-        """Open the gates of rounds (attempts) `first` to `last`."""
-        for index in range(first, last + 1):
-            Path(self.path.replace(f"{{{self._by}}}", str(index))).touch()
-
-
 def new_id(case: str) -> str:
     """A job id that names the case."""
     return f"{case}-{uuid.uuid4().hex[:8]}"

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 from apiary.weights import loads
-from tests.faults.support import Faults, Gates, new_id, toy_job
+from tests.faults.support import Faults, new_id, toy_job
 from tests.fixtures import fedbuff
+from tests.toyjobs.toy import Gates
 
 Record = Callable[[str, str, str, int], None]
 Data = Callable[[int], Path]

@@ -20,9 +20,9 @@ from apiary import keys
 from apiary.bus.identity import worker_user
 from apiary.contracts import JSON, ObjectRef, WorkerDone, WorkerFailed
 from apiary.weights import dumps as dump_weights
-from tests.faults.support import Faults, Gates, msgpack_of, new_id, toy_job
+from tests.faults.support import Faults, msgpack_of, new_id, toy_job
 from tests.fixtures.services import rabbitmqctl
-from tests.toyjobs.toy import fl_init_weights
+from tests.toyjobs.toy import Gates, fl_init_weights
 
 Record = Callable[[str, str, str, int], None]
 Data = Callable[[int], Path]

@@ -18,7 +18,6 @@ from apiary.weights import loads as load_weights
 from apiary.weights import spec_of_tensors
 from tests.faults.support import (
     Faults,
-    Gates,
     assert_weights,
     expected_weights,
     new_id,
@@ -26,6 +25,7 @@ from tests.faults.support import (
     replayed_weights,
     toy_job,
 )
+from tests.toyjobs.toy import Gates
 
 Record = Callable[[str, str, str, int], None]
 Data = Callable[[int], Path]

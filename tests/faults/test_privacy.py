@@ -24,8 +24,8 @@ from apiary.strategies.private import EPSILON, NORM, DifferentiallyPrivate, seed
 from apiary.weights import loads as load_weights
 from apiary.weights import spec_of_tensors
 from services.scheduler.round_plan import worker_noise
-from tests.faults.support import Faults, Gates, new_id, toy_job
-from tests.toyjobs.toy import fl_init_weights
+from tests.faults.support import Faults, new_id, toy_job
+from tests.toyjobs.toy import Gates, fl_init_weights
 
 Record = Callable[[str, str, str, int], None]
 Data = Callable[[int], Path]

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.support import Faults, Gates, new_id, toy_job
+from tests.faults.support import Faults, new_id, toy_job
 from tests.fixtures.cluster import SERVICES
+from tests.toyjobs.toy import Gates
 
 Record = Callable[[str, str, str, int], None]
 Data = Callable[[int], Path]

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from apiary import keys
 from apiary.contracts import WorkerDone
-from tests.faults.support import Faults, Gates, new_id, toy_job
+from tests.faults.support import Faults, new_id, toy_job
+from tests.toyjobs.toy import Gates
 
 Record = Callable[[str, str, str, int], None]
 Data = Callable[[int], Path]

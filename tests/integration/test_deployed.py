@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from apiary.weights import loads
-from tests.faults.support import Gates, process_alive
+from tests.faults.support import process_alive
 from tests.fixtures.cluster import REPO, Cluster
-from tests.toyjobs.toy import make_dataset
+from tests.toyjobs.toy import Gates, make_dataset
 
 pytestmark = pytest.mark.slow  # each case starts a deployment of processes or trains in a child
 

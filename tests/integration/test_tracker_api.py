@@ -33,8 +33,7 @@ from services.tracker import Tracker, token_store
 from services.tracker.client import watch_job
 from services.tracker.views import TERMINAL, job_view
 from services.worker.gpu import gpu_stats
-from tests.faults.support import Gates
-from tests.toyjobs.toy import make_dataset
+from tests.toyjobs.toy import Gates, make_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 API = "/api/v1"

@@ -61,6 +61,22 @@ def hold_at_gate(payload: dict[str, Any]) -> None:
         time.sleep(0.05)
 
 
+class Gates:
+    """The test's side of the toy's gates (mode gated, `hold_at_gate`): a training call waits until the file for its
+    round (or, with `by="attempt"`, for its attempt: in mode async a task's number) exists, so a test decides when
+    each reports instead of racing a sleep."""
+
+    def __init__(self, folder: Path, *, opened: int = 0, by: str = "round") -> None:
+        self.path = str(folder / f"gate-{{{by}}}")
+        self._by = by
+        self.open_through(opened)
+
+    def open_through(self, last: int, first: int = 1) -> None:
+        """Open the gates of rounds (attempts) `first` to `last`."""
+        for index in range(first, last + 1):
+            Path(self.path.replace(f"{{{self._by}}}", str(index))).touch()
+
+
 def fl_train_model(payload: dict[str, Any], out_dir: str, logger: Any = None) -> dict[str, Any]:
     """Add (shard + 1) to every float weight; fail as env MODE asks."""
     env = payload["env"]

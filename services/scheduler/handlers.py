@@ -273,7 +273,7 @@ class SchedulerHandlers:
                 done = AggregatedRound(event.job_id, event.round, event.attempt,
                                        await store.attempts(self._db, event.job_id, earlier),
                                        [s.index for s in job.shards], trained_from=job.weights, weights=event.weights,
-                                       aggregated_since=range(earlier.start + 1, event.round + 1))
+                                       pruned_at=earlier.start)
                 await prune_after(self._storage, done, spec.distributed.transfer)
             if event.shard_states and not spec.distributed.transfer.keep_contributions:
                 await self._prune_shard_states(job, event.round)

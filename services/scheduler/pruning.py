@@ -39,7 +39,12 @@ class AggregatedRound:
     shards: Sequence[int]
     trained_from: ObjectRef  # the global weights its assignments started from
     weights: ObjectRef  # its result
-    aggregated_since: Sequence[int] = ()  # the rounds aggregated since the last pruning (this one included)
+    pruned_at: int | None = None  # the round the job's last pruning was at (None: the round before this one)
+
+    @property
+    def aggregated_since(self) -> range:
+        """The rounds aggregated since the job's last pruning, this one included."""
+        return range(self.round if self.pruned_at is None else self.pruned_at + 1, self.round + 1)
 
 
 def spent_contributions(done: AggregatedRound) -> list[str]:
@@ -82,7 +87,7 @@ async def prune_after(storage: Storage, done: AggregatedRound, transfer: Transfe
     try:
         if transfer.in_parts(done.trained_from.size):
             # The rounds' assignments have ended: uploads they left incomplete hold parts nobody will complete.
-            for aggregated in done.aggregated_since or (done.round,):
+            for aggregated in done.aggregated_since:
                 deleted += await storage.abort_multipart(f"{keys.job_prefix(done.job_id)}rounds/{aggregated:04d}/")
         stale = [] if transfer.keep_contributions else spent_contributions(done)
         if transfer.download != "fp32":

@@ -4,6 +4,7 @@ what a later round or a recovering aggregator still needs."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,8 @@ def test_a_pruning_deferred_over_rounds_names_every_attempt_of_each_of_them() ->
 
     assert sorted(spent_contributions(done)) == sorted(keys.contribution("j", r, a, 0)
                                                        for r, a in ((2, 1), (3, 1), (3, 2), (4, 1)))
+    assert list(done.aggregated_since) == [5]  # pruned at round 4: its incomplete uploads were aborted then
+    assert list(replace(done, pruned_at=2).aggregated_since) == [3, 4, 5]
 
 
 def test_a_job_is_pruned_once_per_interval_over_every_round_since_and_always_at_its_last_round() -> None:

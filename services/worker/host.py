@@ -3,7 +3,9 @@ job's folders on it (`Workspace`)."""
 
 from __future__ import annotations
 
+import os
 import shutil
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -61,11 +63,16 @@ class Host(Protocol):
     async def failed(self, a: Assignment, error: str) -> None:
         """Report that the assignment failed, and why."""
 
+    def hand_off(self, a: Assignment, steps: Coroutine[Any, Any, None]) -> None:
+        """Let the assignment's last `steps` go on without the training slot (they are stopped if its job ends or
+        the worker stops)."""
+
 
 class Workspace:
     """A job's folders on this worker: one working folder per job, reused round after round (a worker
     trains one shard at a time), its files replaced whole; the user's output folder starts empty
-    every call."""
+    every call. A run whose last steps go on after it gave the slot back takes its files to a folder of its own
+    (`set_aside`)."""
 
     def __init__(self, job_dir: Path) -> None:
         self.job_dir = job_dir
@@ -81,3 +88,21 @@ class Workspace:
         if self.out_dir.is_dir() and any(self.out_dir.iterdir()):
             shutil.rmtree(self.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
+
+    def set_aside(self, name: str) -> Workspace:
+        """This run's trained result, output folder and round weights moved to a folder of their own (`name`, under
+        the working folder), so that the worker's next assignment can use the working folder meanwhile: the
+        result and outputs renamed, the weights linked (the next download replaces the file, not its bytes).
+        A shard's own state is not moved: no job that trains in a secure round keeps one."""
+        aside = Workspace(self.work / "aside" / name)
+        shutil.rmtree(aside.job_dir, ignore_errors=True)  # left by a worker that stopped during such a run
+        aside.work.mkdir(parents=True)
+        os.link(self.weights, aside.weights)
+        self.result.rename(aside.result)
+        if self.out_dir.is_dir():
+            self.out_dir.rename(aside.out_dir)
+        return aside
+
+    def remove(self) -> None:
+        """Remove the folder and everything in it (a set-aside run's, once it ended)."""
+        shutil.rmtree(self.job_dir, ignore_errors=True)

@@ -66,9 +66,10 @@ class AssignmentRun:
         return await self._report(result, time.monotonic() - started, etag)
 
     async def _secure(self, call: TrainCall, started: float) -> float | None:
-        """Train, upload and report with secure aggregation (services.worker.secure_rounds): keys advertised
-        before training, the masked update uploaded in place of the weights, the survivor set signed and shares
-        revealed after the report. A protocol failure fails the shard, in one line."""
+        """Train with secure aggregation (services.worker.secure_rounds): keys advertised before training; then the
+        slot is given back and the rest goes on beside the worker's next assignment (`_after_training`), since it
+        waits for every shard's keys, which may come from the shards this worker trains next (a round with more
+        shards than workers). A protocol failure fails the shard, in one line."""
         a, worker = self.a, self.worker
         try:
             secure = SecureShard(worker, a, worker.secagg)
@@ -78,25 +79,40 @@ class AssignmentRun:
         try:
             await secure.advertise()
             result = await self._train(call)
-            if result is None:
-                return None
+            if result is not None:
+                self.space = await asyncio.to_thread(self.space.set_aside, f"{a.round}-{a.attempt}-{a.shard}")
+        except BaseException:
+            secure.close()
+            raise
+        if result is None:
+            secure.close()
+            return None
+        worker.hand_off(a, self._after_training(secure, result, started))
+        return self._samples_per_s(result, time.monotonic() - started)
+
+    async def _after_training(self, secure: SecureShard, result: TrainResult, started: float) -> None:
+        """A secure shard's steps after training, from its set-aside folder: share keys and mask the update in
+        place of the weights, upload and report it, then sign the survivor set and reveal shares."""
+        a, worker = self.a, self.worker
+        try:
             try:
                 result = await secure.mask(result, self.space.result, self.space.weights)
             except ValueError as e:
                 await worker.failed(a, f"secure aggregation: {e}")
-                return None
-            if not await self._upload(result):
-                return None
-            rate = await self._report(result, time.monotonic() - started)
+                return
+            uploaded, _ = await self._upload(result)
+            if not uploaded:
+                return
+            await self._report(result, time.monotonic() - started)
             try:
                 await secure.check()
                 await secure.reveal()
             except ValueError as e:  # reported already: the round rebuilds this shard's mask from the others' shares
                 log.warning("worker %s: job %s round %d shard %d: secure aggregation: %s", worker.worker_id, a.job_id,
                             a.round, a.shard, e)
-            return rate
         finally:
             secure.close()
+            await asyncio.to_thread(self.space.remove)
 
     async def _download(self, ended: asyncio.Task[bool] | None, span: Span) -> Path | None:
         """The shard's folder, with the global weights beside it; None if the job ended or a download failed."""
@@ -244,4 +260,8 @@ class AssignmentRun:
                                 f"worker {worker.worker_id}: report of round {a.round} shard {a.shard}", log)
         log.info("worker %s: job %s round %d shard %d done in %.2fs (%d samples)", worker.worker_id,
                  a.job_id, a.round, a.shard, duration, result.samples)
-        return result.samples * max(1, int(a.env.get("EPOCHS") or 1)) / max(duration, 1e-6)
+        return self._samples_per_s(result, duration)
+
+    def _samples_per_s(self, result: TrainResult, duration: float) -> float:
+        """The samples per second a trained shard measured, its epochs counted."""
+        return result.samples * max(1, int(self.a.env.get("EPOCHS") or 1)) / max(duration, 1e-6)

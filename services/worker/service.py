@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from services.worker.model_cache import ModelCache
 from services.worker.pipeline import AssignmentRun
 from services.worker.presence import Presence
 from services.worker.secagg_inbox import SecAggInbox
-from services.worker.slot import Slot
+from services.worker.slot import HandedOff, Slot
 from services.worker.turns import QueueTurns
 
 log = logging.getLogger("apiary.worker")
@@ -65,6 +66,7 @@ class Worker:
         self._trainers: dict[str, Trainer] = {USER_FUNCTION: self.runner}
         self._last_trainer = USER_FUNCTION  # the trainer of the latest assignment: its child holds the GPU memory
         self.slot = Slot()
+        self.handed_off = HandedOff()
         self.presence = Presence(bus, self.settings, self.worker_id, self.slot,
                                  lambda: gpu_stats(self.gpu, self._trainer_pid()))
         self.turns = QueueTurns(self.worker_id, self.slot)
@@ -99,8 +101,10 @@ class Worker:
         log.info("worker %s online", self.worker_id)
 
     async def stop(self, reason: str = "stopped") -> None:
-        """Stop taking work; an assignment in progress goes back to its queue."""
+        """Stop taking work; an assignment in progress goes back to its queue (one whose last steps go on without
+        the slot, a secure shard trained here, is left out of its round)."""
         await self.turns.cancel()
+        await self.handed_off.cancel()
         if self._control is not None:
             await self._control.cancel()
             self._control = None
@@ -120,10 +124,10 @@ class Worker:
         """A job was cancelled, failed or completed (early stopping ends one while its next round trains): stop
         training its shard now, and skip its queued assignments."""
         self.ended.heard(event.job_id, event.reason or "job completed")
-        a = self.slot.stop(event.job_id)
-        if a is not None:
-            log.info("worker %s: job %s ended (%s); stopping its round %d shard %d", self.worker_id, a.job_id,
-                     event.reason, a.round, a.shard)
+        for a in [self.slot.stop(event.job_id), *self.handed_off.stop(event.job_id)]:
+            if a is not None:
+                log.info("worker %s: job %s ended (%s); stopping its round %d shard %d", self.worker_id, a.job_id,
+                         event.reason, a.round, a.shard)
 
     async def _skip_stale_or_ended(self, assignment: Assignment, delivery: Delivery, call_next: Next) -> None:
         """Go on unless the assignment's deadline passed or its job is known to have ended."""
@@ -149,6 +153,11 @@ class Worker:
     async def _run(self, a: Assignment) -> float | None:
         """The assignment's steps (`pipeline`), in the slot's task; a trained shard's samples per second."""
         return await AssignmentRun(self, a, rate=lambda: self.slot.samples_per_s).run(self.ended.probe(a))
+
+    def hand_off(self, a: Assignment, steps: Coroutine[Any, Any, None]) -> None:
+        """Let the assignment's last `steps` go on without the training slot (they are stopped if its job ends or
+        the worker stops)."""
+        self.handed_off.start(a, steps, name=f"after-training:{self.worker_id}:{a.job_id}:{a.round}:{a.shard}")
 
     def skip_ended(self, a: Assignment) -> None:
         """Log that an assignment of a job that ended is not trained."""

@@ -1,13 +1,17 @@
 """The worker's one training slot: one assignment at a time, what it runs now, and what its trained shards
-measured (the throughput its heartbeats and progress report)."""
+measured (the throughput its heartbeats and progress report); and the last steps of assignments that gave the
+slot back before they ended (`HandedOff`)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Coroutine
 from typing import Any
 
 from apiary.contracts import TRAIN, Assignment
+
+log = logging.getLogger("apiary.worker")
 
 IDLE = "idle"
 
@@ -62,3 +66,41 @@ class Slot:
             return None
         running.cancel()
         return a
+
+
+class HandedOff:
+    """Assignments' last steps that go on without the slot (a secure shard, trained, waiting for its round's key
+    agreement while the worker trains its next shard): each in its own task, stopped when its job ends or the
+    worker stops. Their assignments are done with on the queue (acked): one stopped here is not trained again."""
+
+    def __init__(self) -> None:
+        self._running: dict[asyncio.Task[None], Assignment] = {}
+
+    def start(self, a: Assignment, steps: Coroutine[Any, Any, None], name: str) -> None:
+        """Run the assignment's `steps` in a task of their own."""
+        task = asyncio.create_task(steps, name=name)
+        self._running[task] = a
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        a = self._running.pop(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            log.error("job %s round %d shard %d: its steps after training ended in an error: %r", a.job_id, a.round,
+                      a.shard, error)
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    def stop(self, job_id: str) -> list[Assignment]:
+        """Stop the steps of `job_id`'s assignments; which they were."""
+        stopped = [(task, a) for task, a in self._running.items() if a.job_id == job_id]
+        for task, _ in stopped:
+            task.cancel()
+        return [a for _, a in stopped]
+
+    async def cancel(self) -> None:
+        """Stop every one, and wait until they have stopped (the worker stops)."""
+        tasks = list(self._running)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from apiary import keys
 from apiary.bus import publish_event
-from apiary.contracts import SecAggStage, secagg_key
+from apiary.contracts import Assignment, SecAggStage, secagg_key
 from apiary.jobspec import JobSpec
 from apiary.secagg.messages import node
 from apiary.secagg.protocol import Collector
@@ -25,6 +26,7 @@ from apiary.weights import loads
 from services.aggregator.round_state import RoundKey
 from services.aggregator.secure_rounds import SecureRound, SecureRounds
 from services.scheduler.round_plan import worker_noise
+from services.worker import transfers
 from services.worker.secure_rounds import SecureShard
 from tests.fixtures.embedded import StackFactory, start_and_final, toy_request
 from tests.toyjobs.toy import noise_update
@@ -74,6 +76,32 @@ async def test_a_secure_job_gives_the_weighted_mean_and_stores_only_masked_vecto
         correlation = np.corrcoef(wide, update[-WIDTH:])[0, 1]
         assert abs(correlation) < 0.1, (round_index, shard, correlation)
         assert masked.std() > 2**32 / 4  # spread over the ring (uniform: 2**32 / sqrt(12))
+
+
+async def test_one_worker_trains_every_shard_of_a_secure_round_in_turn(embedded: StackFactory,
+                                                                         toy_dataset: Path) -> None:
+    # Three shards, one worker: each trained shard gives the slot back and waits for the round's keys beside the
+    # next shard's training, so the key agreement completes with every shard from the one worker.
+    async with embedded(workers=1) as stack:
+        job_id = await stack.submit(request(toy_dataset, num_rounds=2, min_workers=1))
+        view = await stack.wait(job_id, timeout=120)
+        rows = await stack.ports.db.fetch(
+            "SELECT round, shard, worker_id FROM contributions WHERE job_id = $1 AND status = 'accepted'"
+            " ORDER BY round, shard", job_id)
+        first = loads(await stack.ports.storage.get_bytes(keys.global_weights(job_id, 1)))
+        final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
+        leftovers = list(stack.settings.home.rglob("aside/*"))
+
+    assert view["status"] == "completed", view.get("reason")
+    assert [(r["round"], r["shard"]) for r in rows] == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
+    assert len({r["worker_id"] for r in rows}) == 1
+    assert view["rounds"][1]["secure_aggregation"]["participants"] == [0, 1, 2]
+    bound = SecureAggregation(**SECAGG).resolved(3).error_bound(3, 13)
+    for name in ("layer.weight", "wide.weight"):
+        expected = first[name].double() + sum(
+            n * torch.from_numpy(plain_update(2, s, first)[name]) for s, n in ((0, 5), (1, 4), (2, 4))) / 13
+        assert (final[name].double() - expected).abs().max().item() <= bound + 1e-6
+    assert leftovers == []  # each shard's set-aside folder is removed once its run ended
 
 
 async def test_a_bfloat16_model_is_masked_and_its_mean_stored_in_bfloat16(embedded: StackFactory,
@@ -150,6 +178,27 @@ async def test_a_worker_that_cannot_join_fails_its_shard_not_the_job(embedded: S
     expected = start["wide.weight"].double() + sum(
         n * torch.from_numpy(plain_update(1, s, start)["wide.weight"]) for s, n in ((0, 5), (1, 4))) / 9
     assert (final["wide.weight"].double() - expected).abs().max().item() <= bound + 1e-6
+
+
+async def test_a_masked_upload_that_fails_fails_its_shard_and_reports_nothing_more(
+        embedded: StackFactory, toy_dataset: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    upload = transfers.upload_outputs
+
+    async def refuse_shard_2(a: Assignment, *args: Any) -> tuple[int, str | None]:
+        if a.shard == 2:
+            raise OSError("no space left on the test's device")
+        return await upload(a, *args)
+
+    monkeypatch.setattr(transfers, "upload_outputs", refuse_shard_2)
+    async with embedded(workers=3) as stack:
+        job_id = await stack.submit(request(toy_dataset, num_rounds=1))
+        view = await stack.wait(job_id, timeout=120)
+        rows = await stack.ports.db.fetch(
+            "SELECT shard, status, reason FROM contributions WHERE job_id = $1 ORDER BY shard", job_id)
+
+    assert view["status"] == "completed", view.get("reason")
+    assert [(r["shard"], r["status"]) for r in rows] == [(0, "accepted"), (1, "accepted"), (2, "failed")]
+    assert "result upload failed: no space left" in rows[2]["reason"]
 
 
 async def test_differential_privacy_clipped_on_workers_noises_the_unmasked_mean(embedded: StackFactory,

@@ -26,10 +26,12 @@ SECAGG = {"num_shares": 1, "reconstruction_threshold": 2}
 WIDTH = 2000
 
 
+# One worker for three shards: it trains them in turn, each trained shard's key agreement waiting beside the next.
+@pytest.mark.parametrize("count", [3, 1], ids=["a-worker-per-shard", "one-worker-for-three-shards"])
 def test_a_secure_job_runs_deployed_with_every_process_on_its_own_broker_user(cluster: Cluster, s3_server: str,
-                                                                               tmp_path: Path) -> None:
+                                                                               tmp_path: Path, count: int) -> None:
     # Prepare
-    workers, prefix = ["worker-1", "worker-2", "worker-3"], f"apiary-test-{uuid.uuid4().hex[:10]}-"
+    workers, prefix = [f"worker-{i + 1}" for i in range(count)], f"apiary-test-{uuid.uuid4().hex[:10]}-"
     credentials = tmp_path / broker_setup.CREDENTIALS_FILE
     result = broker_setup.setup(cluster.exchange, "/", workers, credentials, prefix=prefix)
     passwords = broker_setup.load_credentials(credentials)
@@ -51,7 +53,7 @@ def test_a_secure_job_runs_deployed_with_every_process_on_its_own_broker_user(cl
             "job_id": job_id, "name": "toy", "entrypoint": "tests.toyjobs.toy:fl_train_model",
             "dataset": str(make_dataset(tmp_path / "toy", 13)),
             "config": {"mode": "ok", "noise": 0.05, "width": WIDTH},
-            "distributed": {"num_rounds": 1, "min_workers": 2, "max_workers": 3, "aggregation_timeout": 120,
+            "distributed": {"num_rounds": 1, "min_workers": min(2, count), "max_workers": 3, "aggregation_timeout": 120,
                             "secure_aggregation": SECAGG}})
         job = cluster.wait_job(job_id, timeout=180)
     finally:
@@ -61,8 +63,8 @@ def test_a_secure_job_runs_deployed_with_every_process_on_its_own_broker_user(cl
 
     # Assert
     assert job["status"] == "completed", job["reason"]
-    rows = cluster.query("SELECT shard, samples, result_key FROM contributions WHERE job_id = $1 AND status ="
-                         " 'accepted' ORDER BY shard", job_id)
+    rows = cluster.query("SELECT shard, samples, result_key, worker_id FROM contributions WHERE job_id = $1"
+                         " AND status = 'accepted' ORDER BY shard", job_id)
     bucket, _, prefix_key = cluster.storage_url.removeprefix("s3://").partition("/")
     s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
 
@@ -72,6 +74,7 @@ def test_a_secure_job_runs_deployed_with_every_process_on_its_own_broker_user(cl
     start = stored(f"jobs/{job_id}/rounds/0000/global.safetensors")
     final = stored(f"jobs/{job_id}/final/model.safetensors")
     assert [r["samples"] for r in rows] == [5, 4, 4]
+    assert {r["worker_id"] for r in rows} <= set(workers)
     for r in rows:
         masked = stored(r["result_key"])
         assert set(masked) == {MASKED}

@@ -19,6 +19,9 @@ class SecAggInbox:
 
     def __init__(self) -> None:
         self._queues: dict[StageKey, asyncio.Queue[SecAggStage]] = {}
+        # One shard's update masked at a time here: masking holds the update in float64 (8 bytes a value) beside
+        # its mask, so a worker whose several trained shards get the round's shares at once masks them in turn.
+        self.masking = asyncio.Lock()
 
     def open(self, key: StageKey) -> asyncio.Queue[SecAggStage]:
         """Start keeping the stages of one shard's run."""

@@ -70,17 +70,21 @@ class SecureShard:
                                          worker_id=self.worker.worker_id, shard=a.shard, shares=shares_of(shares),
                                          secret=a.secret or ""))
         forwarded = await self._stage("forward")
-        try:
-            trained = await asyncio.to_thread(lambda: read_tensors(result_path.read_bytes()))
-            start = await asyncio.to_thread(lambda: read_tensors(weights_path.read_bytes()))
-        except (WeightsError, OSError) as e:
-            raise SecAggError(f"the trained weights cannot be read for masking: {e}") from None
-        vector = update_vector(trained, start)
-        masked, clipped = self.participant.masked_input([share(s) for s in forwarded.shares], vector, result.samples)
-        if clipped:
-            log.warning("secure aggregation: job %s round %d shard %d: %d weighted update values over clipping_range "
-                        "were clipped", a.job_id, a.round, a.shard, clipped)
-        await asyncio.to_thread(save_file, {MASKED: to_wire(masked)}, str(result_path))
+        async with self.inbox.masking:
+            try:
+                trained = await asyncio.to_thread(lambda: read_tensors(result_path.read_bytes()))
+                start = await asyncio.to_thread(lambda: read_tensors(weights_path.read_bytes()))
+            except (WeightsError, OSError) as e:
+                raise SecAggError(f"the trained weights cannot be read for masking: {e}") from None
+            vector = update_vector(trained, start)
+            del trained, start
+            masked, clipped = self.participant.masked_input([share(s) for s in forwarded.shares], vector,
+                                                            result.samples)
+            del vector
+            if clipped:
+                log.warning("secure aggregation: job %s round %d shard %d: %d weighted update values over "
+                            "clipping_range were clipped", a.job_id, a.round, a.shard, clipped)
+            await asyncio.to_thread(save_file, {MASKED: to_wire(masked)}, str(result_path))
         data = await asyncio.to_thread(result_path.read_bytes)
         return replace(result, size=len(data), sha256=hashlib.sha256(data).hexdigest())
 

@@ -86,7 +86,8 @@ def worker(worker_id: str | None, exchange: str, prefix: str = DEFAULT_PREFIX) -
     return BrokerUser(name, "worker", configure=configure,
                       write=_any([e, r"amq\.default", *queues]), read=_any([e, *queues]),
                       topic_write=_any(WORKER_PUBLISHES),
-                      topic_read=_any([*own, r"assign\.pool", r"job\.failed", r"job\.completed", *paced, *secure]),
+                      topic_read=_any([*own, r"assign\.pool", r"job\.failed", r"job\.completed",
+                                       r"job\.training_ended", *paced, *secure]),
                       worker_id=worker_id)
 
 

@@ -20,6 +20,7 @@ from apiary.contracts import (
     TRAIN,
     AdapterMerged,
     JobSharded,
+    JobTrainingEnded,
     JobWaiting,
     ObjectRef,
     RoundAggregated,
@@ -253,6 +254,10 @@ class SchedulerHandlers:
             await shard_states.record(tx, event)
             if decision.next is Next.FINISH:
                 await store.set_last_round(tx, event.job_id, event.round)
+                if spec.distributed.mode == "async":
+                    # The tasks still out would go into no version: their workers stop them now, not when the job
+                    # ends after its last evaluation.
+                    await self._outbox.add(tx, JobTrainingEnded(job_id=event.job_id, version=event.round))
             else:
                 target = RoundTarget(event.job_id, spec, job.shards, event.weights, decision.round, decision.attempt)
                 self.versions.adopt_trace(event.job_id, decision.round, event.next_traceparent)  # mode async

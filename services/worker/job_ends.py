@@ -1,5 +1,6 @@
 """Which jobs this worker knows ended, so that their queued assignments are skipped: heard as events on its
-control queue, or read from a job's end marker where the job may have ended before the worker listened."""
+control queue, or read from a job's end marker where the job may have ended before the worker listened; and which
+jobs train no more (mode async, after the last version), so that their queued training tasks are skipped."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections import OrderedDict
 from typing import Any
 
 from apiary import transfer
-from apiary.contracts import Assignment
+from apiary.contracts import TRAIN, Assignment
 
 ENDED_JOBS_KEPT = 4096  # job ids remembered as ended, to skip their assignments still queued
 # An assignment issued less than this before the worker started listening for job ends (clocks of
@@ -32,6 +33,7 @@ class JobEnds:
         self._ended: OrderedDict[str, str] = OrderedDict()  # job id -> why it ended
         self._alive: OrderedDict[str, None] = OrderedDict()  # jobs known not to have ended unheard
         self._read: OrderedDict[str, float] = OrderedDict()  # job -> when its marker was last read, found missing
+        self._trained: OrderedDict[str, None] = OrderedDict()  # jobs whose training ended (their evaluations run)
         self.listening_since = float("inf")  # when job ends started to reach this worker
 
     def __contains__(self, job_id: object) -> bool:
@@ -44,6 +46,14 @@ class JobEnds:
     def heard(self, job_id: str, reason: str) -> None:
         """The job ended, for `reason`."""
         _remember(self._ended, job_id, reason)
+
+    def heard_training_ended(self, job_id: str) -> None:
+        """The job trains no more (mode async: its last version is stored); its evaluations still run."""
+        _remember(self._trained, job_id, None)
+
+    def training_ended(self, a: Assignment) -> bool:
+        """Whether the assignment trains a shard of a job whose training ended."""
+        return a.task == TRAIN and a.job_id in self._trained
 
     def probe(self, a: Assignment) -> asyncio.Task[bool] | None:
         """Whether the assignment's job ended before this worker listened for job ends, read from the

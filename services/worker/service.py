@@ -16,9 +16,11 @@ from apiary.backoff import while_unavailable
 from apiary.bus import Bus, Delivery, EventHandler, Subscription, publish_event, subscribe
 from apiary.bus.typed import Next, consumer_span
 from apiary.contracts import (
+    TRAIN,
     Assignment,
     JobCompleted,
     JobFailed,
+    JobTrainingEnded,
     PresencePace,
     WorkerFailed,
     pace_key,
@@ -86,6 +88,7 @@ class Worker:
         # Listening before announcing: the scheduler answers a worker that joins a stretched fleet with its pace.
         control: dict[str, EventHandler] = {
             "job.failed": self.on_job_ended, "job.completed": self.on_job_ended,
+            JobTrainingEnded.routing_key: self.on_training_ended,
             PresencePace.routing_key: self.presence.on_pace, pace_key(self.worker_id): self.presence.on_pace,
             secagg_key(self.worker_id): self.secagg.on_stage,
         }
@@ -129,14 +132,30 @@ class Worker:
                 log.info("worker %s: job %s ended (%s); stopping its round %d shard %d", self.worker_id, a.job_id,
                          event.reason, a.round, a.shard)
 
+    async def on_training_ended(self, event: JobTrainingEnded, delivery: Delivery) -> None:
+        """A job in mode async stored its last version: stop the training task of it running here (its update would
+        go into no version) and skip its queued ones; its evaluations still run."""
+        self.ended.heard_training_ended(event.job_id)
+        current = self.slot.current
+        if current is not None and current.job_id == event.job_id and current.task == TRAIN:
+            a = self.slot.stop(event.job_id)
+            if a is not None:
+                log.info("worker %s: job %s stored its last version %d; stopping its task %d (shard %d)",
+                         self.worker_id, a.job_id, event.version, a.attempt, a.shard)
+
     async def _skip_stale_or_ended(self, assignment: Assignment, delivery: Delivery, call_next: Next) -> None:
-        """Go on unless the assignment's deadline passed or its job is known to have ended."""
+        """Go on unless the assignment's deadline passed, its job is known to have ended, or it is a training task
+        of a job whose training ended."""
         if assignment.deadline < time.time():
             log.info("worker %s: skipping stale assignment %s round %d shard %d", self.worker_id,
                      assignment.job_id, assignment.round, assignment.shard)
             return
         if assignment.job_id in self.ended:
             self.skip_ended(assignment)
+            return
+        if self.ended.training_ended(assignment):
+            log.info("worker %s: skipping task %d (shard %d) of job %s, whose last version is stored", self.worker_id,
+                     assignment.attempt, assignment.shard, assignment.job_id)
             return
         await call_next()
 
@@ -146,8 +165,9 @@ class Worker:
         if assignment.heartbeat_interval is not None:
             self.presence.pace(assignment.heartbeat_interval)
         if not await self.slot.run(assignment, self._run(assignment), name=f"train:{self.worker_id}"):
-            # The job is over: nothing to report, and the assignment is done with (acked).
-            why = self.ended.reason(assignment.job_id) or ""
+            # The job is over (or, in mode async, its training): nothing to report, and the assignment is done
+            # with (acked).
+            why = self.ended.reason(assignment.job_id) or "its last version is stored"
             trace.get_current_span().add_event("job.ended", {"apiary.reason": why})
 
     async def _run(self, a: Assignment) -> float | None:

@@ -797,6 +797,15 @@ class JobFailed(Event):
     """True: it ended because someone cancelled it (`job.cancel`), not because something failed."""
 
 
+class JobTrainingEnded(Event):
+    """`job.training_ended`: mode async: the job's last version is stored, so its training tasks still out are of
+    no use; workers stop them and take no more (its evaluations still run). The job ends as usual after it."""
+
+    routing_key: ClassVar[str] = "job.training_ended"
+    version: int
+    """The job's last version (round), whose weights are stored."""
+
+
 class JobWaiting(Event):
     """`job.waiting`: a round cannot start yet (too few workers online); the job waits."""
 
@@ -900,7 +909,8 @@ EVENT_TYPES: dict[str, type[BaseModel]] = {
     for cls in (
         JobRequested, JobAccepted, JobRejected, ShardRequested, JobSharded, RoundStart,
         WorkerProgress, WorkerDone, WorkerFailed, RoundTimeout, RoundAggregated, RoundFailed,
-        JobCompleted, JobFailed, JobWaiting, JobCancelRequested, WorkerOnline, WorkerHeartbeat, WorkerOffline,
+        JobCompleted, JobFailed, JobTrainingEnded, JobWaiting, JobCancelRequested, WorkerOnline, WorkerHeartbeat,
+        WorkerOffline,
         WeightsInitialized, RoundEvaluated, WorkerEvaluated, ReportForged, AdapterMerged, TaskTimeout,
         PresencePace, SecAggKeys, SecAggShares, SecAggCheck, SecAggReveal,
     )

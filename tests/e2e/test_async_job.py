@@ -91,6 +91,39 @@ async def test_fast_workers_never_wait_for_the_slow_one(embedded: StackFactory, 
     torch.testing.assert_close(final["layer.weight"], versions[-1]["layer.weight"])
 
 
+async def test_tasks_still_training_after_the_last_version_stop_while_the_job_evaluates(
+        embedded: StackFactory, tmp_path: Path, toy_dataset: Path) -> None:
+    # Shard 3's first task is held for good; the last version is made from the other shards, and the job's final
+    # evaluation is held until the test opens it: meanwhile no training task of the job may still run.
+    gates, evaluated = Gates(tmp_path), tmp_path / "evaluate"
+    request = toy_request(toy_dataset, num_rounds=3, min_workers=4, max_workers=4, mode="async", evaluate_every=0,
+                          **{"async": {"buffer_size": 2}})
+    request["config"] = {"mode": "gated", "fail_shards": [SLOW], "gate": gates.path, "gate_seconds": 600,
+                         "eval_mode": "gated", "eval_gate": str(evaluated)}
+    async with embedded(workers=4) as stack:
+        job_id = await stack.submit(request)
+
+        def training() -> list[tuple[str, int]]:
+            return [(w.worker_id, w.slot.current.shard) for w in stack.workers
+                    if w.slot.current is not None and w.slot.current.job_id == job_id
+                    and w.slot.current.task == "train"]
+
+        async def evaluating_alone() -> bool:
+            last = await stack.ports.db.fetchval("SELECT last_round FROM jobs WHERE job_id = $1", job_id)
+            return last is not None and not training()
+
+        await _wait_for(evaluating_alone, 120)
+        view = await stack.api.get_job(job_id)
+        evaluated.touch()
+        ended = await stack.wait(job_id, timeout=120)
+        slow_reports = await stack.ports.db.fetchval(
+            "SELECT COUNT(*) FROM contributions WHERE job_id = $1 AND shard = $2", job_id, SLOW)
+
+    assert view["status"] == "running"  # the final evaluation still held: the job had not ended
+    assert ended["status"] == "completed", ended.get("reason")
+    assert slow_reports == 0  # the held task was stopped, never reported
+
+
 async def test_async_job_status_counts_versions(embedded: StackFactory, toy_dataset: Path) -> None:
     request = toy_request(toy_dataset, num_rounds=3, min_workers=2, max_workers=3, mode="async", evaluate_every=0,
                           **{"async": {"buffer_size": 2, "staleness_weight": "constant"}})

@@ -127,11 +127,16 @@ def noise_update(round_index: int, shard: int, name: str, shape: tuple[int, ...]
 
 def fl_evaluate_model(weights: dict[str, torch.Tensor], env: dict[str, Any]) -> dict[str, float]:
     """A metric computed from the weights, so the test can check evaluation ran on them; env EVAL_MODE
-    raise or slow (in the rounds listed in EVAL_FAIL_ROUNDS, or all) makes it fail, or sleep EVAL_SECONDS."""
+    raise, slow or gated (in the rounds listed in EVAL_FAIL_ROUNDS, or all) makes it fail, sleep EVAL_SECONDS, or
+    wait until the file env EVAL_GATE names exists (at most GATE_SECONDS)."""
     fail_rounds = env.get("EVAL_FAIL_ROUNDS")
     if fail_rounds is None or env.get("ROUND") in fail_rounds:
         if env.get("EVAL_MODE") == "raise":
             raise RuntimeError(f"toy evaluation failure in round {env.get('ROUND')}")
         if env.get("EVAL_MODE") == "slow":
             time.sleep(float(env.get("EVAL_SECONDS", 2.0)))
+        if env.get("EVAL_MODE") == "gated":
+            deadline = time.monotonic() + float(env.get("GATE_SECONDS", 300))
+            while not Path(env["EVAL_GATE"]).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
     return {"weight_sum": float(weights["layer.weight"].sum())}

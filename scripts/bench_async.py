@@ -4,7 +4,8 @@ fleet: wall-clock time until the digits example's global model reaches 95% held-
 Four workers train the digits example (examples/digits/paced.py: each task takes at least --pace seconds, a
 stand-in for a real model's step time, and shard 3's takes --factor times as long: one worker 5x slower). Both
 modes get the same budget of updates: sync runs --rounds rounds of 4 updates, async --rounds * 4 / --buffer
-versions of --buffer updates (server learning rate 1, polynomial staleness weight (1+s)^-0.5). Each run goes
+versions of --buffer updates (polynomial staleness weight (1+s)^-a, a = --staleness-exponent, default 0.5; server
+learning rate --server-lr, default 1). Each run goes
 through `apiary run` (embedded: in-memory bus, SQLite, local folder) with its own APIARY_HOME; afterwards each
 round's (version's) stored global weights are scored on the held-out set by the example's fl_evaluate_model, and
 the time to target is from round 1's start to the close of the first round (version) at or above --target.
@@ -81,7 +82,8 @@ def request(row: Row, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     if mode == "async":
         distributed.update(mode="async", num_rounds=args.rounds * WORKERS // args.buffer,
                            **{"async": {"buffer_size": args.buffer, "staleness_weight": "polynomial",
-                                        "staleness_exponent": args.staleness_exponent}})
+                                        "staleness_exponent": args.staleness_exponent,
+                                        "server_learning_rate": args.server_lr}})
     job["distributed"] = distributed
     job["split"] = ({"strategy": "random", "seed": 0} if row.split == "iid"
                     else {"strategy": "label_skew", "alpha": float(row.split), "seed": 0})
@@ -156,7 +158,8 @@ def page(results: dict[str, dict[str, list[Run]]], args: argparse.Namespace) -> 
         f"example on {WORKERS} workers (embedded `apiary run`, 2 shared CPU cores), each training task paced to at "
         f"least {args.pace:g} s, shard {SLOW_SHARD}'s {args.factor:g}x that where a worker is slow. Same budget of "
         f"updates: sync {args.rounds} rounds x {WORKERS}, async {args.rounds * WORKERS // args.buffer} versions "
-        f"x K={args.buffer} (polynomial staleness weight, server learning rate 1). Time to {args.target:.0%} held-out "
+        f"x K={args.buffer} (polynomial staleness weight (1+s)^-{args.staleness_exponent:g}, server learning rate "
+        f"{args.server_lr:g}). Time to {args.target:.0%} held-out "
         f"accuracy from round 1's start, and after warm-up: from the moment every worker had reported its first task "
         f"(its training process started: {warm:.1f} s here, median of every run, including the slow worker's first "
         f"task where there is one). Median of {args.runs} runs each, in the "
@@ -193,6 +196,7 @@ def main() -> None:
     parser.add_argument("--buffer", type=int, default=2, help="async buffer size K")
     parser.add_argument("--staleness-exponent", type=float, default=0.5,
                         help="async: the exponent a of the polynomial staleness weight (1+s)^-a")
+    parser.add_argument("--server-lr", type=float, default=1.0, help="async: FedBuff's server learning rate")
     parser.add_argument("--pace", type=float, default=1.0, help="seconds a training task takes at least")
     parser.add_argument("--factor", type=float, default=5.0, help="how much slower the slow worker is")
     parser.add_argument("--target", type=float, default=0.95, help="held-out accuracy to reach")

@@ -17,6 +17,7 @@ from apiary.contracts import (
     JobRejected,
     JobRequested,
     JobSharded,
+    JobTrainingEnded,
     JobWaiting,
     PresencePace,
     ReportForged,
@@ -149,6 +150,11 @@ async def _job_completed(tx: Executor, e: JobCompleted, ts: float) -> None:
     await store.running_round_ended(tx, e.job_id, "cancelled", f"job completed: {e.reason or 'completed'}", ts)
 
 
+async def _job_training_ended(tx: Executor, e: JobTrainingEnded, ts: float) -> None:
+    # Mode async: the workers stop the tasks still out; they will report nothing.
+    await store.tasks_stopped(tx, e.job_id, f"stopped: version {e.version}, the job's last, is stored", ts)
+
+
 async def _job_waiting(tx: Executor, e: JobWaiting, ts: float) -> None:
     await store.ensure_job(tx, e.job_id, ts)
     await store.update_job(tx, e.job_id, ts, status="waiting", reason=e.reason)
@@ -194,6 +200,7 @@ VIEWS: dict[str, View] = {
     ReportForged.routing_key: _report_forged,
     JobCompleted.routing_key: _job_completed,
     JobFailed.routing_key: _job_failed,
+    JobTrainingEnded.routing_key: _job_training_ended,
     JobWaiting.routing_key: _job_waiting,
     WorkerOnline.routing_key: _worker_online,
     WorkerHeartbeat.routing_key: _worker_heartbeat,

@@ -255,6 +255,15 @@ async def shard_state(tx: Executor, report: ShardReport, ts: float, state: str) 
     )
 
 
+async def tasks_stopped(tx: Executor, job_id: str, reason: str, ts: float) -> None:
+    """The job's training tasks still out were stopped (mode async: its last version is stored)."""
+    await tx.execute(
+        "UPDATE shard_views SET state = 'stopped', error = $2, updated_at = $3"
+        " WHERE job_id = $1 AND state IN ('assigned', 'training')",
+        job_id, reason, ts,
+    )
+
+
 async def shard_taken(tx: Executor, job_id: str, round_index: int | None, shard: int, worker_id: str,
                       ts: float) -> None:
     """A worker took an assigned shard (before its first progress report)."""

@@ -48,6 +48,10 @@ class Host(Protocol):
         """Code bundles kept on this worker."""
 
     @property
+    def stopping(self) -> bool:
+        """Whether the worker is stopping (its steps still running are being stopped)."""
+
+    @property
     def secagg(self) -> SecAggInbox:
         """The aggregator's secure-aggregation stages for this worker's shards."""
 

@@ -94,6 +94,7 @@ class AssignmentRun:
         """A secure shard's steps after training, from its set-aside folder: share keys and mask the update in
         place of the weights, upload and report it, then sign the survivor set and reveal shares."""
         a, worker = self.a, self.worker
+        reported = False
         try:
             try:
                 result = await secure.mask(result, self.space.result, self.space.weights)
@@ -104,12 +105,18 @@ class AssignmentRun:
             if not uploaded:
                 return
             await self._report(result, time.monotonic() - started)
+            reported = True
             try:
                 await secure.check()
                 await secure.reveal()
             except ValueError as e:  # reported already: the round rebuilds this shard's mask from the others' shares
                 log.warning("worker %s: job %s round %d shard %d: secure aggregation: %s", worker.worker_id, a.job_id,
                             a.round, a.shard, e)
+        except asyncio.CancelledError:
+            if worker.stopping and not reported:
+                # Said rather than left to the round's timeout: the key agreement goes on without this shard.
+                await worker.failed(a, "secure aggregation: the worker stopped before the shard was reported")
+            raise
         finally:
             secure.close()
             await asyncio.to_thread(self.space.remove)

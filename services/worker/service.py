@@ -75,6 +75,7 @@ class Worker:
         self._control: Subscription | None = None
         self.ended = JobEnds()
         self.secagg = SecAggInbox()
+        self.stopping = False
 
     @property
     def control_queue(self) -> str:
@@ -83,6 +84,7 @@ class Worker:
 
     async def start(self) -> None:
         """Announce the worker and start taking assignments."""
+        self.stopping = False
         self.cache.mkdir(parents=True, exist_ok=True)
         await self.runner.start()
         # Listening before announcing: the scheduler answers a worker that joins a stretched fleet with its pace.
@@ -105,7 +107,9 @@ class Worker:
 
     async def stop(self, reason: str = "stopped") -> None:
         """Stop taking work; an assignment in progress goes back to its queue (one whose last steps go on without
-        the slot, a secure shard trained here, is left out of its round)."""
+        the slot, a secure shard trained here, is reported failed unless it was reported already, and left out of its
+        round)."""
+        self.stopping = True
         await self.turns.cancel()
         await self.handed_off.cancel()
         if self._control is not None:

@@ -91,6 +91,10 @@ class HandedOff:
     def __len__(self) -> int:
         return len(self._running)
 
+    def held(self) -> list[Assignment]:
+        """The assignments whose steps run now."""
+        return list(self._running.values())
+
     def stop(self, job_id: str) -> list[Assignment]:
         """Stop the steps of `job_id`'s assignments; which they were."""
         stopped = [(task, a) for task, a in self._running.items() if a.job_id == job_id]

@@ -5,7 +5,9 @@ aggregator that tells workers different survivor sets gets no share revealed (th
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +28,10 @@ from apiary.weights import loads
 from services.aggregator.round_state import RoundKey
 from services.aggregator.secure_rounds import SecureRound, SecureRounds
 from services.scheduler.round_plan import worker_noise
-from services.worker import transfers
+from services.worker import Worker, transfers
 from services.worker.secure_rounds import SecureShard
 from tests.fixtures.embedded import StackFactory, start_and_final, toy_request
-from tests.toyjobs.toy import noise_update
+from tests.toyjobs.toy import Gates, noise_update
 
 WIDTH = 4000
 SECAGG = {"num_shares": 1, "reconstruction_threshold": 2}
@@ -102,6 +104,40 @@ async def test_one_worker_trains_every_shard_of_a_secure_round_in_turn(embedded:
             n * torch.from_numpy(plain_update(2, s, first)[name]) for s, n in ((0, 5), (1, 4), (2, 4))) / 13
         assert (final[name].double() - expected).abs().max().item() <= bound + 1e-6
     assert leftovers == []  # each shard's set-aside folder is removed once its run ended
+
+
+async def test_a_worker_stopped_while_its_trained_shard_waits_reports_it_failed_and_the_round_goes_on(
+        embedded: StackFactory, toy_dataset: Path, tmp_path: Path) -> None:
+    # Shard 2 trains until the test opens its gate, so shards 0 and 1, trained, wait for its shares; then shard 0's
+    # worker stops. It reports shard 0 failed, and the round is made from shards 1 and 2 (threshold 2).
+    gates = Gates(tmp_path, opened=0)
+    async with embedded(workers=3) as stack:
+        body = request(toy_dataset, num_rounds=1)
+        body["config"] = {**body["config"], "mode": "gated", "fail_shards": [2], "gate": gates.path}
+        job_id = await stack.submit(body)
+
+        def waiting(shard: int) -> list[Worker]:
+            return [w for w in stack.workers if any(a.shard == shard for a in w.handed_off.held())]
+
+        deadline = time.monotonic() + 60
+        while not (waiting(0) and waiting(1)):
+            assert time.monotonic() < deadline, "shards 0 and 1 never waited for the round's shares"
+            await asyncio.sleep(0.05)
+        stopped = waiting(0)[0]
+        await stopped.stop()
+        gates.open_through(1)
+        view = await stack.wait(job_id, timeout=120)
+        rows = await stack.ports.db.fetch(
+            "SELECT shard, status, reason FROM contributions WHERE job_id = $1 ORDER BY shard", job_id)
+        start, final = await start_and_final(stack, job_id)
+
+    assert view["status"] == "completed", view.get("reason")
+    assert [(r["shard"], r["status"]) for r in rows] == [(0, "failed"), (1, "accepted"), (2, "accepted")]
+    assert "the worker stopped before the shard was reported" in rows[0]["reason"]
+    bound = SecureAggregation(**SECAGG).resolved(3).error_bound(2, 8)
+    expected = start["wide.weight"].double() + sum(
+        n * torch.from_numpy(plain_update(1, s, start)["wide.weight"]) for s, n in ((1, 4), (2, 4))) / 8
+    assert (final["wide.weight"].double() - expected).abs().max().item() <= bound + 1e-6
 
 
 async def test_a_bfloat16_model_is_masked_and_its_mean_stored_in_bfloat16(embedded: StackFactory,

@@ -27,6 +27,7 @@ from apiary.strategies.private import seeded
 from apiary.weights import loads
 from services.aggregator.round_state import RoundKey
 from services.aggregator.secure_rounds import SecureRound, SecureRounds
+from services.app.runtime import Embedded
 from services.scheduler.round_plan import worker_noise
 from services.worker import Worker, transfers
 from services.worker.secure_rounds import SecureShard
@@ -41,6 +42,12 @@ def request(dataset: Path, **distributed: object) -> dict:
     body = toy_request(dataset, secure_aggregation=SECAGG, **distributed)
     body["config"] = {"mode": "ok", "noise": 0.05, "width": WIDTH}
     return body
+
+
+async def outcomes(stack: Embedded, job_id: str) -> list[Any]:
+    """Each shard's contribution row of the job: shard, status and reason."""
+    return await stack.ports.db.fetch(
+        "SELECT shard, status, reason FROM contributions WHERE job_id = $1 ORDER BY shard", job_id)
 
 
 def plain_update(round_index: int, shard: int, previous: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
@@ -127,8 +134,7 @@ async def test_a_worker_stopped_while_its_trained_shard_waits_reports_it_failed_
         await stopped.stop()
         gates.open_through(1)
         view = await stack.wait(job_id, timeout=120)
-        rows = await stack.ports.db.fetch(
-            "SELECT shard, status, reason FROM contributions WHERE job_id = $1 ORDER BY shard", job_id)
+        rows = await outcomes(stack, job_id)
         start, final = await start_and_final(stack, job_id)
 
     assert view["status"] == "completed", view.get("reason")
@@ -203,8 +209,7 @@ async def test_a_worker_that_cannot_join_fails_its_shard_not_the_job(embedded: S
         body["config"] = {**body["config"], "mode": "raise", "fail_shards": [2]}
         job_id = await stack.submit(body)
         view = await stack.wait(job_id, timeout=120)
-        rows = await stack.ports.db.fetch(
-            "SELECT shard, status, reason FROM contributions WHERE job_id = $1 ORDER BY shard", job_id)
+        rows = await outcomes(stack, job_id)
         start = loads(await stack.ports.storage.get_bytes(keys.global_weights(job_id, 0)))
         final = loads(await stack.ports.storage.get_bytes(keys.final_model(job_id)))
 
@@ -229,8 +234,7 @@ async def test_a_masked_upload_that_fails_fails_its_shard_and_reports_nothing_mo
     async with embedded(workers=3) as stack:
         job_id = await stack.submit(request(toy_dataset, num_rounds=1))
         view = await stack.wait(job_id, timeout=120)
-        rows = await stack.ports.db.fetch(
-            "SELECT shard, status, reason FROM contributions WHERE job_id = $1 ORDER BY shard", job_id)
+        rows = await outcomes(stack, job_id)
 
     assert view["status"] == "completed", view.get("reason")
     assert [(r["shard"], r["status"]) for r in rows] == [(0, "accepted"), (1, "accepted"), (2, "failed")]

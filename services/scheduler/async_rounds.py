@@ -17,7 +17,16 @@ from dataclasses import replace
 
 from apiary import keys, metrics, proof, telemetry
 from apiary.bus import Delivery
-from apiary.contracts import TRAIN, RoundAssigned, RoundTimeout, ShardInfo, TaskTimeout, WorkerDone, WorkerFailed
+from apiary.contracts import (
+    TRAIN,
+    JobTrainingEnded,
+    RoundAssigned,
+    RoundTimeout,
+    ShardInfo,
+    TaskTimeout,
+    WorkerDone,
+    WorkerFailed,
+)
 from apiary.db import Database, Executor
 from apiary.jobspec_async import AsyncConfig
 from apiary.outbox import Outbox, Pending
@@ -30,7 +39,7 @@ from services.scheduler.routing import AssignmentRouter
 log = logging.getLogger("apiary.scheduler")
 
 COMPONENT = "scheduler_async"
-TRAINING, DONE, LOST = "training", "done", "lost"
+TRAINING, DONE, LOST, STOPPED = "training", "done", "lost", "stopped"
 # Append only, as every component's migrations.
 MIGRATIONS = [
     """
@@ -141,6 +150,13 @@ class AsyncVersions:
                 return
             await self._top_up(tx, job, after=event.shard, worker=event.worker_id, now=now)
         await self._outbox.flush()
+
+    async def end_training(self, tx: Executor, job_id: str, version: int) -> None:
+        """The job's last version is stored: its tasks still training are stopped (their workers hear it on
+        job.training_ended, published with this transaction) and go into no version."""
+        await tx.execute("UPDATE async_slots SET status = $3, ended_at = $4 WHERE job_id = $1 AND status = $2",
+                         job_id, TRAINING, STOPPED, time.time())
+        await self._outbox.add(tx, JobTrainingEnded(job_id=job_id, version=version))
 
     async def on_task_timeout(self, event: TaskTimeout, job: store.Job) -> None:
         """A training task's deadline passed (under the job's lock): if it is still training, no report came in its

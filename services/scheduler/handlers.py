@@ -20,7 +20,6 @@ from apiary.contracts import (
     TRAIN,
     AdapterMerged,
     JobSharded,
-    JobTrainingEnded,
     JobWaiting,
     ObjectRef,
     RoundAggregated,
@@ -257,7 +256,7 @@ class SchedulerHandlers:
                 if spec.distributed.mode == "async":
                     # The tasks still out would go into no version: their workers stop them now, not when the job
                     # ends after its last evaluation.
-                    await self._outbox.add(tx, JobTrainingEnded(job_id=event.job_id, version=event.round))
+                    await self.versions.end_training(tx, event.job_id, event.round)
             else:
                 target = RoundTarget(event.job_id, spec, job.shards, event.weights, decision.round, decision.attempt)
                 self.versions.adopt_trace(event.job_id, decision.round, event.next_traceparent)  # mode async

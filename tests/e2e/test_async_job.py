@@ -118,12 +118,15 @@ async def test_tasks_still_training_after_the_last_version_stop_while_the_job_ev
         ended = await stack.wait(job_id, timeout=120)
         slow_reports = await stack.ports.db.fetchval(
             "SELECT COUNT(*) FROM contributions WHERE job_id = $1 AND shard = $2", job_id, SLOW)
+        slots = await stack.ports.db.fetch("SELECT status, COUNT(*) AS n FROM async_slots WHERE job_id = $1"
+                                           " GROUP BY status ORDER BY status", job_id)
 
     assert view["status"] == "running"  # the final evaluation still held: the job had not ended
     assert ended["status"] == "completed", ended.get("reason")
     assert slow_reports == 0  # the held task was stopped, never reported
     # The API no longer lists it as out: the dashboard shows it stopped, with why.
     assert ended["asynchronous"]["tasks"] == []
+    assert "training" not in {r["status"] for r in slots} and "stopped" in {r["status"] for r in slots}
 
 
 async def test_async_job_status_counts_versions(embedded: StackFactory, toy_dataset: Path) -> None:

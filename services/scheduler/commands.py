@@ -3,6 +3,7 @@ a cancel (also one that comes before its request), and failing the jobs an earli
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -55,7 +56,9 @@ class JobCommands:
             await self._reject(job_id, field_errors(e))
             return
         spec = JobSpec.model_validate(request.model_dump(exclude={"job_id", "v"}))
-        if errors := (strategy_errors(spec) or policy_errors(spec, self._policy)
+        # Off the event loop: the first check imports the strategies (torch) and the privacy accountant, and a
+        # privacy budget is checked round by round, so a request stalls no other handler while it is checked.
+        if errors := (await asyncio.to_thread(strategy_errors, spec) or policy_errors(spec, self._policy)
                       or await registry_errors(self._storage, spec)):
             await self._reject(job_id, errors)
             return

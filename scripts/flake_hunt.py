@@ -116,8 +116,8 @@ def main() -> int:
     parser.add_argument("--busy", action="store_true", help="keep every core busy with stress-ng meanwhile")
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 2, help="cores to burn with --busy")
     parser.add_argument("--timeout", type=int, default=600, help="seconds one test may take before it fails")
-    parser.add_argument("--workers", type=int, default=int(os.environ.get("APIARY_TEST_WORKERS", "3")),
-                        help="pytest-xdist workers of a --full run's parallel part, as scripts/test (default 3)")
+    parser.add_argument("--workers", type=int, default=int(os.environ.get("APIARY_TEST_WORKERS", "4")),
+                        help="pytest-xdist workers of a --full run's parallel part, as scripts/test (default 4)")
     parser.add_argument("--out", type=Path, help="where the runs' files go (default: test-artifacts/flake-hunt/<time>)")
     args = parser.parse_args()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -18,6 +19,10 @@ from services.worker.model_cache import ModelCache
 
 if TYPE_CHECKING:
     from services.worker.secagg_inbox import SecAggInbox
+
+# A set-aside run's folder (`Workspace.set_aside`): under the job's working folder, the assignment and, once its
+# result is reported, a marker.
+ASIDE, ASSIGNMENT, REPORTED = "aside", "assignment.json", "reported"
 
 
 class Host(Protocol):
@@ -93,20 +98,51 @@ class Workspace:
             shutil.rmtree(self.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
 
-    def set_aside(self, name: str) -> Workspace:
+    def set_aside(self, name: str, a: Assignment) -> Workspace:
         """This run's trained result, output folder and round weights moved to a folder of their own (`name`, under
         the working folder), so that the worker's next assignment can use the working folder meanwhile: the
         result and outputs renamed, the weights linked (the next download replaces the file, not its bytes).
-        A shard's own state is not moved: no job that trains in a secure round keeps one."""
-        aside = Workspace(self.work / "aside" / name)
+        The assignment is written beside them, so that a worker killed before it reported the run can report it
+        failed when it starts again (`left_aside`). A shard's own state is not moved: no job that trains in a
+        secure round keeps one."""
+        aside = Workspace(self.work / ASIDE / name)
         shutil.rmtree(aside.job_dir, ignore_errors=True)  # left by a worker that stopped during such a run
         aside.work.mkdir(parents=True)
+        written = aside.job_dir / f".{ASSIGNMENT}"
+        written.write_text(a.model_dump_json())
+        written.rename(aside.job_dir / ASSIGNMENT)  # whole or absent, whenever the worker is killed
         os.link(self.weights, aside.weights)
         self.result.rename(aside.result)
         if self.out_dir.is_dir():
             self.out_dir.rename(aside.out_dir)
         return aside
 
+    def mark_reported(self) -> None:
+        """A set-aside run's result is reported: a worker killed from now on has nothing to report for it."""
+        (self.job_dir / REPORTED).touch()
+
     def remove(self) -> None:
         """Remove the folder and everything in it (a set-aside run's, once it ended)."""
         shutil.rmtree(self.job_dir, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class LeftAside:
+    """A set-aside run found when the worker starts: its last steps died with the worker that ran them."""
+
+    space: Workspace
+    assignment: Assignment | None  # None: unreadable (the worker was killed as it set the run aside)
+    reported: bool  # its result was reported before the worker died
+
+
+def left_aside(cache: Path) -> list[LeftAside]:
+    """The set-aside runs in a worker's folder (`cache`): at its start, the ones its previous process left when it
+    was killed (SIGKILL, out of memory) before their last steps ended."""
+    found = []
+    for folder in sorted(cache.glob(f"jobs/*/work/{ASIDE}/*")):
+        try:
+            a: Assignment | None = Assignment.model_validate_json((folder / ASSIGNMENT).read_text())
+        except (OSError, ValueError):
+            a = None
+        found.append(LeftAside(Workspace(folder), a, (folder / REPORTED).exists()))
+    return found

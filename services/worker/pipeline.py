@@ -80,7 +80,7 @@ class AssignmentRun:
             await secure.advertise()
             result = await self._train(call)
             if result is not None:
-                self.space = await asyncio.to_thread(self.space.set_aside, f"{a.round}-{a.attempt}-{a.shard}")
+                self.space = await asyncio.to_thread(self.space.set_aside, f"{a.round}-{a.attempt}-{a.shard}", a)
         except BaseException:
             secure.close()
             raise
@@ -106,6 +106,7 @@ class AssignmentRun:
                 return
             await self._report(result, time.monotonic() - started)
             reported = True
+            await asyncio.to_thread(self.space.mark_reported)
             try:
                 await secure.check()
                 await secure.reveal()

@@ -4,6 +4,7 @@ time is `slot`, whose turn it is `turns`, its heartbeats and pace `presence`; an
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Coroutine
@@ -31,6 +32,7 @@ from apiary.settings import Settings
 from apiary.trainers import USER_FUNCTION, Trainer, TrainerError, TrainerSetup, make_trainer, trainer_name
 from services.worker.bundles import BundleCache
 from services.worker.gpu import choose_gpu, gpu_stats
+from services.worker.host import left_aside
 from services.worker.job_ends import JobEnds
 from services.worker.model_cache import ModelCache
 from services.worker.pipeline import AssignmentRun
@@ -98,12 +100,24 @@ class Worker:
                                         expires=CONTROL_QUEUE_EXPIRES)
         self.ended.listening_since = time.time()
         await self.presence.announce()
+        await self._report_left_aside()
         # Each queue has its own turn-taking; past it, a stale or ended job's assignment is skipped, and
         # what is trained is traced as the message's processing.
         then = [self._skip_stale_or_ended, consumer_span(self.settings.exchange, self.span_attributes)]
         await self.turns.subscribe(self.bus, self.on_assignment, self.settings.worker_prefetch, then)
         self.presence.start()
         log.info("worker %s online", self.worker_id)
+
+    async def _report_left_aside(self) -> None:
+        """Runs set aside by this worker's previous process, killed (SIGKILL, out of memory) before it reported them:
+        each one's round still waiting is told the shard failed, as a stopped worker tells it, so that the key
+        agreement goes on without the shard rather than waiting for the round's timeout; then its folder goes."""
+        for left in await asyncio.to_thread(left_aside, self.cache):
+            a = left.assignment
+            if a is not None and not left.reported and a.deadline > time.time():
+                await self.failed(a, "secure aggregation: the worker was killed before the shard was reported "
+                                     "(found when it started again)")
+            await asyncio.to_thread(left.space.remove)
 
     async def stop(self, reason: str = "stopped") -> None:
         """Stop taking work; an assignment in progress goes back to its queue (one whose last steps go on without

@@ -4,6 +4,7 @@ aggregator, which sends the current stage again; the round aggregates once, as a
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 from apiary.secagg.settings import SecureAggregation
 from apiary.weights import loads
 from tests.faults.support import Faults, new_id, toy_job
-from tests.toyjobs.toy import noise_update
+from tests.toyjobs.toy import Gates, noise_update
 
 SECAGG = {"num_shares": 1, "reconstruction_threshold": 2}
 WIDTH = 500
@@ -56,3 +57,47 @@ def test_aggregator_killed_during_the_key_agreement_resumes_the_secure_round(
     outcome("aggregator kill -9 during a secure round's key agreement",
             "restarted aggregator replays the stored keys, resends the roster; the round aggregates once",
             f"{job['status']}; round 1 aggregated once; max error {error:.1e} within the quantisation bound", 0)
+
+
+def test_a_worker_killed_while_its_trained_shard_waits_reports_it_failed_when_it_starts_again(
+        faults: Faults, toy_data: Callable[[int], Path], tmp_path: Path,
+        outcome: Callable[[str, str, str, int], None]) -> None:
+    # Each worker trains its own shard; shard 2's training is held at a gate, so shards 0 and 1, trained, wait for
+    # its shares. Then site-a (shard 0) is killed with SIGKILL and started again (a container's restart policy, an
+    # out-of-memory kill): it finds shard 0's run in its folder and reports it failed, so the round is made from
+    # shards 1 and 2 at once instead of waiting for the round's timeout (10 minutes here).
+    cluster = faults.cluster
+    sites = ["site-a", "site-b", "site-c"]
+    cluster.start(workers=sites)
+    job_id = new_id("kill-secagg-worker")
+    gates = Gates(tmp_path, opened=0)
+    request = toy_job(job_id, toy_data(13), rounds=1, min_workers=2, max_workers=3, timeout=600, pinned=sites,
+                      config={"mode": "gated", "fail_shards": [2], "gate": gates.path, "noise": 0.05,
+                              "width": WIDTH})
+    request["distributed"]["secure_aggregation"] = SECAGG
+    cluster.publish_job(request)
+    cluster.wait_for(lambda: len(faults.query(
+        "SELECT shard FROM secagg_messages WHERE job_id = $1 AND round = 1 AND kind = 'shares'", job_id)) == 2,
+        90, "shards 0 and 1 to be trained and share their keys")
+
+    cluster.kill("site-a", signal.SIGKILL)
+    killed = time.monotonic()
+    cluster.start_worker("site-a")
+    gates.open_through(1)
+    job = cluster.wait_job(job_id, timeout=120)
+    took = time.monotonic() - killed
+
+    assert job["status"] == "completed", job["reason"]
+    rows = faults.query("SELECT shard, status, reason FROM contributions WHERE job_id = $1 ORDER BY shard", job_id)
+    assert [(r["shard"], r["status"]) for r in rows] == [(0, "failed"), (1, "accepted"), (2, "accepted")]
+    assert "the worker was killed before the shard was reported" in rows[0]["reason"]
+    assert took < 120, f"the round waited {took:.0f} s: for its timeout, not for the restarted worker's report"
+    expected = sum(n * (s + 1 + noise_update(1, s, "wide.weight", (WIDTH,), 0.05).double())
+                   for s, n in ((1, 4), (2, 4))) / 8
+    error = (faults.final_weights(job_id)["wide.weight"].double() - expected).abs().max().item()
+    assert error <= SecureAggregation(**SECAGG).resolved(3).error_bound(2, 8) + 1e-6
+    leftovers = list((cluster.tmp / "home" / "workers" / "site-a").glob("jobs/*/work/aside/*"))
+    assert leftovers == []
+    outcome("worker kill -9 while its trained secure shard waits, then restarted",
+            "the restarted worker reports the shard failed; the round is made from the others without its timeout",
+            f"{job['status']} {took:.0f} s after the kill (timeout 600 s); shard 0 failed; max error {error:.1e}", 0)

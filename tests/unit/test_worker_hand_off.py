@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from apiary.contracts import Assignment
-from services.worker.host import Workspace
+from services.worker.host import Workspace, left_aside
 from services.worker.slot import HandedOff
 
 
@@ -30,7 +30,7 @@ def test_a_set_aside_run_keeps_its_files_while_the_next_run_replaces_the_working
     space.result.write_bytes(b"trained 0")
     (space.out_dir / "log.txt").write_text("shard 0")
 
-    aside = space.set_aside("1-1-0")
+    aside = space.set_aside("1-1-0", assignment("job", 0))
 
     # The next run of the job: its outputs cleared, its weights downloaded afresh (the file unlinked first).
     space.clear_outputs()
@@ -54,7 +54,29 @@ def test_setting_aside_replaces_what_a_stopped_worker_left_under_the_same_name(t
     space.clear_outputs()
     space.weights.write_bytes(b"w")
     space.result.write_bytes(b"new")
-    assert space.set_aside("1-1-0").result.read_bytes() == b"new"
+    assert space.set_aside("1-1-0", assignment("job", 0)).result.read_bytes() == b"new"
+
+
+def test_a_worker_starting_finds_the_runs_its_killed_process_set_aside_with_their_assignments(tmp_path: Path) -> None:
+    cache = tmp_path / "worker-1"
+    given = {shard: assignment("job", shard) for shard in (0, 1, 2)}
+    for shard in (0, 1, 2):
+        space = Workspace(cache / "jobs" / "job")
+        space.clear_outputs()
+        space.weights.write_bytes(b"w")
+        space.result.write_bytes(f"trained {shard}".encode())
+        aside = space.set_aside(f"1-1-{shard}", given[shard])
+        if shard == 1:
+            aside.mark_reported()  # reported before the kill: nothing to say for it
+        if shard == 2:
+            (aside.job_dir / "assignment.json").write_text("{")  # unreadable: only removed
+
+    found = left_aside(cache)
+
+    assert [(f.space.job_dir.name, f.assignment and f.assignment.shard, f.reported) for f in found] == [
+        ("1-1-0", 0, False), ("1-1-1", 1, True), ("1-1-2", None, False)]
+    assert found[0].assignment == given[0]
+    assert left_aside(tmp_path / "worker-2") == []
 
 
 async def test_handed_off_steps_stop_with_their_job_and_all_with_the_worker() -> None:

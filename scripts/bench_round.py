@@ -20,7 +20,8 @@ figures are measured in the same session, first, and are the reference; without 
 With --against REF (a commit), the same benchmark of that commit's code (its own script, from a git
 worktree) runs beside this one's, in N pairs, alternating which goes first; it prints each pair's
 medians and, per K, the median of the pairs' ratios this/REF: on a shared machine only pairs measured
-back to back compare.
+back to back compare. Give such comparisons --rounds 200: a 20-round median (about a second of rounds at K=4)
+moves with whatever else the machine runs, by up to a third from one pair to the next.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ from services.worker.model_cache import ModelCache
 if TYPE_CHECKING:
     from services.worker.secagg_inbox import SecAggInbox
 
-# A set-aside run's folder (`Workspace.set_aside`): under the job's working folder, the assignment and, once its
-# result is reported, a marker.
-ASIDE, ASSIGNMENT, REPORTED = "aside", "assignment.json", "reported"
+# A set-aside run's folder (`Workspace.set_aside`) is under the job's working folder; it holds the run's assignment
+# until its result is reported.
+ASIDE, ASSIGNMENT = "aside", "assignment.json"
 
 
 class Host(Protocol):
@@ -118,8 +118,9 @@ class Workspace:
         return aside
 
     def mark_reported(self) -> None:
-        """A set-aside run's result is reported: a worker killed from now on has nothing to report for it."""
-        (self.job_dir / REPORTED).touch()
+        """A set-aside run's result is reported: its assignment goes, so a worker killed from now on has nothing to
+        report for it."""
+        (self.job_dir / ASSIGNMENT).unlink(missing_ok=True)
 
     def remove(self) -> None:
         """Remove the folder and everything in it (a set-aside run's, once it ended)."""
@@ -131,8 +132,9 @@ class LeftAside:
     """A set-aside run found when the worker starts: its last steps died with the worker that ran them."""
 
     space: Workspace
-    assignment: Assignment | None  # None: unreadable (the worker was killed as it set the run aside)
-    reported: bool  # its result was reported before the worker died
+    # What to report failed; None where there is nothing to report: the run's result was reported before the
+    # worker died, or the worker was killed as it set the run aside (its assignment absent or unreadable).
+    assignment: Assignment | None
 
 
 def left_aside(cache: Path) -> list[LeftAside]:
@@ -144,5 +146,5 @@ def left_aside(cache: Path) -> list[LeftAside]:
             a: Assignment | None = Assignment.model_validate_json((folder / ASSIGNMENT).read_text())
         except (OSError, ValueError):
             a = None
-        found.append(LeftAside(Workspace(folder), a, (folder / REPORTED).exists()))
+        found.append(LeftAside(Workspace(folder), a))
     return found

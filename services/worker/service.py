@@ -114,7 +114,7 @@ class Worker:
         agreement goes on without the shard rather than waiting for the round's timeout; then its folder goes."""
         for left in await asyncio.to_thread(left_aside, self.cache):
             a = left.assignment
-            if a is not None and not left.reported and a.deadline > time.time():
+            if a is not None and a.deadline > time.time():
                 await self.failed(a, "secure aggregation: the worker was killed before the shard was reported "
                                      "(found when it started again)")
             await asyncio.to_thread(left.space.remove)

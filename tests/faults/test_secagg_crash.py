@@ -13,6 +13,7 @@ import torch
 
 from apiary.secagg.settings import SecureAggregation
 from apiary.weights import loads
+from services.worker.host import left_aside
 from tests.faults.support import Faults, new_id, toy_job
 from tests.toyjobs.toy import Gates, noise_update
 
@@ -96,8 +97,7 @@ def test_a_worker_killed_while_its_trained_shard_waits_reports_it_failed_when_it
                    for s, n in ((1, 4), (2, 4))) / 8
     error = (faults.final_weights(job_id)["wide.weight"].double() - expected).abs().max().item()
     assert error <= SecureAggregation(**SECAGG).resolved(3).error_bound(2, 8) + 1e-6
-    leftovers = list((cluster.tmp / "home" / "workers" / "site-a").glob("jobs/*/work/aside/*"))
-    assert leftovers == []
+    assert left_aside(cluster.tmp / "home" / "workers" / "site-a") == []  # found, reported, removed
     outcome("worker kill -9 while its trained secure shard waits, then restarted",
             "the restarted worker reports the shard failed; the round is made from the others without its timeout",
             f"{job['status']} {took:.0f} s after the kill (timeout 600 s); shard 0 failed; max error {error:.1e}", 0)

@@ -14,7 +14,7 @@ from opentelemetry.trace import Span
 
 from apiary import telemetry
 from apiary.backoff import while_unavailable
-from apiary.bus import publish_event
+from apiary.bus import Delivery, Kept, publish_event
 from apiary.contracts import TRAIN, Assignment, ObjectRef, WorkerDone, report_key
 from apiary.jobspec import parse_entrypoint
 from apiary.trainers import TrainCall, TrainerError, TrainResult
@@ -31,8 +31,10 @@ log = logging.getLogger("apiary.worker")
 class AssignmentRun:
     """Download, train, upload, report one assignment; a failed step reports worker.failed and ends it."""
 
-    def __init__(self, worker: Host, assignment: Assignment, rate: Callable[[], float | None]) -> None:
+    def __init__(self, worker: Host, assignment: Assignment, rate: Callable[[], float | None],
+                 delivery: Delivery | None = None) -> None:
         self.worker, self.a = worker, assignment
+        self.delivery = delivery or Delivery(routing_key="", body=b"")  # how it came: redelivered? kept how?
         self._rate = rate  # the worker's samples per second so far, which its progress reports carry
         self.space = Workspace(worker.cache / "jobs" / assignment.job_id)
         self.model_path: Path | None = None  # the job's base model in the worker's cache, if it has one
@@ -42,6 +44,9 @@ class AssignmentRun:
         """Every step in turn; skipped if `ended`, the reading of the job's end marker, says the job
         ended unheard (read beside the weights' download, or before it where the shard would be
         downloaded too). A trained shard, reported, returns the samples per second it measured; else None."""
+        if self.a.secure_aggregation is not None and self.a.task == TRAIN and self.delivery.redelivered:
+            await self._secure_taken_over()
+            return None
         if not await self._code():
             return None
         if self.a.task != TRAIN:
@@ -65,6 +70,18 @@ class AssignmentRun:
             return None
         return await self._report(result, time.monotonic() - started, etag)
 
+    async def _secure_taken_over(self) -> None:
+        """A secure shard's assignment came back from a worker that was lost (killed, or cut off from the broker)
+        after taking it: its keys were advertised before training and its private keys died with that worker, so
+        no other worker can take its part. Said at once, so the round goes on without it instead of waiting for
+        its timeout (one that was reported already is recovered from the others' shares, and this report of a
+        settled shard is a duplicate the aggregator ignores)."""
+        a = self.a
+        log.warning("worker %s: job %s round %d shard %d came back from a lost worker: secure aggregation cannot "
+                    "take its part over; reported failed", self.worker.worker_id, a.job_id, a.round, a.shard)
+        await self.worker.failed(a, "secure aggregation: the worker that took the shard was lost (its assignment "
+                                    "came back to the queue); its part of the key agreement cannot be taken over")
+
     async def _secure(self, call: TrainCall, started: float) -> float | None:
         """Train with secure aggregation (services.worker.secure_rounds): keys advertised before training; then the
         slot is given back and the rest goes on beside the worker's next assignment (`_after_training`), since it
@@ -81,18 +98,22 @@ class AssignmentRun:
             result = await self._train(call)
             if result is not None:
                 self.space = await asyncio.to_thread(self.space.set_aside, f"{a.round}-{a.attempt}-{a.shard}", a)
+                # Kept from the broker until the shard is reported: if this worker dies for good meanwhile, the
+                # assignment goes back to its queue and the worker that takes it reports the shard failed.
+                kept = await self.delivery.keep()
         except BaseException:
             secure.close()
             raise
         if result is None:
             secure.close()
             return None
-        worker.hand_off(a, self._after_training(secure, result, started))
+        worker.hand_off(a, self._after_training(secure, result, started, kept))
         return self._samples_per_s(result, time.monotonic() - started)
 
-    async def _after_training(self, secure: SecureShard, result: TrainResult, started: float) -> None:
+    async def _after_training(self, secure: SecureShard, result: TrainResult, started: float, kept: Kept) -> None:
         """A secure shard's steps after training, from its set-aside folder: share keys and mask the update in
-        place of the weights, upload and report it, then sign the survivor set and reveal shares."""
+        place of the weights, upload and report it, then sign the survivor set and reveal shares. Its assignment,
+        `kept` from the broker, is released once the shard is reported (or has failed, or the worker stops)."""
         a, worker = self.a, self.worker
         reported = False
         try:
@@ -107,6 +128,7 @@ class AssignmentRun:
             await self._report(result, time.monotonic() - started)
             reported = True
             await asyncio.to_thread(self.space.mark_reported)
+            await kept.release()
             try:
                 await secure.check()
                 await secure.reveal()
@@ -120,6 +142,7 @@ class AssignmentRun:
             raise
         finally:
             secure.close()
+            await kept.release()
             await asyncio.to_thread(self.space.remove)
 
     async def _download(self, ended: asyncio.Task[bool] | None, span: Span) -> Path | None:

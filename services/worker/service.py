@@ -182,15 +182,16 @@ class Worker:
         crash the worker."""
         if assignment.heartbeat_interval is not None:
             self.presence.pace(assignment.heartbeat_interval)
-        if not await self.slot.run(assignment, self._run(assignment), name=f"train:{self.worker_id}"):
+        if not await self.slot.run(assignment, self._run(assignment, delivery), name=f"train:{self.worker_id}"):
             # The job is over (or, in mode async, its training): nothing to report, and the assignment is done
             # with (acked).
             why = self.ended.reason(assignment.job_id) or "its last version is stored"
             trace.get_current_span().add_event("job.ended", {"apiary.reason": why})
 
-    async def _run(self, a: Assignment) -> float | None:
+    async def _run(self, a: Assignment, delivery: Delivery) -> float | None:
         """The assignment's steps (`pipeline`), in the slot's task; a trained shard's samples per second."""
-        return await AssignmentRun(self, a, rate=lambda: self.slot.samples_per_s).run(self.ended.probe(a))
+        run = AssignmentRun(self, a, rate=lambda: self.slot.samples_per_s, delivery=delivery)
+        return await run.run(self.ended.probe(a))
 
     def hand_off(self, a: Assignment, steps: Coroutine[Any, Any, None]) -> None:
         """Let the assignment's last `steps` go on without the training slot (they are stopped if its job ends or

@@ -3,6 +3,7 @@ aggregator, which sends the current stage again; the round aggregates once, as a
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Callable
@@ -101,3 +102,54 @@ def test_a_worker_killed_while_its_trained_shard_waits_reports_it_failed_when_it
     outcome("worker kill -9 while its trained secure shard waits, then restarted",
             "the restarted worker reports the shard failed; the round is made from the others without its timeout",
             f"{job['status']} {took:.0f} s after the kill (timeout 600 s); shard 0 failed; max error {error:.1e}", 0)
+
+
+def test_a_worker_killed_for_good_while_its_trained_shard_waits_is_reported_failed_by_another_worker(
+        faults: Faults, toy_data: Callable[[int], Path], tmp_path: Path,
+        outcome: Callable[[str, str, str, int], None]) -> None:
+    # Three workers take round 1's three shards from the pool, one each; shard 2's training is held at a gate, so
+    # shards 0 and 1, trained, wait for its shares, each kept from the broker by its worker. Then the worker of one
+    # of them is killed with SIGKILL and never started again (a machine gone): the broker gives its assignment back
+    # to the pool, the other trained shard's worker (its slot free) takes it and reports the shard failed, and the
+    # round is made from the two others at once instead of waiting for its timeout (10 minutes here).
+    cluster = faults.cluster
+    cluster.start(workers=3)
+    job_id = new_id("lost-secagg-worker")
+    gates = Gates(tmp_path, opened=0)
+    request = toy_job(job_id, toy_data(13), rounds=1, min_workers=2, max_workers=3, timeout=600,
+                      config={"mode": "gated", "fail_shards": [2], "gate": gates.path, "noise": 0.05,
+                              "width": WIDTH})
+    request["distributed"]["secure_aggregation"] = SECAGG
+    cluster.publish_job(request)
+    cluster.wait_for(lambda: len(faults.query(
+        "SELECT shard FROM secagg_messages WHERE job_id = $1 AND round = 1 AND kind = 'shares'", job_id)) == 2,
+        90, "shards 0 and 1 to be trained and share their keys")
+    holders = {r["shard"]: json.loads(r["body"])["worker_id"] for r in faults.query(
+        "SELECT shard, body FROM secagg_messages WHERE job_id = $1 AND round = 1 AND kind = 'keys'", job_id)}
+    assert len(set(holders.values())) == 3, f"the pool gave each worker one shard: {holders}"
+    lost, survivor = holders[0], holders[1]
+
+    cluster.kill(lost, signal.SIGKILL)
+    killed = time.monotonic()
+    cluster.wait_for(lambda: faults.query(
+        "SELECT 1 FROM contributions WHERE job_id = $1 AND round = 1 AND shard = 0 AND status = 'failed'", job_id),
+        90, "shard 0 to be reported failed")
+    reported = time.monotonic() - killed
+    gates.open_through(1)
+    job = cluster.wait_job(job_id, timeout=120)
+    took = time.monotonic() - killed
+
+    assert job["status"] == "completed", job["reason"]
+    rows = faults.query("SELECT shard, status, worker_id, reason FROM contributions WHERE job_id = $1 AND round = 1 "
+                        "AND status <> 'duplicate' ORDER BY shard", job_id)
+    assert [(r["shard"], r["status"]) for r in rows] == [(0, "failed"), (1, "accepted"), (2, "accepted")]
+    assert rows[0]["worker_id"] == survivor, "the worker that took the assignment back reported it"
+    assert "the worker that took the shard was lost" in rows[0]["reason"]
+    expected = sum(n * (s + 1 + noise_update(1, s, "wide.weight", (WIDTH,), 0.05).double())
+                   for s, n in ((1, 4), (2, 4))) / 8
+    error = (faults.final_weights(job_id)["wide.weight"].double() - expected).abs().max().item()
+    assert error <= SecureAggregation(**SECAGG).resolved(3).error_bound(2, 8) + 1e-6
+    outcome("worker kill -9 for good while its trained secure shard waits",
+            "its kept assignment goes back to the pool; another worker reports the shard failed; the round goes on",
+            f"{job['status']}; shard 0 reported failed {reported:.0f} s after the kill (timeout 600 s), job done "
+            f"after {took:.0f} s; max error {error:.1e}", 0)

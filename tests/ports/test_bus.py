@@ -25,6 +25,7 @@ from apiary.bus.base import (
     Bus,
     Decline,
     Delivery,
+    Kept,
     PassOn,
     Poison,
     Reroute,
@@ -756,6 +757,69 @@ async def test_a_held_message_of_a_consumer_that_dies_goes_back_to_the_pool(
             await eventually(lambda: len(recorder.seen) == 1, "the assignment to come back")
 
     # Assert
+    (got,) = recorder.seen
+    assert (got.body, got.routing_key, got.redelivered) == (b"shard-1", "assign.pool", True)
+    assert got.headers == {"job_id": "j1"}
+
+
+async def test_a_delivery_kept_past_its_handler_frees_the_slot_and_once_released_never_comes_back(bus: Bus) -> None:
+    # Prepare: one slot; the first assignment's handler keeps its delivery (a secure shard waiting for shares).
+    await bus.declare_queue("assign.pool", ["assign.pool"])
+    seen: list[bytes] = []
+    kept: list[Kept] = []
+
+    async def train(delivery: Delivery) -> None:
+        seen.append(delivery.body)
+        if delivery.body == b"shard-1":
+            kept.append(await delivery.keep())
+
+    # Execute
+    async with consuming(bus, "assign.pool", train, prefetch=1):
+        await bus.publish("assign.pool", b"shard-1")
+        await bus.publish("assign.pool", b"shard-2")
+        await eventually(lambda: len(seen) == 2, "the next assignment while the first is kept")
+        await kept[0].release()
+        await kept[0].release()  # twice is harmless
+        await asyncio.sleep(0.5)
+
+    # Assert: nothing came back or was left behind.
+    assert seen == [b"shard-1", b"shard-2"]
+    assert await bus.queue_size("assign.pool") == 0
+    assert await bus.queue_size("dead") == 0
+    if isinstance(bus, RabbitBus):
+        assert not [q for q in unacked(bus.exchange) if q.startswith("hold.")], "hold queue left behind"
+
+
+@pytest.mark.queue_types
+async def test_a_delivery_kept_past_its_handler_goes_back_to_its_queue_when_its_consumer_dies(
+    rabbit_url: str, bus_namespace: str
+) -> None:
+    # Prepare: a worker trains an assignment, keeps it past its handler (its slot free again) and then dies.
+    kept: list[Kept] = []
+
+    async def train_and_keep(delivery: Delivery) -> None:
+        kept.append(await delivery.keep())
+
+    # Re-held every second (a copy goes back 10 s after it was made): it comes back within 10 s of the death. The
+    # dying bus is never closed, as a dead process's is not (its consumers' cancels would wait for a connection).
+    dying = RabbitBus(rabbit_url, exchange=bus_namespace, connection_name=f"{bus_namespace} dying", lease_renewal=1.0)
+    await dying.connect()
+    async with rabbit(rabbit_url, bus_namespace) as survivor:
+        await dying.declare_queue("assign.pool", ["assign.pool"])
+        await dying.consume("assign.pool", train_and_keep, prefetch=1)
+        await dying.publish("assign.pool", b"shard-1", headers={"job_id": "j1"})
+        await eventually(lambda: len(kept) == 1, "the delivery to be kept")
+        await eventually(lambda: unacked(bus_namespace).get("assign.pool") == 0, "the handler's delivery settled")
+        await asyncio.sleep(2.5)  # past two re-holds of the kept copy
+
+        # Execute: the process dies (its connection goes, the kept copy is never released).
+        assert dying._connection is not None
+        await dying._connection.close()
+        recorder = Recorder()
+        async with consuming(survivor, "assign.pool", recorder):
+            await eventually(lambda: len(recorder.seen) == 1, "the kept assignment to come back", within=20)
+
+    # Assert: it comes back once, as it was sent, marked redelivered.
     (got,) = recorder.seen
     assert (got.body, got.routing_key, got.redelivered) == (b"shard-1", "assign.pool", True)
     assert got.headers == {"job_id": "j1"}

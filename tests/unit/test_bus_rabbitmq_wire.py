@@ -62,6 +62,8 @@ def test_a_hold_queue_returns_its_copy_to_the_origin_within_thirty_seconds() -> 
     assert (often["x-message-ttl"], rarely["x-message-ttl"]) == (5000, 30_000)
     assert (often["x-dead-letter-exchange"], often["x-dead-letter-routing-key"]) == ("", "apiary.assign.pool")
     assert rarely["x-expires"] == (3 * 600 + 60) * 1000
+    # A kept delivery's hold queue returns it sooner than its re-holds' pace.
+    assert hold_arguments("apiary.assign.pool", 600.0, ttl=10.0)["x-message-ttl"] == 10_000
 
 
 def test_a_held_copy_is_delivered_under_its_original_key_as_redelivered_without_internal_headers() -> None:
@@ -111,6 +113,28 @@ def test_a_copy_rerouted_through_the_exchange_arrives_under_its_new_key_as_a_fre
     # none of the broker's or the adapter's headers.
     assert (delivery.routing_key, delivery.redelivered) == ("assign.pool", False)
     assert delivery.headers == {"job_id": "j1"}
+
+
+def test_a_kept_copy_whose_holder_died_is_a_redelivery_after_a_reroute_too() -> None:
+    # Prepare: a worker kept a preferred assignment past its handler (a held copy) and died; the copy expired out of
+    # its hold queue back into the preferred queue...
+    sent = wire.outgoing(Delivery("assign.prefer.w1", b"x", headers={"job_id": "j1"}), "apiary-scheduler")
+    first = _received(sent, routing_key="assign.prefer.w1", exchange="apiary")
+    copy = wire.held_copy(first, wire.incoming(first, "apiary-workers"), "apiary-workers")
+
+    # Execute: ...and on from there, unclaimed, into the exchange under assign.pool.
+    deaths = {"x-death": [{"queue": "apiary.assign.prefer.w1", "reason": "expired"},
+                          {"queue": "apiary.hold.5042d1ea", "reason": "expired"}]}
+    delivery = wire.incoming(_received(copy, routing_key="assign.pool", exchange="apiary", extra=deaths),
+                             "apiary-workers")
+    forged = wire.incoming(_received(copy, routing_key="assign.pool", exchange="apiary", extra=deaths),
+                           "apiary-scheduler")
+
+    # Assert: the pool's key, and a redelivery (the worker that takes it learns its first holder was lost); only
+    # for a copy its consumer's own user made.
+    assert (delivery.routing_key, delivery.redelivered) == ("assign.pool", True)
+    assert delivery.headers == {"job_id": "j1"}
+    assert not forged.redelivered
 
 
 def test_a_dead_letter_says_why_and_under_which_key_it_came() -> None:

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import cast
 
 import pytest
 
+from apiary.bus import Delivery
 from apiary.contracts import Assignment
-from services.worker.host import Workspace, left_aside
+from apiary.secagg.settings import SecureAggregation
+from services.worker.host import Host, Workspace, left_aside
+from services.worker.pipeline import AssignmentRun
 from services.worker.slot import HandedOff
 
 
@@ -116,3 +120,31 @@ async def test_steps_that_end_or_fail_are_forgotten(caplog: pytest.LogCaptureFix
     await settle()
     assert len(handed) == 0
     assert any("ended in an error" in r.getMessage() and "boom" in r.getMessage() for r in caplog.records)
+
+
+class Reporter:
+    """The part of a worker a run that ends at once uses: its id, its folder, and its failure reports."""
+
+    def __init__(self, cache: Path) -> None:
+        self.worker_id, self.cache = "w2", cache
+        self.failures: list[tuple[int, str]] = []
+
+    async def failed(self, a: Assignment, error: str) -> None:
+        self.failures.append((a.shard, error))
+
+
+async def test_a_secure_assignment_back_from_a_lost_worker_is_reported_failed_without_training(tmp_path: Path) -> None:
+    # Prepare: a secure shard's assignment that came back to the pool from a worker that was lost after taking it.
+    secure = SecureAggregation(num_shares=1, reconstruction_threshold=2)
+    a = assignment("job", 3).model_copy(update={"secure_aggregation": secure, "secret": "s3"})
+    worker = Reporter(tmp_path)
+    came_back = Delivery("assign.pool", b"", redelivered=True)
+
+    # Execute
+    trained = await AssignmentRun(cast(Host, worker), a, rate=lambda: None, delivery=came_back).run(None)
+
+    # Assert: reported failed, nothing downloaded or trained (no folder made for the job).
+    assert trained is None
+    assert worker.failures == [(3, "secure aggregation: the worker that took the shard was lost (its assignment came "
+                                   "back to the queue); its part of the key agreement cannot be taken over")]
+    assert not (tmp_path / "jobs").exists()

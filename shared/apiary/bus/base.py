@@ -90,6 +90,24 @@ class Reroute:
     to: str
 
 
+class Kept(ABC):
+    """A delivery kept past its handler (`Delivery.keep`): it stays the consumer's, yet holds none of its prefetch
+    slots; should the consumer's process die before `release`, the broker gives it back to its queue, marked
+    redelivered."""
+
+    @abstractmethod
+    async def release(self) -> None:
+        """Done with it: it is settled (acked) and never comes back. Safe to call twice, and after the broker
+        connection was lost (the delivery has gone back to its queue then)."""
+
+
+class NothingKept(Kept):
+    """What an adapter keeps in a process that nothing outlives (the memory bus): its queues die with it."""
+
+    async def release(self) -> None:
+        return None
+
+
 @dataclass
 class Delivery:
     """One message as a consumer receives it."""
@@ -105,6 +123,15 @@ class Delivery:
     user_id: str | None = None
     # Whether the broker keeps it across its own restart (on disk); a heartbeat, which the next one replaces, is not.
     persistent: bool = True
+    # How the adapter keeps it past the handler (see `keep`); None where nothing outlives the process.
+    keeper: Callable[[], Awaitable[Kept]] | None = field(default=None, repr=False, compare=False)
+
+    async def keep(self) -> Kept:
+        """Keep this delivery past its handler's return, until `Kept.release`: the handler's return frees its
+        consumer's slot for the next message as usual, but the delivery returns to its queue if the process dies
+        first. For work that goes on beside the next message and that another consumer must learn of if it is
+        lost (a worker's secure shard waiting for the round's shares)."""
+        return NothingKept() if self.keeper is None else await self.keeper()
 
 
 Handler = Callable[[Delivery], Awaitable[None]]

@@ -17,6 +17,9 @@ from apiary.bus.rabbitmq.subscriber import RabbitSubscription
 from apiary.bus.rabbitmq.topology import Topology
 from apiary.telemetry import MESSAGING_SYSTEM
 
+KEEP_RENEWAL = 600.0  # seconds between re-holds of a kept delivery where handlers' deliveries are never re-held
+KEEP_RETURN = 10.0  # seconds at most before a kept delivery whose process died goes back to its queue
+
 
 class RabbitBus(Bus):
     """The bus on RabbitMQ through aio-pika, reconnecting by itself after a broker restart.
@@ -121,10 +124,14 @@ class RabbitBus(Bus):
         lease = None
         if self.lease_renewal:
             lease = Lease(self._publisher, self._topology, channel, amqp_queue.name, self.lease_renewal)
+        # Deliveries kept past their handler (Delivery.keep) are re-held at the lease's pace, or the default's, and
+        # go back sooner: their holder's death is what another consumer waits to learn of.
+        keeping = Lease(self._publisher, self._topology, channel, amqp_queue.name,
+                        self.lease_renewal or KEEP_RENEWAL, ttl=KEEP_RETURN)
         sub = RabbitSubscription(amqp_queue, channel, handler, prefetch, publisher=self._publisher, lease=lease,
                                  retry_delay=self.retry_delay, on_cancel=self._subscriptions.discard,
                                  requeue_by_copy=self._topology.queue_type == "quorum",
-                                 reroutes=name in self._topology.rerouting)
+                                 reroutes=name in self._topology.rerouting, keeping=keeping)
         self._subscriptions.add(sub)
         try:
             await sub.start()

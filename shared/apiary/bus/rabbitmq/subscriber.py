@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustChannel, AbstractRobustQueue
 
-from apiary.bus.base import Delivery, Handler, Outcome, Retryable, Subscription, judge
+from apiary.bus.base import Delivery, Handler, Kept, Outcome, Retryable, Subscription, judge
 from apiary.bus.rabbitmq import wire
 from apiary.bus.rabbitmq.publisher import Publisher
 from apiary.bus.rabbitmq.rehold import Held, Lease
@@ -40,10 +40,12 @@ class RabbitSubscription(Subscription):
         self, queue: AbstractRobustQueue, channel: AbstractRobustChannel, handler: Handler, prefetch: int, *,
         publisher: Publisher, lease: Lease | None, retry_delay: float,
         on_cancel: Callable[[RabbitSubscription], None], requeue_by_copy: bool = False, reroutes: bool = False,
+        keeping: Lease | None = None,
     ) -> None:
         self._queue, self._channel = queue, channel
         self._handler, self._prefetch = handler, prefetch
         self._publisher, self._lease, self._retry_delay = publisher, lease, retry_delay
+        self._keeping = keeping or lease  # how a delivery is kept past its handler (Delivery.keep)
         self._on_cancel = on_cancel
         self._requeue_by_copy = requeue_by_copy
         self._reroutes = reroutes
@@ -78,6 +80,8 @@ class RabbitSubscription(Subscription):
     async def _process(self, slot: int, message: AbstractIncomingMessage) -> None:
         delivery = wire.incoming(message, self._publisher.user)
         held = Held(message)
+        if self._keeping is not None:
+            delivery.keeper = functools.partial(self._keep, held)
         self._held.add(held)
         self._busy_slots.add(slot)
         keeper = None
@@ -97,6 +101,12 @@ class RabbitSubscription(Subscription):
                 await self._start_slot(slot)
             except Exception as e:
                 log.error("could not restart a consumer on %s: %s", self._queue.name, e)
+
+    async def _keep(self, held: Held) -> Kept:
+        """`Delivery.keep`: a copy set apart, taken while no re-hold swaps the delivery."""
+        assert self._keeping is not None
+        async with held.lock:
+            return await self._keeping.set_apart(held.message)
 
     async def _handle(self, held: Held, delivery: Delivery) -> bool:
         """Run the handler and settle the delivery; False if it failed while stopping (left unacked)."""

@@ -79,11 +79,11 @@ def delay_queue(exchange: str, routing_key: str, delay: float) -> tuple[str, dic
 HOLD_TTL_MIN = 5.0
 
 
-def hold_arguments(origin: str, every: float) -> dict[str, Any]:
-    """The arguments of a hold queue: a copy left there by a dead process expires back to `origin` within its TTL
-    (at once if it was held longer)."""
+def hold_arguments(origin: str, every: float, ttl: float | None = None) -> dict[str, Any]:
+    """The arguments of a hold queue re-held every `every` seconds: a copy left there by a dead process expires
+    back to `origin` within its TTL (`ttl`, or `every`, within 5..30 s; at once if it was held longer)."""
     return {
-        "x-message-ttl": round(min(max(every, HOLD_TTL_MIN), 30.0) * 1000),
+        "x-message-ttl": round(min(max(every if ttl is None else ttl, HOLD_TTL_MIN), 30.0) * 1000),
         "x-dead-letter-exchange": "",
         "x-dead-letter-routing-key": origin,
         "x-expires": round((3 * every + 60) * 1000),
@@ -156,10 +156,11 @@ class Topology:
         self.declared.add(name)
         return name
 
-    async def declare_hold(self, channel: AbstractRobustChannel, origin: str, every: float) -> AbstractRobustQueue:
-        """Declare a private queue on `channel` to re-hold a delivery of `origin` through."""
+    async def declare_hold(self, channel: AbstractRobustChannel, origin: str, every: float,
+                           ttl: float | None = None) -> AbstractRobustQueue:
+        """Declare a private queue on `channel` to re-hold a delivery of `origin` through (`hold_arguments`)."""
         name = f"{self.exchange}.hold.{uuid.uuid4().hex}"
-        arguments = {**hold_arguments(origin, every), **type_arguments(self.queue_type)}
+        arguments = {**hold_arguments(origin, every, ttl), **type_arguments(self.queue_type)}
         queue = await channel.declare_queue(name, durable=True, robust=False, arguments=arguments)
         self.declared.add(name)
         return queue

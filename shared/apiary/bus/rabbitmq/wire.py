@@ -71,14 +71,18 @@ def incoming(message: AbstractIncomingMessage, user: str | None = None) -> Deliv
     original routing key and publisher: anyone may put a message with those headers straight into a queue
     through the default exchange. A copy comes straight to its queue (the default exchange, also when a hold
     queue returns it): one the broker dead-lettered through the exchange (a queue's reroute) is a new message
-    there, under its new routing key, and not a redelivery.
+    there, under its new routing key, and not a redelivery, unless it is a copy of its consumer's own user that
+    came back from a hold queue on the way (a held copy whose holder died, returned to a worker's preferred queue
+    and rerouted from there to the pool).
     """
     raw = dict(message.headers or {})
     by_name = HELD_KEY_HEADER in raw and not message.exchange
-    copied = by_name and (user is None or message.user_id == user)
+    ours = user is None or message.user_id == user
+    copied = by_name and ours
     routing_key = (raw.get(HELD_KEY_HEADER) if copied else None) or message.routing_key or ""
     user_id = raw.get(HELD_USER_HEADER) if copied else message.user_id
-    redelivered = bool(message.redelivered) or (by_name and bool(raw.get(REDELIVERED_HEADER)))
+    returned = by_name or (ours and _expired_from_hold(raw.get("x-death")))
+    redelivered = bool(message.redelivered) or (returned and bool(raw.get(REDELIVERED_HEADER)))
     headers = {
         k: v for k, v in raw.items()
         if k not in _INTERNAL_HEADERS and not k.startswith(_BROKER_HEADER_PREFIXES)
@@ -93,3 +97,9 @@ def incoming(message: AbstractIncomingMessage, user: str | None = None) -> Deliv
         user_id=None if user_id is None else str(user_id),
         persistent=message.delivery_mode != aio_pika.DeliveryMode.NOT_PERSISTENT,
     )
+
+
+def _expired_from_hold(deaths: Any) -> bool:
+    """Whether the broker's `x-death` record says the message expired out of a hold queue (its holder died)."""
+    return isinstance(deaths, list) and any(
+        isinstance(d, dict) and d.get("reason") == "expired" and ".hold." in str(d.get("queue", "")) for d in deaths)

@@ -790,6 +790,37 @@ async def test_a_delivery_kept_past_its_handler_frees_the_slot_and_once_released
         assert not [q for q in unacked(bus.exchange) if q.startswith("hold.")], "hold queue left behind"
 
 
+@pytest.mark.slow
+@pytest.mark.queue_types
+async def test_a_kept_delivery_re_held_many_times_and_then_released_never_comes_back(
+    rabbit_url: str, bus_namespace: str
+) -> None:
+    # Prepare: re-held every 0.2 s, so that releasing it meets a re-hold under way now and then.
+    kept: list[Kept] = []
+
+    async def train_and_keep(delivery: Delivery) -> None:
+        kept.append(await delivery.keep())
+
+    async with rabbit(rabbit_url, bus_namespace, lease_renewal=0.2) as bus:
+        await bus.declare_queue("assign.pool", ["assign.pool"])
+        recorder = Recorder()
+        async with consuming(bus, "assign.pool", train_and_keep, prefetch=1):
+            for shard in range(5):
+                await bus.publish("assign.pool", f"shard-{shard}".encode())
+            await eventually(lambda: len(kept) == 5, "every delivery to be kept")
+
+            # Execute
+            for index, one in enumerate(kept):
+                await asyncio.sleep(0.13 * index)
+                await one.release()
+        async with consuming(bus, "assign.pool", recorder):
+            await asyncio.sleep(12)  # past the kept copies' TTL (10 s)
+
+    # Assert: nothing came back, and no hold queue or unsettled delivery was left.
+    assert recorder.seen == []
+    assert not [q for q, n in unacked(bus_namespace).items() if q.startswith("hold.") or n]
+
+
 @pytest.mark.queue_types
 async def test_a_delivery_kept_past_its_handler_goes_back_to_its_queue_when_its_consumer_dies(
     rabbit_url: str, bus_namespace: str

@@ -147,10 +147,10 @@ class KeptCopy(Kept):
         renewing, self._renewing = self._renewing, None
         if renewing is None:
             return
+        held = self._held
+        await held.finish()  # waits for a re-hold under way: never cancelled between its copy and its ack
         renewing.cancel()
         await asyncio.gather(renewing, return_exceptions=True)
-        held = self._held
-        await held.finish()
         if not held.lost:
             try:
                 await held.message.ack()

@@ -34,7 +34,7 @@ class AssignmentRun:
     def __init__(self, worker: Host, assignment: Assignment, rate: Callable[[], float | None],
                  delivery: Delivery | None = None) -> None:
         self.worker, self.a = worker, assignment
-        self.delivery = delivery or Delivery(routing_key="", body=b"")  # how it came: redelivered? kept how?
+        self.delivery = delivery or Delivery(routing_key="", body=b"")  # how it came: returned? kept how?
         self._rate = rate  # the worker's samples per second so far, which its progress reports carry
         self.space = Workspace(worker.cache / "jobs" / assignment.job_id)
         self.model_path: Path | None = None  # the job's base model in the worker's cache, if it has one
@@ -44,7 +44,7 @@ class AssignmentRun:
         """Every step in turn; skipped if `ended`, the reading of the job's end marker, says the job
         ended unheard (read beside the weights' download, or before it where the shard would be
         downloaded too). A trained shard, reported, returns the samples per second it measured; else None."""
-        if self.a.secure_aggregation is not None and self.a.task == TRAIN and self.delivery.redelivered:
+        if self.a.secure_aggregation is not None and self.a.task == TRAIN and self.delivery.returned:
             await self._secure_taken_over()
             return None
         if not await self._code():

@@ -78,6 +78,8 @@ class Worker:
         self.ended = JobEnds()
         self.secagg = SecAggInbox()
         self.stopping = False
+        # Shards (job, round, attempt, shard) this worker's killed process left aside, reported failed when it started.
+        self._reported_at_start: set[tuple[str, int, int, int]] = set()
 
     @property
     def control_queue(self) -> str:
@@ -117,6 +119,7 @@ class Worker:
             if a is not None and a.deadline > time.time():
                 await self.failed(a, "secure aggregation: the worker was killed before the shard was reported "
                                      "(found when it started again)")
+                self._reported_at_start.add((a.job_id, a.round, a.attempt, a.shard))
             await asyncio.to_thread(left.space.remove)
 
     async def stop(self, reason: str = "stopped") -> None:
@@ -170,6 +173,12 @@ class Worker:
             return
         if assignment.job_id in self.ended:
             self.skip_ended(assignment)
+            return
+        if delivery.returned and (assignment.job_id, assignment.round, assignment.attempt,
+                                  assignment.shard) in self._reported_at_start:
+            log.info("worker %s: job %s round %d shard %d came back from this worker's killed process, which it "
+                     "reported failed when it started: nothing more to say", self.worker_id, assignment.job_id,
+                     assignment.round, assignment.shard)
             return
         if self.ended.training_ended(assignment):
             log.info("worker %s: skipping task %d (shard %d) of job %s, whose last version is stored", self.worker_id,

@@ -69,6 +69,7 @@ class Round:
         self.secrets = {shard: proof.new_secret() for shard in range(SHARDS)}
         self.announced: list[RoundAggregated] = []
         self.groups: list[int] = []  # the size of each group committed, in order
+        self.shards: dict[int, list[int]] = {}  # the shards of the n-th commit's group, once it is called
         self.queued = 0  # reports handed to the recorder so far
         self._queued_changed = asyncio.Event()
         self._holds: dict[int, tuple[int | None, asyncio.Event]] = {}
@@ -87,6 +88,7 @@ class Round:
 
         async def counted(key: tuple[str, int, int], rows: Sequence[tuple[Any, ...]]) -> int | None:
             n, calls[0] = calls[0], calls[0] + 1
+            self.shards[n] = [row[3] for row in rows]  # contribution_row: (job, round, attempt, shard, ...)
             self._started[n].set()
             if n in self._holds:
                 until_queued, released = self._holds[n]
@@ -226,24 +228,27 @@ async def test_a_report_folded_while_a_commit_fails_is_not_lost(database: Databa
 async def test_a_handler_cancelled_while_its_group_commits_cancels_no_other(database: Database,
                                                                             tmp_path: Path) -> None:
     round_ = Round(database, tmp_path)
-    round_.hold_commit(0, until_queued=SHARDS)  # shard 0 commits alone; shards 1-11 queue behind it as one group
+    # The first report to reach the recorder (whichever shard: the reports race) commits alone, held until the
+    # others are queued behind it as one group, which is held in turn.
+    round_.hold_commit(0, until_queued=SHARDS)
     round_.hold_commit(1)
     await round_.start()
     tasks = [asyncio.create_task(round_.report(shard)) for shard in range(SHARDS)]
 
-    # Execute: while that group commits, the aggregator stops waiting on shard 5's delivery (its consumer was
-    # cancelled)
+    # Execute: while that group commits, the aggregator stops waiting on the delivery of one of its shards (its
+    # consumer was cancelled)
     await round_.commit_started(1)
-    tasks[5].cancel()
+    victim = round_.shards[1][len(round_.shards[1]) // 2]
+    tasks[victim].cancel()
     round_.release(1)
     outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), WAIT)
 
     # Assert: only that handler saw the cancellation; its row was committed with its group all the same, so its
     # delivery, coming again, is a duplicate, and the round closed with every contribution once
-    assert [i for i, o in enumerate(outcomes) if o is not None] == [5]
-    assert isinstance(outcomes[5], asyncio.CancelledError)
-    assert await round_.report_all([5]) == []
+    assert [i for i, o in enumerate(outcomes) if o is not None] == [victim]
+    assert isinstance(outcomes[victim], asyncio.CancelledError)
+    assert await round_.report_all([victim]) == []
     result = await round_.stop()
     assert loads(result)["w"].numpy().tobytes() == expected()
     assert await round_.accepted_rows() == dict.fromkeys(range(SHARDS), 1)
-    assert round_.groups == [1, SHARDS - 1]
+    assert round_.groups == [len(round_.shards[0]), SHARDS - len(round_.shards[0])]

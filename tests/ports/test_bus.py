@@ -850,9 +850,9 @@ async def test_a_delivery_kept_past_its_handler_goes_back_to_its_queue_when_its_
         async with consuming(survivor, "assign.pool", recorder):
             await eventually(lambda: len(recorder.seen) == 1, "the kept assignment to come back", within=20)
 
-    # Assert: it comes back once, as it was sent, marked redelivered.
+    # Assert: it comes back once, as it was sent, marked redelivered and returned (its holder was lost).
     (got,) = recorder.seen
-    assert (got.body, got.routing_key, got.redelivered) == (b"shard-1", "assign.pool", True)
+    assert (got.body, got.routing_key, got.redelivered, got.returned) == (b"shard-1", "assign.pool", True, True)
     assert got.headers == {"job_id": "j1"}
 
 

@@ -79,6 +79,9 @@ def test_a_held_copy_is_delivered_under_its_original_key_as_redelivered_without_
     # Assert: under its first routing key and publisher, though the copy was published by its consumer
     assert (delivery.routing_key, delivery.body, delivery.redelivered) == ("job.requested", b"x", True)
     assert delivery.headers == {"job_id": "j1"}
+    assert not delivery.returned  # the broker's x-death records no expiry out of a hold queue
+    expired = {"x-death": [{"queue": "apiary.hold.1", "reason": "expired"}]}
+    assert wire.incoming(_received(copy, routing_key="apiary.hold.1", extra=expired), "apiary-scheduler").returned
     assert delivery.message_id == sent.message_id is not None
     assert (copy.user_id, delivery.user_id) == ("apiary-scheduler", "apiary-tracker")
 
@@ -111,11 +114,11 @@ def test_a_copy_rerouted_through_the_exchange_arrives_under_its_new_key_as_a_fre
 
     # Assert: the pool's key (its handler is found), not a redelivery (a first failure is retried), and
     # none of the broker's or the adapter's headers.
-    assert (delivery.routing_key, delivery.redelivered) == ("assign.pool", False)
+    assert (delivery.routing_key, delivery.redelivered, delivery.returned) == ("assign.pool", False, False)
     assert delivery.headers == {"job_id": "j1"}
 
 
-def test_a_kept_copy_whose_holder_died_is_a_redelivery_after_a_reroute_too() -> None:
+def test_a_kept_copy_whose_holder_died_comes_back_returned_through_a_reroute_too() -> None:
     # Prepare: a worker kept a preferred assignment past its handler (a held copy) and died; the copy expired out of
     # its hold queue back into the preferred queue...
     sent = wire.outgoing(Delivery("assign.prefer.w1", b"x", headers={"job_id": "j1"}), "apiary-scheduler")
@@ -130,11 +133,11 @@ def test_a_kept_copy_whose_holder_died_is_a_redelivery_after_a_reroute_too() -> 
     forged = wire.incoming(_received(copy, routing_key="assign.pool", exchange="apiary", extra=deaths),
                            "apiary-scheduler")
 
-    # Assert: the pool's key, and a redelivery (the worker that takes it learns its first holder was lost); only
-    # for a copy its consumer's own user made.
-    assert (delivery.routing_key, delivery.redelivered) == ("assign.pool", True)
+    # Assert: the pool's key, and returned (the worker that takes it learns its first holder was lost), only for a
+    # copy its consumer's own user made; a fresh delivery there (not a redelivery: a first failure is retried).
+    assert (delivery.routing_key, delivery.returned, delivery.redelivered) == ("assign.pool", True, False)
     assert delivery.headers == {"job_id": "j1"}
-    assert not forged.redelivered
+    assert not forged.returned
 
 
 def test_a_dead_letter_says_why_and_under_which_key_it_came() -> None:

@@ -138,7 +138,7 @@ async def test_a_secure_assignment_back_from_a_lost_worker_is_reported_failed_wi
     secure = SecureAggregation(num_shares=1, reconstruction_threshold=2)
     a = assignment("job", 3).model_copy(update={"secure_aggregation": secure, "secret": "s3"})
     worker = Reporter(tmp_path)
-    came_back = Delivery("assign.pool", b"", redelivered=True)
+    came_back = Delivery("assign.pool", b"", redelivered=True, returned=True)
 
     # Execute
     trained = await AssignmentRun(cast(Host, worker), a, rate=lambda: None, delivery=came_back).run(None)

@@ -123,14 +123,17 @@ class Delivery:
     user_id: str | None = None
     # Whether the broker keeps it across its own restart (on disk); a heartbeat, which the next one replaces, is not.
     persistent: bool = True
+    # Whether it came back to its queue from a consumer that was lost while it held or kept it (its process died or
+    # its connection went; the broker cannot tell which), as opposed to one handed on or requeued by a live one.
+    returned: bool = False
     # How the adapter keeps it past the handler (see `keep`); None where nothing outlives the process.
     keeper: Callable[[], Awaitable[Kept]] | None = field(default=None, repr=False, compare=False)
 
     async def keep(self) -> Kept:
         """Keep this delivery past its handler's return, until `Kept.release`: the handler's return frees its
         consumer's slot for the next message as usual, but the delivery returns to its queue if the process dies
-        first. For work that goes on beside the next message and that another consumer must learn of if it is
-        lost (a worker's secure shard waiting for the round's shares)."""
+        first, marked `returned`. For work that goes on beside the next message and that another consumer must
+        learn of if it is lost (a worker's secure shard waiting for the round's shares)."""
         return NothingKept() if self.keeper is None else await self.keeper()
 
 

@@ -71,9 +71,10 @@ def incoming(message: AbstractIncomingMessage, user: str | None = None) -> Deliv
     original routing key and publisher: anyone may put a message with those headers straight into a queue
     through the default exchange. A copy comes straight to its queue (the default exchange, also when a hold
     queue returns it): one the broker dead-lettered through the exchange (a queue's reroute) is a new message
-    there, under its new routing key, and not a redelivery, unless it is a copy of its consumer's own user that
-    came back from a hold queue on the way (a held copy whose holder died, returned to a worker's preferred queue
-    and rerouted from there to the pool).
+    there, under its new routing key, and not a redelivery.
+    It is `returned` if it is a copy of its consumer's own user that expired out of a hold queue on its way (its
+    holder was lost), whether straight back to its queue or on through a reroute (a worker's preferred queue, then
+    the pool).
     """
     raw = dict(message.headers or {})
     by_name = HELD_KEY_HEADER in raw and not message.exchange
@@ -81,8 +82,7 @@ def incoming(message: AbstractIncomingMessage, user: str | None = None) -> Deliv
     copied = by_name and ours
     routing_key = (raw.get(HELD_KEY_HEADER) if copied else None) or message.routing_key or ""
     user_id = raw.get(HELD_USER_HEADER) if copied else message.user_id
-    returned = by_name or (ours and _expired_from_hold(raw.get("x-death")))
-    redelivered = bool(message.redelivered) or (returned and bool(raw.get(REDELIVERED_HEADER)))
+    redelivered = bool(message.redelivered) or (by_name and bool(raw.get(REDELIVERED_HEADER)))
     headers = {
         k: v for k, v in raw.items()
         if k not in _INTERNAL_HEADERS and not k.startswith(_BROKER_HEADER_PREFIXES)
@@ -94,6 +94,7 @@ def incoming(message: AbstractIncomingMessage, user: str | None = None) -> Deliv
         content_type=message.content_type,
         message_id=message.message_id,
         redelivered=redelivered,
+        returned=ours and HELD_KEY_HEADER in raw and _expired_from_hold(raw.get("x-death")),
         user_id=None if user_id is None else str(user_id),
         persistent=message.delivery_mode != aio_pika.DeliveryMode.NOT_PERSISTENT,
     )

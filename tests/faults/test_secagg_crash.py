@@ -61,6 +61,32 @@ def test_aggregator_killed_during_the_key_agreement_resumes_the_secure_round(
             f"{job['status']}; round 1 aggregated once; max error {error:.1e} within the quantisation bound", 0)
 
 
+def publish_with_shard_2_held(faults: Faults, dataset: Path, gates: Gates, case: str,
+                               pinned: list[str] | None = None) -> str:
+    """Publish a one-round secure job of three shards whose shard 2 is held at the gate in training, and wait until
+    shards 0 and 1, trained, have shared their keys (they wait for shard 2's shares); its job id."""
+    job_id = new_id(case)
+    request = toy_job(job_id, dataset, rounds=1, min_workers=2, max_workers=3, timeout=600, pinned=pinned,
+                      config={"mode": "gated", "fail_shards": [2], "gate": gates.path, "noise": 0.05,
+                              "width": WIDTH})
+    request["distributed"]["secure_aggregation"] = SECAGG
+    faults.cluster.publish_job(request)
+    faults.cluster.wait_for(lambda: len(faults.query(
+        "SELECT shard FROM secagg_messages WHERE job_id = $1 AND round = 1 AND kind = 'shares'", job_id)) == 2,
+        90, "shards 0 and 1 to be trained and share their keys")
+    return job_id
+
+
+def error_from_shards_1_and_2(faults: Faults, job_id: str) -> float:
+    """How far the job's final weights are from the plain mean of shards 1 and 2 (4 samples each), asserted within
+    the secure round's quantisation bound."""
+    expected = sum(n * (s + 1 + noise_update(1, s, "wide.weight", (WIDTH,), 0.05).double())
+                   for s, n in ((1, 4), (2, 4))) / 8
+    error = (faults.final_weights(job_id)["wide.weight"].double() - expected).abs().max().item()
+    assert error <= SecureAggregation(**SECAGG).resolved(3).error_bound(2, 8) + 1e-6
+    return error
+
+
 def test_a_worker_killed_while_its_trained_shard_waits_reports_it_failed_when_it_starts_again(
         faults: Faults, toy_data: Callable[[int], Path], tmp_path: Path,
         outcome: Callable[[str, str, str, int], None]) -> None:
@@ -71,16 +97,8 @@ def test_a_worker_killed_while_its_trained_shard_waits_reports_it_failed_when_it
     cluster = faults.cluster
     sites = ["site-a", "site-b", "site-c"]
     cluster.start(workers=sites)
-    job_id = new_id("kill-secagg-worker")
     gates = Gates(tmp_path, opened=0)
-    request = toy_job(job_id, toy_data(13), rounds=1, min_workers=2, max_workers=3, timeout=600, pinned=sites,
-                      config={"mode": "gated", "fail_shards": [2], "gate": gates.path, "noise": 0.05,
-                              "width": WIDTH})
-    request["distributed"]["secure_aggregation"] = SECAGG
-    cluster.publish_job(request)
-    cluster.wait_for(lambda: len(faults.query(
-        "SELECT shard FROM secagg_messages WHERE job_id = $1 AND round = 1 AND kind = 'shares'", job_id)) == 2,
-        90, "shards 0 and 1 to be trained and share their keys")
+    job_id = publish_with_shard_2_held(faults, toy_data(13), gates, "kill-secagg-worker", pinned=sites)
 
     cluster.kill("site-a", signal.SIGKILL)
     killed = time.monotonic()
@@ -94,10 +112,7 @@ def test_a_worker_killed_while_its_trained_shard_waits_reports_it_failed_when_it
     assert [(r["shard"], r["status"]) for r in rows] == [(0, "failed"), (1, "accepted"), (2, "accepted")]
     assert "the worker was killed before the shard was reported" in rows[0]["reason"]
     assert took < 120, f"the round waited {took:.0f} s: for its timeout, not for the restarted worker's report"
-    expected = sum(n * (s + 1 + noise_update(1, s, "wide.weight", (WIDTH,), 0.05).double())
-                   for s, n in ((1, 4), (2, 4))) / 8
-    error = (faults.final_weights(job_id)["wide.weight"].double() - expected).abs().max().item()
-    assert error <= SecureAggregation(**SECAGG).resolved(3).error_bound(2, 8) + 1e-6
+    error = error_from_shards_1_and_2(faults, job_id)
     assert left_aside(cluster.tmp / "home" / "workers" / "site-a") == []  # found, reported, removed
     outcome("worker kill -9 while its trained secure shard waits, then restarted",
             "the restarted worker reports the shard failed; the round is made from the others without its timeout",
@@ -114,16 +129,8 @@ def test_a_worker_killed_for_good_while_its_trained_shard_waits_is_reported_fail
     # round is made from the two others at once instead of waiting for its timeout (10 minutes here).
     cluster = faults.cluster
     cluster.start(workers=3)
-    job_id = new_id("lost-secagg-worker")
     gates = Gates(tmp_path, opened=0)
-    request = toy_job(job_id, toy_data(13), rounds=1, min_workers=2, max_workers=3, timeout=600,
-                      config={"mode": "gated", "fail_shards": [2], "gate": gates.path, "noise": 0.05,
-                              "width": WIDTH})
-    request["distributed"]["secure_aggregation"] = SECAGG
-    cluster.publish_job(request)
-    cluster.wait_for(lambda: len(faults.query(
-        "SELECT shard FROM secagg_messages WHERE job_id = $1 AND round = 1 AND kind = 'shares'", job_id)) == 2,
-        90, "shards 0 and 1 to be trained and share their keys")
+    job_id = publish_with_shard_2_held(faults, toy_data(13), gates, "lost-secagg-worker")
     holders = {r["shard"]: json.loads(r["body"])["worker_id"] for r in faults.query(
         "SELECT shard, body FROM secagg_messages WHERE job_id = $1 AND round = 1 AND kind = 'keys'", job_id)}
     assert len(set(holders.values())) == 3, f"the pool gave each worker one shard: {holders}"
@@ -145,10 +152,7 @@ def test_a_worker_killed_for_good_while_its_trained_shard_waits_is_reported_fail
     assert [(r["shard"], r["status"]) for r in rows] == [(0, "failed"), (1, "accepted"), (2, "accepted")]
     assert rows[0]["worker_id"] == survivor, "the worker that took the assignment back reported it"
     assert "the worker that took the shard was lost" in rows[0]["reason"]
-    expected = sum(n * (s + 1 + noise_update(1, s, "wide.weight", (WIDTH,), 0.05).double())
-                   for s, n in ((1, 4), (2, 4))) / 8
-    error = (faults.final_weights(job_id)["wide.weight"].double() - expected).abs().max().item()
-    assert error <= SecureAggregation(**SECAGG).resolved(3).error_bound(2, 8) + 1e-6
+    error = error_from_shards_1_and_2(faults, job_id)
     outcome("worker kill -9 for good while its trained secure shard waits",
             "its kept assignment goes back to the pool; another worker reports the shard failed; the round goes on",
             f"{job['status']}; shard 0 reported failed {reported:.0f} s after the kill (timeout 600 s), job done "

@@ -32,9 +32,9 @@ class AssignmentRun:
     """Download, train, upload, report one assignment; a failed step reports worker.failed and ends it."""
 
     def __init__(self, worker: Host, assignment: Assignment, rate: Callable[[], float | None],
-                 delivery: Delivery | None = None) -> None:
+                 delivery: Delivery) -> None:
         self.worker, self.a = worker, assignment
-        self.delivery = delivery or Delivery(routing_key="", body=b"")  # how it came: returned? kept how?
+        self.delivery = delivery  # how it came (returned from a lost worker?), and how it is kept past the slot
         self._rate = rate  # the worker's samples per second so far, which its progress reports carry
         self.space = Workspace(worker.cache / "jobs" / assignment.job_id)
         self.model_path: Path | None = None  # the job's base model in the worker's cache, if it has one

@@ -762,6 +762,16 @@ async def test_a_held_message_of_a_consumer_that_dies_goes_back_to_the_pool(
     assert got.headers == {"job_id": "j1"}
 
 
+@dataclass
+class Keeper:
+    """A handler that keeps every delivery past its return (a worker's trained secure shard), recording what it kept."""
+
+    kept: list[Kept] = field(default_factory=list)
+
+    async def __call__(self, delivery: Delivery) -> None:
+        self.kept.append(await delivery.keep())
+
+
 async def test_a_delivery_kept_past_its_handler_frees_the_slot_and_once_released_never_comes_back(bus: Bus) -> None:
     # Prepare: one slot; the first assignment's handler keeps its delivery (a secure shard waiting for shares).
     await bus.declare_queue("assign.pool", ["assign.pool"])
@@ -796,21 +806,17 @@ async def test_a_kept_delivery_re_held_many_times_and_then_released_never_comes_
     rabbit_url: str, bus_namespace: str
 ) -> None:
     # Prepare: re-held every 0.2 s, so that releasing it meets a re-hold under way now and then.
-    kept: list[Kept] = []
-
-    async def train_and_keep(delivery: Delivery) -> None:
-        kept.append(await delivery.keep())
-
+    keeper = Keeper()
     async with rabbit(rabbit_url, bus_namespace, lease_renewal=0.2) as bus:
         await bus.declare_queue("assign.pool", ["assign.pool"])
         recorder = Recorder()
-        async with consuming(bus, "assign.pool", train_and_keep, prefetch=1):
+        async with consuming(bus, "assign.pool", keeper, prefetch=1):
             for shard in range(5):
                 await bus.publish("assign.pool", f"shard-{shard}".encode())
-            await eventually(lambda: len(kept) == 5, "every delivery to be kept")
+            await eventually(lambda: len(keeper.kept) == 5, "every delivery to be kept")
 
             # Execute
-            for index, one in enumerate(kept):
+            for index, one in enumerate(keeper.kept):
                 await asyncio.sleep(0.13 * index)
                 await one.release()
         async with consuming(bus, "assign.pool", recorder):
@@ -826,20 +832,16 @@ async def test_a_delivery_kept_past_its_handler_goes_back_to_its_queue_when_its_
     rabbit_url: str, bus_namespace: str
 ) -> None:
     # Prepare: a worker trains an assignment, keeps it past its handler (its slot free again) and then dies.
-    kept: list[Kept] = []
-
-    async def train_and_keep(delivery: Delivery) -> None:
-        kept.append(await delivery.keep())
-
+    keeper = Keeper()
     # Re-held every second (a copy goes back 10 s after it was made): it comes back within 10 s of the death. The
     # dying bus is never closed, as a dead process's is not (its consumers' cancels would wait for a connection).
     dying = RabbitBus(rabbit_url, exchange=bus_namespace, connection_name=f"{bus_namespace} dying", lease_renewal=1.0)
     await dying.connect()
     async with rabbit(rabbit_url, bus_namespace) as survivor:
         await dying.declare_queue("assign.pool", ["assign.pool"])
-        await dying.consume("assign.pool", train_and_keep, prefetch=1)
+        await dying.consume("assign.pool", keeper, prefetch=1)
         await dying.publish("assign.pool", b"shard-1", headers={"job_id": "j1"})
-        await eventually(lambda: len(kept) == 1, "the delivery to be kept")
+        await eventually(lambda: len(keeper.kept) == 1, "the delivery to be kept")
         await eventually(lambda: unacked(bus_namespace).get("assign.pool") == 0, "the handler's delivery settled")
         await asyncio.sleep(2.5)  # past two re-holds of the kept copy
 

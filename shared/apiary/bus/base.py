@@ -93,7 +93,7 @@ class Reroute:
 class Kept(ABC):
     """A delivery kept past its handler (`Delivery.keep`): it stays the consumer's, yet holds none of its prefetch
     slots; should the consumer's process die before `release`, the broker gives it back to its queue, marked
-    redelivered."""
+    `returned`."""
 
     @abstractmethod
     async def release(self) -> None:

@@ -39,13 +39,13 @@ class RabbitSubscription(Subscription):
     def __init__(
         self, queue: AbstractRobustQueue, channel: AbstractRobustChannel, handler: Handler, prefetch: int, *,
         publisher: Publisher, lease: Lease | None, retry_delay: float,
-        on_cancel: Callable[[RabbitSubscription], None], requeue_by_copy: bool = False, reroutes: bool = False,
-        keeping: Lease | None = None,
+        on_cancel: Callable[[RabbitSubscription], None], keeping: Lease, requeue_by_copy: bool = False,
+        reroutes: bool = False,
     ) -> None:
         self._queue, self._channel = queue, channel
         self._handler, self._prefetch = handler, prefetch
         self._publisher, self._lease, self._retry_delay = publisher, lease, retry_delay
-        self._keeping = keeping or lease  # how a delivery is kept past its handler (Delivery.keep)
+        self._keeping = keeping  # how a delivery is kept past its handler (Delivery.keep)
         self._on_cancel = on_cancel
         self._requeue_by_copy = requeue_by_copy
         self._reroutes = reroutes
@@ -80,8 +80,7 @@ class RabbitSubscription(Subscription):
     async def _process(self, slot: int, message: AbstractIncomingMessage) -> None:
         delivery = wire.incoming(message, self._publisher.user)
         held = Held(message)
-        if self._keeping is not None:
-            delivery.keeper = functools.partial(self._keep, held)
+        delivery.keeper = functools.partial(self._keep, held)
         self._held.add(held)
         self._busy_slots.add(slot)
         keeper = None
@@ -104,7 +103,6 @@ class RabbitSubscription(Subscription):
 
     async def _keep(self, held: Held) -> Kept:
         """`Delivery.keep`: a copy set apart, taken while no re-hold swaps the delivery."""
-        assert self._keeping is not None
         async with held.lock:
             return await self._keeping.set_apart(held.message)
 

@@ -5,7 +5,7 @@ Four workers train the digits example (examples/digits/paced.py: each task takes
 stand-in for a real model's step time, and shard 3's takes --factor times as long: one worker 5x slower). Both
 modes get the same budget of updates: sync runs --rounds rounds of 4 updates, async --rounds * 4 / --buffer
 versions of --buffer updates (polynomial staleness weight (1+s)^-a, a = --staleness-exponent, default 0.5; server
-learning rate --server-lr, default 1). Each run goes
+learning rate --server-lr, default 1; version_wait --version-wait, default 0.5). Each run goes
 through `apiary run` (embedded: in-memory bus, SQLite, local folder) with its own APIARY_HOME; afterwards each
 round's (version's) stored global weights are scored on the held-out set by the example's fl_evaluate_model, and
 the time to target is from round 1's start to the close of the first round (version) at or above --target.
@@ -83,7 +83,8 @@ def request(row: Row, mode: str, args: argparse.Namespace) -> dict[str, Any]:
         distributed.update(mode="async", num_rounds=args.rounds * WORKERS // args.buffer,
                            **{"async": {"buffer_size": args.buffer, "staleness_weight": "polynomial",
                                         "staleness_exponent": args.staleness_exponent,
-                                        "server_learning_rate": args.server_lr}})
+                                        "server_learning_rate": args.server_lr,
+                                        "version_wait": args.version_wait}})
     job["distributed"] = distributed
     job["split"] = ({"strategy": "random", "seed": 0} if row.split == "iid"
                     else {"strategy": "label_skew", "alpha": float(row.split), "seed": 0})
@@ -159,7 +160,7 @@ def page(results: dict[str, dict[str, list[Run]]], args: argparse.Namespace) -> 
         f"least {args.pace:g} s, shard {SLOW_SHARD}'s {args.factor:g}x that where a worker is slow. Same budget of "
         f"updates: sync {args.rounds} rounds x {WORKERS}, async {args.rounds * WORKERS // args.buffer} versions "
         f"x K={args.buffer} (polynomial staleness weight (1+s)^-{args.staleness_exponent:g}, server learning rate "
-        f"{args.server_lr:g}). Time to {args.target:.0%} held-out "
+        f"{args.server_lr:g}, version_wait {args.version_wait:g}). Time to {args.target:.0%} held-out "
         f"accuracy from round 1's start, and after warm-up: from the moment every worker had reported its first task "
         f"(its training process started: {warm:.1f} s here, median of every run, including the slow worker's first "
         f"task where there is one). Median of {args.runs} runs each, in the "
@@ -174,7 +175,8 @@ def page(results: dict[str, dict[str, list[Run]]], args: argparse.Namespace) -> 
         sync, asyn = (median([r.to_target_s for r in modes[m]]) for m in ("sync", "async"))
         ratio = f"{sync / asyn:.2f}x" if sync and asyn else "n/a"
         warm_sync, warm_async = (median([after_warm_up(r) for r in modes[m]]) for m in ("sync", "async"))
-        warm_ratio = f"{warm_sync / warm_async:.2f}x" if warm_sync and warm_async else "n/a"
+        warm_ratio = ("n/a" if warm_sync is None or warm_async is None
+                      else "async before warm-up" if warm_async == 0 else f"{warm_sync / warm_async:.2f}x")
         finals = " / ".join(f"{statistics.median([r.accuracy[-1] for r in modes[m] if r.accuracy] or [0]):.3f}"
                             for m in ("sync", "async"))
         reached = " / ".join(f"{sum(r.to_target_s is not None for r in modes[m])}/{len(modes[m])}"
@@ -197,14 +199,18 @@ def main() -> None:
     parser.add_argument("--staleness-exponent", type=float, default=0.5,
                         help="async: the exponent a of the polynomial staleness weight (1+s)^-a")
     parser.add_argument("--server-lr", type=float, default=1.0, help="async: FedBuff's server learning rate")
+    parser.add_argument("--version-wait", type=float, default=0.5,
+                        help="async: how long a worker may wait for a due version, as a fraction of its task's time "
+                             "(0: FedBuff's next task at once)")
     parser.add_argument("--pace", type=float, default=1.0, help="seconds a training task takes at least")
     parser.add_argument("--factor", type=float, default=5.0, help="how much slower the slow worker is")
     parser.add_argument("--target", type=float, default=0.95, help="held-out accuracy to reach")
     parser.add_argument("--only", default="", help="rows whose name contains this")
     parser.add_argument("--write", action="store_true", help="write docs/benchmarks/async.md and async.json")
+    parser.add_argument("--page-from", default="", help="write the page from this async.json instead of running")
     args = parser.parse_args()
     results: dict[str, dict[str, list[Run]]] = {}
-    for row in (r for r in ROWS if args.only in r.name):
+    for row in (r for r in ROWS if args.only in r.name and not args.page_from):
         results[row.name] = {"sync": [], "async": []}
         for index in range(args.runs):
             for mode in ("sync", "async"):  # alternating, so a change of load over time hits both alike
@@ -213,6 +219,9 @@ def main() -> None:
                 print(f"{row.name} {mode} #{index}: to target {outcome.to_target_s} s (warm at {outcome.warm_s:.1f} s),"
                       f" wall {outcome.wall_s:.1f} s,"
                       f" accuracy {[round(a, 3) for a in outcome.accuracy]} {outcome.error or ''}", flush=True)
+    if args.page_from:  # the page again from a run's stored figures (async.json), with these arguments
+        stored = json.loads(Path(args.page_from).read_text())
+        results = {name: {m: [Run(**r) for r in runs] for m, runs in modes.items()} for name, modes in stored.items()}
     text = page(results, args)
     print(text)
     if args.write:

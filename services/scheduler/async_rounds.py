@@ -19,6 +19,7 @@ from apiary import keys, metrics, proof, telemetry
 from apiary.bus import Delivery
 from apiary.contracts import (
     TRAIN,
+    WAIT,
     JobTrainingEnded,
     RoundAssigned,
     RoundTimeout,
@@ -35,6 +36,7 @@ from apiary.storage import Storage
 from services.scheduler import store
 from services.scheduler.round_plan import RoundPlan, RoundTarget, assignment, round_start, route
 from services.scheduler.routing import AssignmentRouter
+from services.scheduler.version_wait import HISTORY, Task, wait_for_version, waiters_shards
 
 log = logging.getLogger("apiary.scheduler")
 
@@ -48,6 +50,12 @@ MIGRATIONS = [
       status TEXT NOT NULL, worker_id TEXT, secret_digest TEXT NOT NULL, issued_at DOUBLE PRECISION NOT NULL,
       ended_at DOUBLE PRECISION, PRIMARY KEY (job_id, attempt));
     CREATE INDEX IF NOT EXISTS async_slots_training ON async_slots (job_id, status);
+    """,
+    # A worker held for a version that is due (services.scheduler.version_wait): it keeps its slot meanwhile.
+    """
+    CREATE TABLE IF NOT EXISTS async_waits (
+      job_id TEXT NOT NULL, worker_id TEXT NOT NULL, attempt BIGINT NOT NULL, since DOUBLE PRECISION NOT NULL,
+      PRIMARY KEY (job_id, worker_id));
     """,
 ]
 
@@ -120,8 +128,16 @@ class AsyncVersions:
                              target.job_id, TRAINING, LOST, now)
         training = await self._training(tx, target.job_id)
         chosen = next_shards(settings.slots - len(training), shards, training)
+        # The workers that waited for this version get its first tasks (their slots were kept for them), each its
+        # own shard again where it can.
+        waiting = await tx.fetch("SELECT w.worker_id, s.shard FROM async_waits w JOIN async_slots s ON s.job_id ="
+                                 " w.job_id AND s.attempt = w.attempt WHERE w.job_id = $1 ORDER BY w.since",
+                                 target.job_id)
+        await tx.execute("DELETE FROM async_waits WHERE job_id = $1", target.job_id)
+        waiters = waiters_shards(chosen, [(r["worker_id"], int(r["shard"])) for r in waiting])
         for shard in chosen:
-            queued += await self._task(tx, target, settings, shard, prefer.get(shard), now, trace)
+            queued += await self._task(tx, target, settings, shard, waiters.get(shard) or prefer.get(shard), now,
+                                       trace)
         queued.append(Pending(RoundTimeout(job_id=target.job_id, round=target.round, attempt=target.attempt),
                               delay=timeout, headers=trace))
         await self._outbox.add_all(tx, queued)
@@ -132,7 +148,8 @@ class AsyncVersions:
     async def on_report(self, event: Report, delivery: Delivery, job: store.Job) -> None:
         """A task's report (under the job's lock): if it proves to come from the task's worker and the task was
         still training, its slot is free, and the next task goes out at once (to the same worker first), from the
-        newest version. Anything else (forged, a duplicate, a lost task) changes nothing here: the aggregator
+        newest version; or, where that version is about to be superseded, the worker waits for the next one
+        (`version_wait`). Anything else (forged, a duplicate, a lost task) changes nothing here: the aggregator
         records what it is."""
         row = await self._db.fetchrow("SELECT * FROM async_slots WHERE job_id = $1 AND attempt = $2 AND round = $3"
                                       " AND shard = $4", event.job_id, event.attempt, event.round, event.shard)
@@ -143,12 +160,62 @@ class AsyncVersions:
             return
         now = time.time()
         async with self._db.transaction() as tx:
-            freed = await tx.execute("UPDATE async_slots SET status = $3, ended_at = $4 WHERE job_id = $1"
-                                     " AND attempt = $2 AND status = $5", event.job_id, event.attempt, DONE, now,
-                                     TRAINING)
+            freed = await tx.execute("UPDATE async_slots SET status = $3, ended_at = $4, worker_id = $6 WHERE"
+                                     " job_id = $1 AND attempt = $2 AND status = $5", event.job_id, event.attempt,
+                                     DONE, now, TRAINING, event.worker_id)
             if not freed or job.status != JobStatus.RUNNING or job.last_round is not None or job.merging is not None:
                 return
-            await self._top_up(tx, job, after=event.shard, worker=event.worker_id, now=now)
+            wait = await self._wait(tx, job, now, took=now - float(row["issued_at"]))
+            if wait is None:
+                await self._top_up(tx, job, after=event.shard, worker=event.worker_id, now=now)
+            else:
+                await tx.execute("DELETE FROM async_waits WHERE job_id = $1 AND worker_id = $2", event.job_id,
+                                 event.worker_id)
+                await tx.execute("INSERT INTO async_waits (job_id, worker_id, attempt, since) VALUES ($1, $2, $3, $4)",
+                                 event.job_id, event.worker_id, event.attempt, now)
+                await self._outbox.add_all(tx, [Pending(TaskTimeout(job_id=event.job_id, round=job.round,
+                                                                    attempt=event.attempt, task=WAIT), delay=wait)])
+                log.debug("job %s: worker %s waits up to %.2fs for version %d", event.job_id, event.worker_id, wait,
+                          job.round)
+        await self._outbox.flush()
+
+    async def _wait(self, tx: Executor, job: store.Job, now: float, took: float) -> float | None:
+        """How long the worker that just reported (its task took `took` s) waits for the open version, or None
+        (services.scheduler.version_wait)."""
+        settings = job.spec.distributed.buffered
+        assert settings is not None
+        version = await store.running_round(tx, job.job_id, job.round, job.attempt)
+        if settings.version_wait <= 0 or version is None:
+            return None
+        folded = int(await tx.fetchval("SELECT COUNT(*) FROM async_slots WHERE job_id = $1 AND status = $2 AND"
+                                       " ended_at >= $3", job.job_id, DONE, float(version["started_at"])) or 0)
+        training = [Task(int(r["shard"]), r["worker_id"], float(r["issued_at"])) for r in await tx.fetch(
+            "SELECT shard, worker_id, issued_at FROM async_slots WHERE job_id = $1 AND status = $2", job.job_id,
+            TRAINING)]
+        # The first version's tasks started their workers' training processes: their times say nothing of the next.
+        history = [Task(int(r["shard"]), r["worker_id"], float(r["issued_at"]), float(r["ended_at"]))
+                   for r in await tx.fetch("SELECT shard, worker_id, issued_at, ended_at FROM async_slots WHERE"
+                                           " job_id = $1 AND status = $2 AND round > 1 ORDER BY attempt DESC LIMIT $3",
+                                           job.job_id, DONE, HISTORY * max(settings.slots, len(job.shards)))]
+        return wait_for_version(now, took, settings.version_wait, settings.k, folded, training, history)
+
+    async def on_wait_over(self, event: TaskTimeout, job: store.Job) -> None:
+        """A worker's wait for a version is up (under the job's lock): if the version has not come (its task is
+        still kept for it), the worker's next task goes out now, from the newest version."""
+        now = time.time()
+        async with self._db.transaction() as tx:
+            row = await tx.fetchrow("SELECT w.worker_id, s.shard FROM async_waits w JOIN async_slots s ON"
+                                    " s.job_id = w.job_id AND s.attempt = w.attempt WHERE w.job_id = $1 AND"
+                                    " w.attempt = $2", event.job_id, event.attempt)
+            if row is None:
+                return
+            await tx.execute("DELETE FROM async_waits WHERE job_id = $1 AND attempt = $2", event.job_id,
+                             event.attempt)
+            if job.status != JobStatus.RUNNING or job.last_round is not None or job.merging is not None:
+                return
+            log.info("job %s: the version worker %s waited for did not come in time; its next task goes out from "
+                     "version %d", event.job_id, row["worker_id"], job.round - 1)
+            await self._top_up(tx, job, after=int(row["shard"]), worker=row["worker_id"], now=now)
         await self._outbox.flush()
 
     async def end_training(self, tx: Executor, job_id: str, version: int) -> None:
@@ -156,6 +223,7 @@ class AsyncVersions:
         job.training_ended, published with this transaction) and go into no version."""
         await tx.execute("UPDATE async_slots SET status = $3, ended_at = $4 WHERE job_id = $1 AND status = $2",
                          job_id, TRAINING, STOPPED, time.time())
+        await tx.execute("DELETE FROM async_waits WHERE job_id = $1", job_id)
         await self._outbox.add(tx, JobTrainingEnded(job_id=job_id, version=version))
 
     async def on_task_timeout(self, event: TaskTimeout, job: store.Job) -> None:
@@ -179,12 +247,15 @@ class AsyncVersions:
         await self._outbox.flush()
 
     async def _top_up(self, tx: Executor, job: store.Job, after: int, worker: str | None, now: float) -> None:
-        """Hand out training tasks from the newest version until `concurrency` train (the shards in turn from the
-        one after `after`), the first to `worker` where one is named."""
+        """Hand out training tasks from the newest version until `concurrency` train, less the slots kept for
+        workers waiting for the next version (the shards in turn from the one after `after`), the first to `worker`
+        where one is named."""
         settings = job.spec.distributed.buffered
         assert settings is not None
         training = await self._training(tx, job.job_id)
-        chosen = next_shards(settings.slots - len(training), [s.index for s in job.shards], training, after=after)
+        waiting = int(await tx.fetchval("SELECT COUNT(*) FROM async_waits WHERE job_id = $1", job.job_id) or 0)
+        chosen = next_shards(max(0, settings.slots - len(training) - waiting), [s.index for s in job.shards],
+                             training, after=after)
         target = RoundTarget(job.job_id, job.spec, job.shards, job.weights, job.round, job.attempt)
         # The task joins the trace of the version it starts in.
         version = await store.running_round(tx, job.job_id, job.round, job.attempt)

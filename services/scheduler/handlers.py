@@ -18,6 +18,7 @@ from apiary.contracts import (
     INIT,
     MERGE,
     TRAIN,
+    WAIT,
     AdapterMerged,
     JobSharded,
     JobWaiting,
@@ -413,6 +414,9 @@ class SchedulerHandlers:
                 return
             if event.task == TRAIN:  # a mode-async training task (services.scheduler.async_rounds)
                 await self.versions.on_task_timeout(event, job)
+                return
+            if event.task == WAIT:  # a mode-async worker's wait for a version
+                await self.versions.on_wait_over(event, job)
                 return
             timeout = task_timeout(job.spec)
             if event.task == MERGE:

@@ -235,6 +235,7 @@ TRAIN: Literal["train"] = "train"
 INIT: Literal["init"] = "init"
 EVALUATE: Literal["evaluate"] = "evaluate"
 MERGE: Literal["merge"] = "merge"
+WAIT: Literal["wait"] = "wait"  # task.timeout only: a mode-async worker's wait for a due version is up
 
 
 class CodeBundle(BaseModel):
@@ -761,12 +762,14 @@ class AdapterMerged(RoundEvent):
 
 class TaskTimeout(RoundEvent):
     """`task.timeout` (delayed): an init, evaluate or merge assignment's time is up, or a mode-async training
-    task's; if it has not reported, the scheduler stops waiting for it (a training task's shard goes out again)."""
+    task's; if it has not reported, the scheduler stops waiting for it (a training task's shard goes out again). Also
+    the end of a mode-async worker's wait for a version that was due (`task: wait`)."""
 
     routing_key: ClassVar[str] = "task.timeout"
-    task: TaskKind = EVALUATE
-    """Which task's time is up: `init`, `evaluate` or `merge` (with the event's round and attempt), or `train` (a
-    mode-async task: `attempt` is its task number)."""
+    task: TaskKind | Literal["wait"] = EVALUATE
+    """Which task's time is up: `init`, `evaluate` or `merge` (with the event's round and attempt), `train` (a
+    mode-async task: `attempt` is its task number), or `wait` (a mode-async worker that reported task `attempt` was
+    held for a version due soon: if the version has not come, its next task goes out now)."""
 
 
 class JobCompleted(Event):

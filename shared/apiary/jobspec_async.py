@@ -43,6 +43,12 @@ class AsyncConfig(BaseModel):
                                         "step's learning rate (FedBuff's eta_g)")
     server_momentum: float = Field(default=0.0, ge=0, lt=1, description="federated_averaging: the server step's "
                                    "momentum (0: none)")
+    version_wait: float = Field(default=0.5, ge=0, le=1, description="the longest a worker that reported waits "
+                                "for the next version, as a fraction of its task's time, instead of training from "
+                                "the version about to be superseded: it waits when its own report filled the buffer, "
+                                "or when the updates the buffer lacks are due within half that time; 0: its next "
+                                "task goes out at once, as in FedBuff")
+
     def resolved(self, num_shards: int) -> AsyncConfig:
         """The settings with their defaults made from the job's sizes."""
         return self.model_copy(update={"buffer_size": self.buffer_size or min(DEFAULT_BUFFER, num_shards),

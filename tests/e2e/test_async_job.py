@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from rich.console import Console
 
@@ -208,3 +209,49 @@ async def test_a_task_whose_report_never_comes_loses_its_slot_at_its_deadline_an
     assert view["status"] == "completed", view.get("reason")
     assert len(lost) == 1
     assert any(r["shard"] == SLOW and r["attempt"] > lost[0] and r["status"] == "done" for r in slots)
+
+
+HOLD = 2.0  # how long each task of the next test trains (at its gate), so a worker may wait up to that long
+
+
+@pytest.mark.parametrize("version_wait", [0.0, 1.0])
+async def test_equal_workers_wait_for_the_version_their_reports_are_about_to_make(
+        embedded: StackFactory, tmp_path: Path, toy_dataset: Path, version_wait: float) -> None:
+    # Prepare: 2 workers, one shard each, K=2: each version folds one update of each. Each task waits at a gate
+    # named by its number; the test opens a version's two gates together, HOLD s after its tasks went out, so the
+    # second report is due when the first comes, and fills the buffer.
+    gates = Gates(tmp_path, by="attempt")
+    request = toy_request(toy_dataset, num_rounds=2, min_workers=2, max_workers=2, mode="async", evaluate_every=0,
+                          **{"async": {"buffer_size": 2, "version_wait": version_wait}})
+    request["config"] = {"mode": "gated", "gate": gates.path}
+    async with embedded(workers=2) as stack:
+        db = stack.ports.db
+        job_id = await stack.submit(request)
+
+        async def tasks_out(count: int) -> bool:
+            return int(await db.fetchval("SELECT COUNT(*) FROM async_slots WHERE job_id = $1", job_id) or 0) >= count
+
+        # Execute: version 1's two tasks train HOLD s and report together; then the next two do.
+        await _wait_for(lambda: tasks_out(2), 60)
+        await asyncio.sleep(HOLD)
+        gates.open_through(2)
+        await _wait_for(lambda: tasks_out(4), 60)
+        await asyncio.sleep(HOLD)
+        gates.open_through(4)
+        view = await stack.wait(job_id, timeout=120)
+        tasks = await db.fetch("SELECT attempt, round FROM async_slots WHERE job_id = $1 ORDER BY attempt", job_id)
+        folds = await db.fetch("SELECT version, staleness FROM async_folds WHERE job_id = $1 ORDER BY seq", job_id)
+
+    # Assert: with a wait, both of version 2's tasks went out once version 1 was made (their round is the version
+    # open when they went out), and no update was stale; without one (FedBuff), the first to report trained from
+    # version 0 again (the second too, where its report came before the version), and version 2 folded stale
+    # updates.
+    assert view["status"] == "completed", view.get("reason")
+    assert [(f["version"]) for f in folds] == [1, 1, 2, 2]
+    if version_wait:
+        assert [t["round"] for t in tasks] == [1, 1, 2, 2]
+        assert [f["staleness"] for f in folds] == [0, 0, 0, 0]
+    else:
+        assert tasks[2]["round"] == 1
+        assert [f["staleness"] for f in folds if f["version"] == 1] == [0, 0]
+        assert max(f["staleness"] for f in folds if f["version"] == 2) == 1

@@ -12,6 +12,7 @@ from pathlib import Path
 import boto3
 import torch
 
+from apiary.bus.rabbitmq.broker import KEEP_RETURN
 from apiary.secagg.settings import SecureAggregation
 from apiary.weights import loads
 from services.worker.host import left_aside
@@ -87,6 +88,29 @@ def error_from_shards_1_and_2(faults: Faults, job_id: str) -> float:
     return error
 
 
+def three_pool_workers_with_shard_2_held(faults: Faults, dataset: Path, tmp_path: Path,
+                                        case: str) -> tuple[str, dict[int, str], Gates]:
+    """Three workers take the job's three shards from the pool, one each, with shard 2's training held at a gate
+    (`publish_with_shard_2_held`): the job, the worker that took each shard, and the gates."""
+    faults.cluster.start(workers=3)
+    gates = Gates(tmp_path, opened=0)
+    job_id = publish_with_shard_2_held(faults, dataset, gates, case)
+    holders = {r["shard"]: json.loads(r["body"])["worker_id"] for r in faults.query(
+        "SELECT shard, body FROM secagg_messages WHERE job_id = $1 AND round = 1 AND kind = 'keys'", job_id)}
+    assert len(set(holders.values())) == 3, f"the pool gave each worker one shard: {holders}"
+    return job_id, holders, gates
+
+
+def signal_and_wait_for_shard_0_failed(faults: Faults, job_id: str, worker: str, sig: int) -> float:
+    """Send `sig` to `worker`'s processes; the seconds until round 1's shard 0 was recorded failed."""
+    faults.cluster.kill(worker, sig)
+    sent = time.monotonic()
+    faults.cluster.wait_for(lambda: faults.query(
+        "SELECT 1 FROM contributions WHERE job_id = $1 AND round = 1 AND shard = 0 AND status = 'failed'", job_id),
+        90, "shard 0 to be reported failed")
+    return time.monotonic() - sent
+
+
 def test_a_worker_killed_while_its_trained_shard_waits_reports_it_failed_when_it_starts_again(
         faults: Faults, toy_data: Callable[[int], Path], tmp_path: Path,
         outcome: Callable[[str, str, str, int], None]) -> None:
@@ -104,7 +128,7 @@ def test_a_worker_killed_while_its_trained_shard_waits_reports_it_failed_when_it
     killed = time.monotonic()
     cluster.start_worker("site-a")
     gates.open_through(1)
-    job = cluster.wait_job(job_id, timeout=120)
+    job = faults.cluster.wait_job(job_id, timeout=120)
     took = time.monotonic() - killed
 
     assert job["status"] == "completed", job["reason"]
@@ -127,23 +151,14 @@ def test_a_worker_killed_for_good_while_its_trained_shard_waits_is_reported_fail
     # of them is killed with SIGKILL and never started again (a machine gone): the broker gives its assignment back
     # to the pool, the other trained shard's worker (its slot free) takes it and reports the shard failed, and the
     # round is made from the two others at once instead of waiting for its timeout (10 minutes here).
-    cluster = faults.cluster
-    cluster.start(workers=3)
-    gates = Gates(tmp_path, opened=0)
-    job_id = publish_with_shard_2_held(faults, toy_data(13), gates, "lost-secagg-worker")
-    holders = {r["shard"]: json.loads(r["body"])["worker_id"] for r in faults.query(
-        "SELECT shard, body FROM secagg_messages WHERE job_id = $1 AND round = 1 AND kind = 'keys'", job_id)}
-    assert len(set(holders.values())) == 3, f"the pool gave each worker one shard: {holders}"
+    job_id, holders, gates = three_pool_workers_with_shard_2_held(faults, toy_data(13), tmp_path,
+                                                                  "lost-secagg-worker")
     lost, survivor = holders[0], holders[1]
 
-    cluster.kill(lost, signal.SIGKILL)
-    killed = time.monotonic()
-    cluster.wait_for(lambda: faults.query(
-        "SELECT 1 FROM contributions WHERE job_id = $1 AND round = 1 AND shard = 0 AND status = 'failed'", job_id),
-        90, "shard 0 to be reported failed")
-    reported = time.monotonic() - killed
+    reported = signal_and_wait_for_shard_0_failed(faults, job_id, lost, signal.SIGKILL)
+    killed = time.monotonic() - reported
     gates.open_through(1)
-    job = cluster.wait_job(job_id, timeout=120)
+    job = faults.cluster.wait_job(job_id, timeout=120)
     took = time.monotonic() - killed
 
     assert job["status"] == "completed", job["reason"]
@@ -157,3 +172,30 @@ def test_a_worker_killed_for_good_while_its_trained_shard_waits_is_reported_fail
             "its kept assignment goes back to the pool; another worker reports the shard failed; the round goes on",
             f"{job['status']}; shard 0 reported failed {reported:.0f} s after the kill (timeout 600 s), job done "
             f"after {took:.0f} s; max error {error:.1e}", 0)
+
+
+def test_a_worker_stopped_while_its_trained_shard_waits_reports_it_failed_once(
+        faults: Faults, toy_data: Callable[[int], Path], tmp_path: Path,
+        outcome: Callable[[str, str, str, int], None]) -> None:
+    # As above, but the worker of shard 0 is stopped (SIGTERM: a deploy, a scale-down): it reports the shard failed
+    # itself and lets its kept assignment go, so the broker gives nothing back: no other worker reports the shard a
+    # second time once the kept copy's hold (10 s) would have expired.
+    job_id, holders, gates = three_pool_workers_with_shard_2_held(faults, toy_data(13), tmp_path,
+                                                                  "stopped-secagg-worker")
+    stopped = holders[0]
+
+    signal_and_wait_for_shard_0_failed(faults, job_id, stopped, signal.SIGTERM)
+    time.sleep(KEEP_RETURN + 5)  # a kept copy left on a closed channel would be back in its queue by now
+    reports = faults.query("SELECT worker_id, status, reason FROM contributions WHERE job_id = $1 AND round = 1"
+                           " AND shard = 0", job_id)
+    gates.open_through(1)
+    job = faults.cluster.wait_job(job_id, timeout=120)
+
+    assert job["status"] == "completed", job["reason"]
+    assert [(r["worker_id"], r["status"]) for r in reports] == [(stopped, "failed")], reports
+    assert "the worker stopped before the shard was reported" in reports[0]["reason"]
+    error = error_from_shards_1_and_2(faults, job_id)
+    outcome("worker stopped (SIGTERM) while its trained secure shard waits",
+            "it reports the shard failed and lets its kept assignment go: no second report",
+            f"{job['status']}; one report of shard 0, none in the {KEEP_RETURN + 5:.0f} s after; max error "
+            f"{error:.1e}", 0)

@@ -51,7 +51,11 @@ MIGRATIONS = [
       ended_at DOUBLE PRECISION, PRIMARY KEY (job_id, attempt));
     CREATE INDEX IF NOT EXISTS async_slots_training ON async_slots (job_id, status);
     """,
-    # A worker held for a version that is due (services.scheduler.version_wait): it keeps its slot meanwhile.
+]
+# The workers waiting for a version that is due (services.scheduler.version_wait), each keeping its slot meanwhile:
+# a component of its own, so a database made before it gets the table too.
+WAITS_COMPONENT = "scheduler_async_waits"
+WAITS_MIGRATIONS = [
     """
     CREATE TABLE IF NOT EXISTS async_waits (
       job_id TEXT NOT NULL, worker_id TEXT NOT NULL, attempt BIGINT NOT NULL, since DOUBLE PRECISION NOT NULL,
@@ -95,6 +99,7 @@ class AsyncVersions:
     async def migrate(self) -> None:
         """Create or update the async tables."""
         await self._db.migrate(COMPONENT, MIGRATIONS)
+        await self._db.migrate(WAITS_COMPONENT, WAITS_MIGRATIONS)
 
     async def is_async(self, job_id: str) -> bool:
         """Whether the job runs in mode async (read once per job)."""

@@ -32,6 +32,7 @@ SCHEMAS = {
     scheduler_shard_evaluations.COMPONENT: scheduler_shard_evaluations.MIGRATIONS,
     aggregator_async.COMPONENT: aggregator_async.MIGRATIONS,
     scheduler_async.COMPONENT: scheduler_async.MIGRATIONS,
+    scheduler_async.WAITS_COMPONENT: scheduler_async.WAITS_MIGRATIONS,
     tracker_async.COMPONENT: tracker_async.MIGRATIONS,
 }
 

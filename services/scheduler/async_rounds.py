@@ -174,9 +174,8 @@ class AsyncVersions:
             if wait is None:
                 await self._top_up(tx, job, after=event.shard, worker=event.worker_id, now=now)
             else:
-                await tx.execute("DELETE FROM async_waits WHERE job_id = $1 AND worker_id = $2", event.job_id,
-                                 event.worker_id)
-                await tx.execute("INSERT INTO async_waits (job_id, worker_id, attempt, since) VALUES ($1, $2, $3, $4)",
+                await tx.execute("INSERT INTO async_waits (job_id, worker_id, attempt, since) VALUES ($1, $2, $3, $4)"
+                                 " ON CONFLICT (job_id, worker_id) DO UPDATE SET attempt = $3, since = $4",
                                  event.job_id, event.worker_id, event.attempt, now)
                 await self._outbox.add_all(tx, [Pending(TaskTimeout(job_id=event.job_id, round=job.round,
                                                                     attempt=event.attempt, task=WAIT), delay=wait)])
@@ -189,8 +188,10 @@ class AsyncVersions:
         (services.scheduler.version_wait)."""
         settings = job.spec.distributed.buffered
         assert settings is not None
+        if settings.version_wait <= 0:
+            return None
         version = await store.running_round(tx, job.job_id, job.round, job.attempt)
-        if settings.version_wait <= 0 or version is None:
+        if version is None:
             return None
         folded = int(await tx.fetchval("SELECT COUNT(*) FROM async_slots WHERE job_id = $1 AND status = $2 AND"
                                        " ended_at >= $3", job.job_id, DONE, float(version["started_at"])) or 0)
